@@ -1,0 +1,139 @@
+"""The Runtime interface: one small contract every backend implements once.
+
+A runtime turns a uint8 NHWC batch into integer indices and back, and describes itself
+with ``RuntimeInfo``. The server's batcher, the OIP v2 adapter and the offline batch CLI
+are all written against this interface only, never against a backend.
+
+Backends: ``eager`` (a Tokenizer in-process, here), and the exported formats
+(``torchscript``, ``onnx``, ``pt2``) that ``load_runtime`` opens from an artifact dir.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+
+def index_dtype_for(codebook_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every index (uint16 up to 65,536 codes)."""
+    if codebook_size <= 2**8:
+        return np.dtype("<u1")
+    if codebook_size <= 2**16:
+        return np.dtype("<u2")
+    if codebook_size <= 2**32:
+        return np.dtype("<u4")
+    return np.dtype("<u8")
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What a client needs to know to call a runtime (also GetModelInfo's payload)."""
+
+    backend: str                      # eager | torchscript | onnx | pt2
+    dtype: str                        # fp32 | bf16 | fp16: the networks' compute dtype
+    device: str                       # cpu | cuda | cuda:0 ...
+    quantizer: str                    # fsq | lfq | vq | rfsq
+    codebook_size: int
+    factor: int                       # spatial downsampling: indices are [B, H/f, W/f]
+    codes_per_position: int = 1       # > 1 for residual quantizers: indices [B,h,w,Q]
+    levels: tuple[int, ...] = ()      # FSQ levels where they exist
+    index_dtype: str = "uint16"       # numpy name of the wire dtype
+    model_hash: str = ""              # sha256 of the weights / artifact, for cache keys
+    max_pixels: int = 1024 * 1024     # per image; larger inputs are refused
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """``encode``/``decode`` take and return numpy arrays; both must be thread-safe
+    to call from one worker thread at a time (the batcher serialises calls)."""
+
+    info: RuntimeInfo
+
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        """uint8 ``[B,H,W,3]`` -> indices ``[B,H/f,W/f]`` in ``info.index_dtype``."""
+        ...
+
+    def decode(self, indices: np.ndarray) -> np.ndarray:
+        """integer indices ``[B,h,w]`` -> uint8 ``[B,h*f,w*f,3]``."""
+        ...
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; ``cuda`` without a GPU is an error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but no CUDA GPU is available here")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
+    return device
+
+
+class EagerRuntime:
+    """A Tokenizer run in-process by PyTorch, networks in ``dtype``, quantizer in fp32."""
+
+    def __init__(self, model: str | os.PathLike = "default", dtype: str = "fp32", device: str = "cpu"):
+        from vqserve.model import load_tokenizer, parse_dtype
+        from vqserve.model.checkpoint import WEIGHTS_NAME, resolve_model_path
+        from vqserve.model.precision import dtype_name
+
+        device = resolve_device(device)
+        torch_dtype = parse_dtype(dtype)
+        path = resolve_model_path(model)
+        self.tokenizer = load_tokenizer(path, device=device).to(torch_dtype)
+        cfg = self.tokenizer.config
+        self._index_dtype = index_dtype_for(cfg.codebook_size)
+        self.info = RuntimeInfo(
+            backend="eager",
+            dtype=dtype_name(torch_dtype),
+            device=device,
+            quantizer=cfg.quantizer,
+            codebook_size=cfg.codebook_size,
+            factor=cfg.factor,
+            codes_per_position=cfg.codes_per_position,
+            levels=tuple(cfg.levels) if cfg.quantizer in ("fsq", "rfsq") else (),
+            index_dtype=self._index_dtype.name,
+            model_hash=sha256_file(Path(path) / WEIGHTS_NAME),
+        )
+
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        indices = self.tokenizer.encode(torch.from_numpy(np.ascontiguousarray(images)))
+        return indices.cpu().numpy().astype(self._index_dtype)
+
+    def decode(self, indices: np.ndarray) -> np.ndarray:
+        indices = np.ascontiguousarray(indices)
+        if indices.dtype.kind not in "iu":
+            raise ValueError(f"indices must be an integer array, got {indices.dtype}")
+        pixels = self.tokenizer.decode(torch.from_numpy(indices.astype(np.int64)))
+        return pixels.cpu().numpy()
+
+
+def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: str = "auto",
+                 dtype: str = "fp32", device: str = "cpu") -> Runtime:
+    """Open a runtime. ``backend="eager"`` (or ``auto`` with a checkpoint / ``default``)
+    runs the tokenizer in PyTorch; an artifact directory with a ``manifest.json`` opens
+    the exported format it records (added by the export issue)."""
+    path = Path(str(model_or_artifact_dir))
+    if backend in ("auto", "eager") and not (path / "manifest.json").is_file():
+        return EagerRuntime(model_or_artifact_dir, dtype=dtype, device=device)
+    if backend == "eager":
+        raise ValueError(f"{path} is an exported artifact directory; eager needs a checkpoint or 'default'")
+    raise ValueError(f"backend {backend!r} is not available yet for {path}")

@@ -1,0 +1,102 @@
+"""Checkpoints as a directory: ``config.json`` + ``model.safetensors``. Never a pickle.
+
+Writes go to a temporary sibling directory that is renamed into place, so a killed
+process leaves either the old checkpoint or the new one, never half of each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from vqserve.model.config import TokenizerConfig
+from vqserve.model.tokenizer import Tokenizer
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+DEFAULT_NAME = "default"
+
+
+def default_tokenizer_dir() -> Path:
+    """Where the shipped tokenizer lives inside the installed package."""
+    return Path(str(resources.files("vqserve.model").joinpath("default")))
+
+
+def default_tokenizer_available() -> bool:
+    d = default_tokenizer_dir()
+    return (d / CONFIG_NAME).is_file() and (d / WEIGHTS_NAME).is_file()
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, extra: dict | None = None) -> Path:
+    """Save atomically. ``extra`` (e.g. training metadata) is stored under ``"meta"``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = tokenizer.config.to_dict()
+    if extra:
+        config["meta"] = extra
+    state = {k: v.detach().to("cpu").contiguous() for k, v in tokenizer.state_dict().items()}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_config(path: str | os.PathLike) -> tuple[TokenizerConfig, dict]:
+    """(config, meta) from a checkpoint directory."""
+    data = json.loads((Path(path) / CONFIG_NAME).read_text())
+    meta = data.pop("meta", {}) or {}
+    return TokenizerConfig.from_dict(data), meta
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
+    """``"default"`` -> the packaged directory; anything else must be a checkpoint directory."""
+    if str(name_or_path) == DEFAULT_NAME:
+        if not default_tokenizer_available():
+            raise FileNotFoundError(
+                "the default tokenizer weights are not in this install "
+                f"(expected {default_tokenizer_dir()}/{CONFIG_NAME} and {WEIGHTS_NAME}); "
+                "train one with `vqserve train` and pass its directory instead"
+            )
+        return default_tokenizer_dir()
+    path = Path(name_or_path)
+    if not path.exists():
+        raise FileNotFoundError(f"model {str(path)!r} does not exist (use 'default' or a checkpoint directory)")
+    if not path.is_dir():
+        raise ValueError(f"model {str(path)!r} must be a directory holding {CONFIG_NAME} and {WEIGHTS_NAME}")
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"model directory {str(path)!r} has no {name}")
+    return path
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_NAME, device: str | torch.device = "cpu") -> Tokenizer:
+    """Load a tokenizer in eval mode. Only safetensors are read: nothing is unpickled."""
+    path = resolve_model_path(name_or_path)
+    config, _ = read_config(path)
+    tokenizer = Tokenizer(config)
+    state = load_file(str(path / WEIGHTS_NAME), device="cpu")
+    missing, unexpected = tokenizer.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {path / WEIGHTS_NAME} do not match config.json: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    return tokenizer.to(device).eval()

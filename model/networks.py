@@ -1,0 +1,138 @@
+"""Convolutional encoder/decoder: residual blocks, GroupNorm, SiLU, optional attention.
+
+Every block casts its input to its own parameter dtype at the door (failure 5 in
+shared/design.md): a model cast wholesale to fp16 still meets fp32 tensors from outside.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vqserve.model.precision import cast_to
+
+
+def _norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(math.gcd(32, channels), channels, eps=1e-6)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, in_ch: int, out_ch: int):
+        super().__init__()
+        self.norm1 = _norm(in_ch)
+        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
+        self.norm2 = _norm(out_ch)
+        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
+        self.skip = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return self.skip(x) + h
+
+
+class AttentionBlock(nn.Module):
+    """Self-attention over spatial positions with ``nn.TransformerEncoderLayer``.
+
+    Built on the stock layer on purpose: its eval-mode fast path is where failure 3
+    (bf16 autocast, eval only) lived, so our tests exercise exactly that path.
+    """
+
+    def __init__(self, channels: int, heads: int):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(
+            d_model=channels, nhead=heads, dim_feedforward=2 * channels, dropout=0.0,
+            activation="gelu", batch_first=True, norm_first=True,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        seq = x.flatten(2).transpose(1, 2)
+        seq = self.layer(seq)
+        return seq.transpose(1, 2).reshape(b, c, h, w)
+
+
+class Downsample(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class Upsample(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+def _mid(channels: int, attention: bool, heads: int) -> nn.Sequential:
+    layers: list[nn.Module] = [ResBlock(channels, channels)]
+    if attention:
+        layers += [AttentionBlock(channels, heads), ResBlock(channels, channels)]
+    return nn.Sequential(*layers)
+
+
+class _DtypeDoor(nn.Module):
+    """Casts the input to this network's parameter dtype, explicitly, before anything runs."""
+
+    def _door(self, x: torch.Tensor) -> torch.Tensor:
+        return cast_to(x, self.conv_in.weight.dtype)
+
+
+class Encoder(_DtypeDoor):
+    """Pixels ``[B,3,H,W]`` in [-1,1] -> latents ``[B,latent_dim,H/f,W/f]``."""
+
+    def __init__(self, channels: list[int], num_res_blocks: int, latent_dim: int,
+                 attention: bool = False, heads: int = 4):
+        super().__init__()
+        self.conv_in = nn.Conv2d(3, channels[0], 3, padding=1)
+        blocks: list[nn.Module] = []
+        prev = channels[0]
+        for ch in channels:
+            for _ in range(num_res_blocks):
+                blocks.append(ResBlock(prev, ch))
+                prev = ch
+            blocks.append(Downsample(ch))
+        self.down = nn.Sequential(*blocks)
+        self.mid = _mid(prev, attention, heads)
+        self.norm_out = _norm(prev)
+        self.conv_out = nn.Conv2d(prev, latent_dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(self._door(x))
+        h = self.mid(self.down(h))
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class Decoder(_DtypeDoor):
+    """Codes ``[B,latent_dim,h,w]`` -> pixels ``[B,3,h*f,w*f]`` (unclamped, ~[-1,1])."""
+
+    def __init__(self, channels: list[int], num_res_blocks: int, latent_dim: int,
+                 attention: bool = False, heads: int = 4):
+        super().__init__()
+        top = channels[-1]
+        self.conv_in = nn.Conv2d(latent_dim, top, 3, padding=1)
+        self.mid = _mid(top, attention, heads)
+        blocks: list[nn.Module] = []
+        prev = top
+        for ch in reversed(channels):
+            for _ in range(num_res_blocks):
+                blocks.append(ResBlock(prev, ch))
+                prev = ch
+            blocks.append(Upsample(ch))
+        self.up = nn.Sequential(*blocks)
+        self.norm_out = _norm(prev)
+        self.conv_out = nn.Conv2d(prev, 3, 3, padding=1)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(self._door(codes))
+        h = self.up(self.mid(h))
+        return self.conv_out(F.silu(self.norm_out(h)))

@@ -1,0 +1,158 @@
+"""Tokenizer: encoder -> fp32 quantizer island -> decoder, with uint8 and float paths.
+
+``encode(uint8 [B,H,W,3]) -> int64 [B,H/f,W/f]`` (``[..., Q]`` for residual FSQ) and
+``decode(indices) -> uint8 [B,H,W,3]`` are the serving paths; ``forward`` is the float
+training path. Every input is checked with an error that names the rule it broke.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from vqserve.model.config import TokenizerConfig
+from vqserve.model.networks import Decoder, Encoder
+from vqserve.model.precision import cast_to
+from vqserve.model.quantizers import FSQ, LFQ, VQ, ResidualFSQ
+
+
+def build_quantizer(config: TokenizerConfig) -> nn.Module:
+    if config.quantizer == "fsq":
+        return FSQ(config.levels)
+    if config.quantizer == "rfsq":
+        return ResidualFSQ(config.levels, config.num_quantizers)
+    if config.quantizer == "lfq":
+        return LFQ(config.lfq_dim)
+    return VQ(config.vq_codebook_size, config.vq_dim)
+
+
+def _as_tensor(x, what: str) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if torch.is_tensor(x):
+        return x
+    raise ValueError(f"{what} must be a torch.Tensor or numpy array, got {type(x).__name__}")
+
+
+def pixels_to_float(images: torch.Tensor) -> torch.Tensor:
+    """uint8 NHWC -> fp32 NCHW in [-1, 1] (computed in fp32, cast later by each network)."""
+    return images.permute(0, 3, 1, 2).to(torch.float32) / 127.5 - 1.0
+
+
+def float_to_pixels(x: torch.Tensor) -> torch.Tensor:
+    """float NCHW ~[-1, 1] -> uint8 NHWC, clamped and rounded in fp32."""
+    x = ((x.to(torch.float32) + 1.0) * 127.5).clamp(0, 255).round()
+    return x.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+class Tokenizer(nn.Module):
+    def __init__(self, config: TokenizerConfig):
+        super().__init__()
+        self.config = config
+        dim = config.latent_dim
+        self.encoder = Encoder(config.channels, config.num_res_blocks, dim,
+                               config.attention, config.attention_heads)
+        self.quantizer = build_quantizer(config)
+        self.decoder = Decoder(config.channels, config.num_res_blocks, dim,
+                               config.attention, config.attention_heads)
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def factor(self) -> int:
+        return self.config.factor
+
+    @property
+    def codebook_size(self) -> int:
+        return self.quantizer.codebook_size
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.encoder.conv_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.conv_in.weight.device
+
+    # -- float paths (training, export) -------------------------------------------------
+    def encode_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """float NCHW pixels in [-1,1] -> pre-quantizer latents NCHW (network dtype)."""
+        return self.encoder(x)
+
+    def quantize(self, latents: torch.Tensor, return_aux: bool = False):
+        """latents NCHW -> (codes NCHW in latents' dtype, indices [B,h,w(,Q)][, aux])."""
+        out = self.quantizer(latents.permute(0, 2, 3, 1), return_aux=return_aux)
+        codes = out[0].permute(0, 3, 1, 2)
+        return (codes, *out[1:])
+
+    def decode_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.decoder(codes)
+
+    def indices_to_codes(self, indices: torch.Tensor) -> torch.Tensor:
+        """indices [B,h,w(,Q)] -> codes NCHW in the decoder's dtype."""
+        codes = self.quantizer.indices_to_codes(indices)
+        return cast_to(codes.permute(0, 3, 1, 2), self.decoder.conv_in.weight.dtype)
+
+    def forward(self, x: torch.Tensor, return_aux: bool = True):
+        """Training path: float NCHW -> (reconstruction, indices, aux losses)."""
+        codes, indices, aux = self.quantize(self.encode_latents(x), return_aux=True)
+        recon = self.decode_codes(codes)
+        return (recon, indices, aux) if return_aux else (recon, indices)
+
+    def encode_float(self, x: torch.Tensor) -> torch.Tensor:
+        """float NCHW [-1,1] (any float dtype) -> indices, with the same checks as ``encode``."""
+        x = _as_tensor(x, "images")
+        if not x.is_floating_point():
+            raise ValueError(f"encode_float expects floating-point pixels, got {x.dtype}")
+        if x.ndim != 4 or x.shape[1] != 3:
+            raise ValueError(f"encode_float expects [B,3,H,W], got shape {tuple(x.shape)}")
+        self._check_spatial(x.shape[2], x.shape[3])
+        with torch.no_grad():
+            return self.quantize(self.encode_latents(x))[1]
+
+    # -- uint8 serving paths -------------------------------------------------------------
+    def check_images(self, images) -> torch.Tensor:
+        images = _as_tensor(images, "images")
+        if images.ndim != 4:
+            raise ValueError(f"images must have rank 4 [B,H,W,3], got shape {tuple(images.shape)}")
+        if images.shape[-1] != 3:
+            raise ValueError(f"images must have 3 channels last [B,H,W,3], got shape {tuple(images.shape)}")
+        if images.dtype != torch.uint8:
+            raise ValueError(f"images must be uint8, got {images.dtype} (use encode_float for float pixels)")
+        if images.shape[0] == 0:
+            raise ValueError("images is an empty batch (B=0)")
+        self._check_spatial(images.shape[1], images.shape[2])
+        return images
+
+    def _check_spatial(self, h: int, w: int) -> None:
+        f = self.factor
+        if h == 0 or w == 0 or h % f or w % f:
+            raise ValueError(
+                f"image height and width must be positive multiples of the downsampling factor {f}, "
+                f"got {h}x{w}"
+            )
+
+    def check_indices(self, indices) -> torch.Tensor:
+        indices = _as_tensor(indices, "indices")
+        q = self.config.codes_per_position
+        rank = 3 if q == 1 else 4
+        shape_txt = "[B,h,w]" if q == 1 else f"[B,h,w,{q}]"
+        if indices.ndim != rank or (q > 1 and indices.shape[-1] != q):
+            raise ValueError(f"indices must have shape {shape_txt}, got shape {tuple(indices.shape)}")
+        if indices.shape[0] == 0 or indices.shape[1] == 0 or indices.shape[2] == 0:
+            raise ValueError(f"indices is empty, got shape {tuple(indices.shape)}")
+        self.quantizer.check_indices(indices)
+        return indices
+
+    @torch.no_grad()
+    def encode(self, images) -> torch.Tensor:
+        """uint8 ``[B,H,W,3]`` -> int64 indices ``[B,H/f,W/f]`` (``[...,Q]`` for residual)."""
+        images = self.check_images(images).to(self.device)
+        latents = self.encode_latents(pixels_to_float(images))
+        return self.quantize(latents)[1]
+
+    @torch.no_grad()
+    def decode(self, indices) -> torch.Tensor:
+        """integer indices ``[B,h,w]`` -> uint8 ``[B,h*f,w*f,3]``; out-of-range is a ValueError."""
+        indices = self.check_indices(indices).to(self.device)
+        return float_to_pixels(self.decode_codes(self.indices_to_codes(indices)))

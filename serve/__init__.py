@@ -1,0 +1,1 @@
+"""vqserve.serve: gRPC service, dynamic batcher, metrics, client and offline batch tokenization."""

@@ -1,0 +1,38 @@
+"""Shared fixtures: small real tokenizers saved as real checkpoints (no mocks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vqserve.model import Tokenizer, TokenizerConfig, save_tokenizer
+
+TINY = dict(channels=[16, 16, 16], num_res_blocks=1)  # factor 8, fast on CPU
+
+
+def make_tokenizer(seed: int = 0, **overrides) -> Tokenizer:
+    torch.manual_seed(seed)
+    config = TokenizerConfig(**{**TINY, "levels": [8, 5, 5, 5], **overrides})
+    return Tokenizer(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """A factor-8 FSQ [8,5,5,5] tokenizer (random weights) saved as config.json + safetensors."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    save_tokenizer(make_tokenizer(), path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def photos() -> np.ndarray:
+    """Real photographs (scikit-image ships them), cropped to 64x64 uint8 NHWC."""
+    from skimage import data
+
+    crops = []
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        img = getattr(data, name)()
+        h, w = img.shape[:2]
+        crops.append(img[h // 2 - 32 : h // 2 + 32, w // 2 - 32 : w // 2 + 32, :3])
+    return np.stack(crops).astype(np.uint8)

@@ -1,0 +1,1 @@
+"""One module per ``vqserve`` subcommand: ``add_parser(parser)`` and ``run(args) -> int``."""
