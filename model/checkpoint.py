@@ -93,7 +93,11 @@ def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_NAME, device: str |
     config, _ = read_config(path)
     tokenizer = Tokenizer(config)
     state = load_file(str(path / WEIGHTS_NAME), device="cpu")
-    missing, unexpected = tokenizer.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = tokenizer.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        first = str(exc).splitlines()[1].strip() if "\n" in str(exc) else str(exc)
+        raise ValueError(f"weights in {path / WEIGHTS_NAME} do not match config.json: {first}") from None
     if missing or unexpected:
         raise ValueError(
             f"weights in {path / WEIGHTS_NAME} do not match config.json: "

@@ -16,7 +16,8 @@ from vqserve.model.precision import cast_to
 
 
 def _norm(channels: int) -> nn.GroupNorm:
-    return nn.GroupNorm(math.gcd(32, channels), channels, eps=1e-6)
+    # at least two channels per group, so even a 1x1 latent has >1 value to normalise
+    return nn.GroupNorm(math.gcd(32, max(1, channels // 2)), channels, eps=1e-6)
 
 
 class ResBlock(nn.Module):

@@ -123,7 +123,7 @@ class Fp32StateModule(torch.nn.Module):
     def _apply(self, fn, recurse: bool = True):  # noqa: D401 - torch hook
         super()._apply(fn, recurse)
         for module in self.modules():
-            for name, param in module._parameters.items():
+            for param in module._parameters.values():
                 if param is not None and param.is_floating_point() and param.dtype != QUANTIZER_DTYPE:
                     param.data = param.data.to(QUANTIZER_DTYPE)
             for name, buf in module._buffers.items():

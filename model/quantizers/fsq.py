@@ -86,5 +86,11 @@ class FSQ(Fp32StateModule):
         codes = (level_indices - half_width).to(torch.float32) / half_width.to(torch.float32)
         return codes.to(dtype)
 
+    def codes_to_indices(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codes[..., d]`` on the FSQ grid -> int64 indices (inverse of ``indices_to_codes``)."""
+        half_width = self._half_width()
+        scaled = (to_fp32(codes) * half_width.to(torch.float32)).round().to(torch.int64)
+        return self.level_indices_to_indices(scaled + half_width)
+
     def check_indices(self, indices: torch.Tensor) -> None:
         check_indices(indices, self.codebook_size, "FSQ")

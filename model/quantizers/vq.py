@@ -21,10 +21,17 @@ from vqserve.model.quantizers.common import (
 
 def kmeans(samples: torch.Tensor, num_clusters: int, iters: int = 10,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """Plain Lloyd's k-means in fp32; clusters seeded from random samples (with replacement)."""
+    """Lloyd's k-means in fp32 with k-means++ seeding (D^2 sampling avoids merged centres)."""
     n = samples.shape[0]
-    pick = torch.randint(0, n, (num_clusters,), generator=generator, device=samples.device)
-    centers = samples[pick].clone()
+    first = torch.randint(0, n, (1,), generator=generator, device=samples.device)
+    centers = [samples[first]]
+    nearest = torch.cdist(samples, centers[0]).squeeze(1).pow(2)
+    for _ in range(1, num_clusters):
+        weights = nearest if float(nearest.sum()) > 0 else torch.ones_like(nearest)
+        pick = torch.multinomial(weights, 1, generator=generator)
+        centers.append(samples[pick])
+        nearest = torch.minimum(nearest, torch.cdist(samples, centers[-1]).squeeze(1).pow(2))
+    centers = torch.cat(centers).clone()
     for _ in range(iters):
         assign = torch.cdist(samples, centers).argmin(dim=-1)
         sums = torch.zeros_like(centers).index_add_(0, assign, samples)

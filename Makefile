@@ -1,0 +1,51 @@
+# vqserve developer verbs. `make test` and `make serve` work on a fresh machine:
+# the first run creates .venv, installs the pinned CPU torch and the project.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+STAMP  := $(VENV)/.installed
+PORT   ?= 50051
+METRICS_PORT ?= 9090
+PYTEST_ARGS ?=
+
+.PHONY: help venv test lint importlint pytest serve protos bench clean
+
+help:
+	@echo "make test    - create .venv (CPU torch), lint, import contracts, run the test suite"
+	@echo "make serve   - serve the embedded default tokenizer on :$(PORT) (metrics :$(METRICS_PORT))"
+	@echo "make protos  - regenerate the gRPC stubs from protos/"
+	@echo "make bench   - quantizer benchmarks (see docs/ for runtime and serving benchmarks)"
+	@echo "make clean   - remove .venv and caches"
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+importlint: $(STAMP)
+	VENV=$(VENV) scripts/lint_imports.sh
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test: lint importlint pytest
+
+serve: $(STAMP)
+	$(BIN)/vqserve serve --model default --port $(PORT) --metrics-port $(METRICS_PORT)
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+bench: $(STAMP)
+	$(BIN)/vqserve bench quantizers
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

@@ -1,0 +1,70 @@
+"""Checkpoints: a directory of config.json + model.safetensors, reloaded exactly, no pickle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import make_tokenizer
+from vqserve.model import default_tokenizer_available, load_tokenizer, save_tokenizer
+from vqserve.model.checkpoint import read_config
+
+
+@pytest.mark.parametrize("quantizer", ["fsq", "lfq", "vq", "rfsq"])
+def test_save_load_identical_outputs(tmp_path, quantizer):
+    tok = make_tokenizer(quantizer=quantizer, lfq_dim=8, vq_codebook_size=64, vq_dim=4)
+    path = save_tokenizer(tok, tmp_path / "ckpt", extra={"step": 7})
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = load_tokenizer(path)
+    images = torch.randint(0, 256, (2, 16, 16, 3), dtype=torch.uint8)
+    assert torch.equal(loaded.encode(images), tok.encode(images))
+    assert torch.equal(loaded.decode(tok.encode(images)), tok.decode(tok.encode(images)))
+    config, meta = read_config(path)
+    assert config == tok.config and meta == {"step": 7}
+
+
+def test_files_are_not_pickles(tmp_path):
+    path = save_tokenizer(make_tokenizer(), tmp_path / "ckpt")
+    raw = (path / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    assert "encoder.conv_in.weight" in header
+    assert raw[:2] != b"PK"  # not torch.save's zip container
+    assert raw[0] != 0x80  # not a pickle stream (PROTO opcode)
+
+
+def test_overwrite_is_atomic_and_leaves_no_temp_dirs(tmp_path):
+    save_tokenizer(make_tokenizer(seed=0), tmp_path / "ckpt")
+    save_tokenizer(make_tokenizer(seed=1), tmp_path / "ckpt")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    images = torch.randint(0, 256, (1, 16, 16, 3), dtype=torch.uint8)
+    assert torch.equal(load_tokenizer(tmp_path / "ckpt").encode(images), make_tokenizer(seed=1).encode(images))
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_tokenizer(tmp_path / "empty")
+    path = save_tokenizer(make_tokenizer(), tmp_path / "ckpt")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["channels"] = [16, 32, 16]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="do not match config.json"):
+        load_tokenizer(path)
+    cfg["format"] = "something-else"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not a vqserve tokenizer config"):
+        load_tokenizer(path)
+
+
+def test_default_resolves_or_says_why():
+    if default_tokenizer_available():
+        tok = load_tokenizer("default")
+        assert tok.factor == 8 and tok.codebook_size >= 1000
+    else:
+        with pytest.raises(FileNotFoundError, match="default tokenizer weights are not in this install"):
+            load_tokenizer("default")

@@ -1,0 +1,32 @@
+"""Benchmarks (not tests): each prints ratios measured side by side in one run.
+
+  vqserve bench quantizers   FSQ/LFQ throughput vs vector-quantize-pytorch; fp32-island cost
+  vqserve bench runtimes     eager / TorchScript / ONNX Runtime / torch.export, per dtype
+  vqserve bench serve        gRPC serving vs in-process; dynamic batching on vs off
+
+Options after the target go to that benchmark: `vqserve bench serve --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+TARGETS = {
+    "quantizers": "vqserve.model.bench",
+    "runtimes": "vqserve.export.bench",
+    "serve": "vqserve.serve.bench",
+}
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", choices=sorted(TARGETS), help="which benchmark to run")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="options for that benchmark")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        module = importlib.import_module(TARGETS[args.target])
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"benchmark {args.target!r} is not available in this install ({exc})") from None
+    return int(module.main(args.options) or 0)

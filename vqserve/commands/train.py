@@ -1,0 +1,113 @@
+"""Train a tokenizer from a YAML/JSON config, with command-line overrides.
+
+Precision is handled by the one precision policy: bf16 trains under autocast with no
+GradScaler, fp16 under autocast with a GradScaler, fp32 plain; the quantizer is fp32 in
+all three. Checkpoints go to OUT/last atomically; `--resume` continues from there.
+
+Examples:
+  vqserve train --config configs/default.yaml                  # the shipped default
+  vqserve train --config configs/default.yaml --device cuda    # same recipe on a GPU
+  vqserve train --data ~/photos --crop-size 128 --steps 20000 --precision bf16 --out runs/mine
+  vqserve train --config configs/default.yaml --resume          # continue a killed run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML or JSON training config (CLI flags override it)")
+    g = parser.add_argument_group("data")
+    g.add_argument("--data", help="'builtin' (skimage.data train split) or an image folder (recursive)")
+    g.add_argument("--val-data", help="'builtin:val', an image folder, or '' for no validation")
+    g.add_argument("--crop-size", type=int, help="training crop size (multiple of the factor)")
+    g.add_argument("--batch-size", type=int)
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--lr", type=float, help="peak learning rate (AdamW)")
+    g.add_argument("--lr-schedule", choices=["cosine", "constant", "linear"])
+    g.add_argument("--warmup-steps", type=int)
+    g = parser.add_argument_group("model")
+    g.add_argument("--quantizer", choices=["fsq", "lfq", "vq", "rfsq"])
+    g.add_argument("--levels", type=_int_list, help="FSQ levels, e.g. 8,8,8,6,5")
+    g.add_argument("--channels", type=_int_list,
+                   help="encoder/decoder widths per stage, e.g. 64,128,256 (factor = 2**stages)")
+    g.add_argument("--factor", type=int, choices=[4, 8, 16],
+                   help="downsampling factor; trims or extends --channels to log2(factor) stages")
+    g.add_argument("--num-res-blocks", type=int)
+    g = parser.add_argument_group("low-precision robustness (FSQ)")
+    g.add_argument("--margin", type=float,
+                   help="keep bounded latents this far from rounding boundaries (e.g. 0.15)")
+    g.add_argument("--margin-weight", type=float, help="weight of the margin term (0 disables)")
+    g.add_argument("--quant-noise", type=float, help="uniform noise half-width before rounding")
+    g = parser.add_argument_group("runtime")
+    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
+    g.add_argument("--device", help="cpu or cuda")
+    g.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, plots)")
+    g.add_argument("--val-every", type=int)
+    g.add_argument("--ckpt-every", type=int)
+    g.add_argument("--ckpt-minutes", type=float)
+    g.add_argument("--log-every", type=int)
+    g.add_argument("--resume", action="store_true", help="continue from OUT/last if it exists")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--json", action="store_true", help="print the final summary as JSON")
+
+
+_FLAT = ["data", "val_data", "crop_size", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
+         "margin", "margin_weight", "quant_noise", "precision", "device", "threads", "seed", "out",
+         "val_every", "ckpt_every", "ckpt_minutes", "log_every"]
+_MODEL = ["quantizer", "levels", "channels", "num_res_blocks"]
+
+
+def build_config(args: argparse.Namespace):
+    from vqserve.model.training import TrainConfig, load_config_file
+
+    data = load_config_file(args.config) if args.config else {}
+    model = dict(data.pop("model", {}) or {})
+    for key in _FLAT:
+        value = getattr(args, key, None)
+        if value is not None:
+            data[key] = value
+    for key in _MODEL:
+        value = getattr(args, key, None)
+        if value is not None:
+            model[key] = value
+    if args.factor is not None:
+        stages = {4: 2, 8: 3, 16: 4}[args.factor]
+        channels = list(model.get("channels") or TrainConfig().model["channels"])
+        while len(channels) < stages:
+            channels.append(channels[-1])
+        model["channels"] = channels[:stages]
+    if args.no_progress:
+        data["progress"] = False
+    data["model"] = model
+    return TrainConfig.from_dict(data)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vqserve.model.training import Trainer
+
+    cfg = build_config(args)
+    trainer = Trainer(cfg, resume=args.resume)
+    if trainer.skipped:
+        print(f"[train] skipped {len(trainer.skipped)} unreadable image file(s)")
+    summary = trainer.run()
+    summary["skipped_images"] = len(trainer.skipped)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"trained {summary['step']} steps in {summary['train_seconds']:.0f} s; "
+              f"val PSNR {summary.get('val_psnr', float('nan')):.2f} dB, "
+              f"utilization {summary.get('val_utilization', 0):.1%}; saved {summary['final']}")
+    return 0
