@@ -58,6 +58,7 @@ def test_wheel_installs_only_under_vqserve(tmp_path):
     for sub in ("model", "export", "serve", "commands"):
         assert f"vqserve/{sub}/__init__.py" in names
     assert "vqserve/model/quantizers/fsq.py" in names
+    assert "vqserve/serve/_proto/tokenizer_pb2.py" in names
     default = ROOT / "model" / "default" / "model.safetensors"
     if default.exists():
         assert "vqserve/model/default/model.safetensors" in names

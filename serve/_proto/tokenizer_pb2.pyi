@@ -1,0 +1,117 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ImageFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IMAGE_FORMAT_RAW: _ClassVar[ImageFormat]
+    IMAGE_FORMAT_PNG: _ClassVar[ImageFormat]
+IMAGE_FORMAT_RAW: ImageFormat
+IMAGE_FORMAT_PNG: ImageFormat
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "dtype", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class EncodedImages(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("images", "encoded", "request_id")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    images: Tensor
+    encoded: EncodedImages
+    request_id: str
+    def __init__(self, images: _Optional[_Union[Tensor, _Mapping]] = ..., encoded: _Optional[_Union[EncodedImages, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("indices", "request_id", "error")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    indices: Tensor
+    request_id: str
+    error: Error
+    def __init__(self, indices: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("indices", "request_id", "output_format")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    indices: Tensor
+    request_id: str
+    output_format: ImageFormat
+    def __init__(self, indices: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[str] = ..., output_format: _Optional[_Union[ImageFormat, str]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("images", "encoded", "request_id", "error")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    images: Tensor
+    encoded: EncodedImages
+    request_id: str
+    error: Error
+    def __init__(self, images: _Optional[_Union[Tensor, _Mapping]] = ..., encoded: _Optional[_Union[EncodedImages, _Mapping]] = ..., request_id: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("quantizer", "codebook_size", "levels", "factor", "codes_per_position", "index_dtype", "accepted_sizes", "max_pixels", "max_batch_size", "dtype", "backend", "device", "model_hash", "server_version")
+    QUANTIZER_FIELD_NUMBER: _ClassVar[int]
+    CODEBOOK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEVELS_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    CODES_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_SIZES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    quantizer: str
+    codebook_size: int
+    levels: _containers.RepeatedScalarFieldContainer[int]
+    factor: int
+    codes_per_position: int
+    index_dtype: str
+    accepted_sizes: str
+    max_pixels: int
+    max_batch_size: int
+    dtype: str
+    backend: str
+    device: str
+    model_hash: str
+    server_version: str
+    def __init__(self, quantizer: _Optional[str] = ..., codebook_size: _Optional[int] = ..., levels: _Optional[_Iterable[int]] = ..., factor: _Optional[int] = ..., codes_per_position: _Optional[int] = ..., index_dtype: _Optional[str] = ..., accepted_sizes: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., model_hash: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...

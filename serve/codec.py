@@ -1,0 +1,132 @@
+"""Wire codec: numpy arrays <-> raw little-endian bytes + shape + dtype, and PNG/JPEG.
+
+Every check raises :class:`BadInput` naming the field and the rule it broke; the gRPC
+adapters turn it into INVALID_ARGUMENT. Nothing here touches the model.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class BadInput(ValueError):
+    """A request field broke a rule. ``str(exc)`` is the message the client sees."""
+
+    def __init__(self, field: str, rule: str):
+        super().__init__(f"{field}: {rule}")
+        self.field = field
+        self.rule = rule
+
+
+# dtypes accepted on the wire (numpy names, little-endian), by kind.
+WIRE_DTYPES = {
+    "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+    "float16", "float32", "float64", "bool",
+}
+# Open Inference Protocol datatype names <-> numpy.
+OIP_TO_NUMPY = {
+    "BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
+    "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
+    "FP16": "float16", "FP32": "float32", "FP64": "float64",
+}
+NUMPY_TO_OIP = {v: k for k, v in OIP_TO_NUMPY.items()}
+
+MAX_RANK = 8
+
+
+def wire_dtype(name: str, field: str) -> np.dtype:
+    name = (name or "").strip().lower()
+    if name not in WIRE_DTYPES:
+        raise BadInput(f"{field}.dtype", f"must be one of {sorted(WIRE_DTYPES)}, got {name!r}")
+    return np.dtype(name).newbyteorder("<")
+
+
+def check_shape(shape: Sequence[int], field: str) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        raise BadInput(f"{field}.shape", "must not be empty (a scalar is not a batch)")
+    if len(shape) > MAX_RANK:
+        raise BadInput(f"{field}.shape", f"rank must be at most {MAX_RANK}, got {len(shape)}")
+    if any(s < 0 for s in shape):
+        raise BadInput(f"{field}.shape", f"dimensions must be non-negative, got {list(shape)}")
+    return shape
+
+
+def array_from_bytes(shape: Sequence[int], dtype: str | np.dtype, data: bytes, field: str) -> np.ndarray:
+    """Raw little-endian row-major bytes -> a read-only numpy array, every length checked."""
+    shape = check_shape(shape, field)
+    dt = dtype if isinstance(dtype, np.dtype) else wire_dtype(dtype, field)
+    expected = math.prod(shape) * dt.itemsize
+    if len(data) != expected:
+        raise BadInput(
+            f"{field}.data",
+            f"must hold prod(shape) * itemsize = {math.prod(shape)} * {dt.itemsize} = {expected} bytes "
+            f"for shape {list(shape)} and dtype {dt.name}, got {len(data)}",
+        )
+    return np.frombuffer(data, dtype=dt).reshape(shape)
+
+
+def array_to_bytes(array: np.ndarray) -> tuple[list[int], str, bytes]:
+    """numpy array -> (shape, dtype name, raw little-endian bytes)."""
+    array = np.asarray(array)
+    dt = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    data = np.ascontiguousarray(array, dtype=dt).tobytes()
+    return list(array.shape), dt.name, data
+
+
+# ---- encoded images ---------------------------------------------------------------------
+def _pillow():
+    from PIL import Image
+
+    return Image
+
+
+def decode_images(blobs: Sequence[bytes], field: str, max_pixels: int) -> np.ndarray:
+    """PNG/JPEG bytes, one per image -> uint8 ``[B,H,W,3]``; every image must share a size."""
+    Image = _pillow()
+    if not blobs:
+        raise BadInput(field, "is an empty batch (no images)")
+    arrays = []
+    for i, blob in enumerate(blobs):
+        name = f"{field}[{i}]"
+        if not blob:
+            raise BadInput(name, "is empty (expected PNG or JPEG bytes)")
+        try:
+            with Image.open(io.BytesIO(blob)) as img:
+                if img.format not in ("PNG", "JPEG"):
+                    raise BadInput(name, f"must be a PNG or JPEG image, got {img.format}")
+                w, h = img.size
+                if w * h > max_pixels:
+                    raise BadInput(name, f"has {h}x{w} = {h * w} pixels, more than the limit {max_pixels}")
+                arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
+        except BadInput:
+            raise
+        except Exception as exc:  # Pillow raises many types for corrupt data
+            raise BadInput(name, f"is not a decodable PNG or JPEG image ({type(exc).__name__}: {exc})") from None
+        if arrays and arr.shape != arrays[0].shape:
+            raise BadInput(name, f"has size {arr.shape[0]}x{arr.shape[1]}, but {field}[0] has "
+                                 f"{arrays[0].shape[0]}x{arrays[0].shape[1]}; one request holds one size")
+        arrays.append(arr)
+    return np.stack(arrays)
+
+
+def encode_png(images: np.ndarray, compress_level: int = 1) -> list[bytes]:
+    """uint8 ``[B,H,W,3]`` -> one PNG per image (lossless)."""
+    Image = _pillow()
+    out = []
+    for img in images:
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(img), "RGB").save(buf, format="PNG", compress_level=compress_level)
+        out.append(buf.getvalue())
+    return out
+
+
+def read_image_file(path) -> np.ndarray:
+    """An image file -> uint8 ``[H,W,3]``."""
+    Image = _pillow()
+    with Image.open(path) as img:
+        return np.asarray(img.convert("RGB"), dtype=np.uint8)

@@ -1,0 +1,95 @@
+"""The one serving path both protocols share: check input, batch, run, record.
+
+``Engine`` validates arrays against the runtime's ``RuntimeInfo`` (every rule named in
+its error), submits them to the :class:`Batcher`, and feeds the codebook-usage metrics.
+It never runs a decode with an index outside the codebook.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vqserve.serve.batcher import Batcher
+from vqserve.serve.codec import BadInput
+
+
+class Engine:
+    def __init__(self, runtime, metrics, max_batch_size: int = 32, max_delay_s: float = 0.005,
+                 max_queue: int = 1024):
+        self.runtime = runtime
+        self.info = runtime.info
+        self.metrics = metrics
+        self.index_dtype = np.dtype(self.info.index_dtype)
+        self.max_batch_size = max_batch_size
+        self.batcher = Batcher(runtime, max_batch_size=max_batch_size, max_delay_s=max_delay_s,
+                               max_queue=max_queue, observer=metrics.observe_batch)
+        metrics.set_codebook(self.info.codebook_size)
+
+    @property
+    def size_rule(self) -> str:
+        f = self.info.factor
+        return (f"H and W positive multiples of {f}, H*W at most {self.info.max_pixels} pixels, "
+                f"at most {self.max_batch_size} images per request")
+
+    # ---- checks -----------------------------------------------------------------------
+    def _check_batch(self, b: int, field: str) -> None:
+        if b == 0:
+            raise BadInput(field, "is an empty batch (B=0); send at least one item")
+        if b > self.max_batch_size:
+            raise BadInput(field, f"batch of {b} exceeds max-batch-size {self.max_batch_size}; "
+                                  "split it (the Python client does)")
+
+    def check_images(self, images: np.ndarray, field: str = "images") -> np.ndarray:
+        if images.dtype != np.uint8:
+            raise BadInput(f"{field}.dtype", f"must be uint8, got {images.dtype.name}")
+        if images.ndim != 4 or images.shape[-1] != 3:
+            raise BadInput(f"{field}.shape", f"must be [B,H,W,3] (uint8 NHWC RGB), got {list(images.shape)}")
+        b, h, w, _ = images.shape
+        self._check_batch(b, field)
+        f = self.info.factor
+        if h == 0 or w == 0 or h % f or w % f:
+            raise BadInput(f"{field}.shape",
+                           f"H and W must be positive multiples of the downsampling factor {f}, got {h}x{w}")
+        if h * w > self.info.max_pixels:
+            raise BadInput(f"{field}.shape",
+                           f"{h}x{w} = {h * w} pixels per image exceeds the limit {self.info.max_pixels}")
+        return images
+
+    def check_indices(self, indices: np.ndarray, field: str = "indices") -> np.ndarray:
+        if indices.dtype.kind not in "iu":
+            raise BadInput(f"{field}.dtype", f"must be an integer type (preferably {self.index_dtype.name}), "
+                                             f"got {indices.dtype.name}")
+        q = self.info.codes_per_position
+        rank = 3 if q == 1 else 4
+        expected = "[B,h,w]" if q == 1 else f"[B,h,w,{q}]"
+        if indices.ndim != rank or (q > 1 and indices.shape[-1] != q):
+            raise BadInput(f"{field}.shape", f"must be {expected}, got {list(indices.shape)}")
+        b, h, w = indices.shape[:3]
+        self._check_batch(b, field)
+        if h == 0 or w == 0:
+            raise BadInput(f"{field}.shape", f"h and w must be positive, got {h}x{w}")
+        f = self.info.factor
+        if h * w * f * f > self.info.max_pixels:
+            raise BadInput(f"{field}.shape", f"{h}x{w} indices decode to {h * f}x{w * f} = {h * w * f * f} "
+                                             f"pixels per image, more than the limit {self.info.max_pixels}")
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= self.info.codebook_size:
+            raise BadInput(f"{field}.data", f"every index must lie in [0, {self.info.codebook_size - 1}] "
+                                            f"(codebook size {self.info.codebook_size}), got values in [{lo}, {hi}]")
+        return indices.astype(self.index_dtype, copy=False)
+
+    # ---- the serving path -------------------------------------------------------------
+    async def encode(self, images: np.ndarray, deadline: float | None = None,
+                     field: str = "images") -> np.ndarray:
+        images = np.require(self.check_images(images, field), requirements=["C", "W"])
+        out = await self.batcher.submit("encode", images, deadline)
+        out = np.asarray(out).astype(self.index_dtype, copy=False)
+        self.metrics.record_codes("encode", out)
+        return out
+
+    async def decode(self, indices: np.ndarray, deadline: float | None = None,
+                     field: str = "indices") -> np.ndarray:
+        indices = np.require(self.check_indices(indices, field), requirements=["C", "W"])
+        self.metrics.record_codes("decode", indices)
+        out = await self.batcher.submit("decode", indices, deadline)
+        return np.asarray(out, dtype=np.uint8)

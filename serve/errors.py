@@ -1,0 +1,92 @@
+"""Map failures to gRPC status codes, and record each request in the metrics.
+
+One table for both protocol adapters: bad input -> INVALID_ARGUMENT, full queue ->
+RESOURCE_EXHAUSTED, passed deadline -> DEADLINE_EXCEEDED, loading or draining ->
+UNAVAILABLE, anything else -> INTERNAL (logged with its traceback, never sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from vqserve.serve.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from vqserve.serve.codec import BadInput
+
+log = logging.getLogger("vqserve.serve")
+
+
+class NotReady(Exception):
+    """The model is still loading (UNAVAILABLE)."""
+
+
+class NotFound(Exception):
+    """An unknown model or tensor name (NOT_FOUND)."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, BadInput | ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, DeadlineExpired):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, BatcherClosed | NotReady):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, NotFound):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED, "cancelled"
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+
+
+class Tracker:
+    """Times one request and counts its outcome: ``with tracker.track("Encode"): ...``."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+    def track(self, method: str, context=None):
+        return _Tracked(self.metrics, method, context)
+
+
+class _Tracked:
+    def __init__(self, metrics, method: str, context=None):
+        self.metrics, self.method, self.context = metrics, method, context
+        self.code = grpc.StatusCode.OK
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        self.metrics.in_flight.inc()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.metrics.in_flight.dec()
+        if exc is not None:
+            self.code, message = status_for(exc)
+            if self.code == grpc.StatusCode.CANCELLED and self.context is not None:
+                remaining = self.context.time_remaining()
+                if remaining is not None and remaining <= 0:  # grpc cancels RPCs whose deadline passed
+                    self.code = grpc.StatusCode.DEADLINE_EXCEEDED
+            if self.code == grpc.StatusCode.INTERNAL:
+                log.error("internal error in %s", self.method, exc_info=(exc_type, exc, tb))
+        name = self.code.name
+        self.metrics.requests.labels(self.method, name).inc()
+        if self.code != grpc.StatusCode.OK:
+            self.metrics.errors.labels(self.method, name).inc()
+        self.metrics.request_latency.labels(self.method).observe(time.perf_counter() - self.t0)
+        return False
+
+
+def deadline_of(context) -> float | None:
+    """The RPC deadline as a ``time.monotonic()`` value, or None."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+async def abort_for(context, exc: BaseException):
+    code, message = status_for(exc)
+    await context.abort(code, message)

@@ -1,0 +1,374 @@
+"""Assemble the grpc.aio server: both APIs on one port, health, reflection, TLS, auth,
+Prometheus ``/metrics``, structured logs, and a SIGTERM drain.
+
+Lifecycle: the port is bound and health answers NOT_SERVING while the model loads (in a
+worker thread); then SERVING. On SIGTERM/SIGINT health goes NOT_SERVING, the server
+stops accepting RPCs, lets in-flight ones finish within ``grace_s``, flushes the batcher
+and exits 0.
+
+``ServerThread`` runs the same server on an event loop in a background thread, for
+tests, benchmarks and embedding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from vqserve import __version__
+from vqserve.serve import service_oip, service_v1
+from vqserve.serve.engine import Engine
+from vqserve.serve.errors import Tracker
+from vqserve.serve.metrics import Metrics
+
+log = logging.getLogger("vqserve.serve")
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+@dataclass
+class ServerConfig:
+    model: str = "default"
+    backend: str = "auto"
+    dtype: str | None = None         # None: fp32 for checkpoints, the exported dtype for artifacts
+    device: str = "auto"
+    host: str = "[::]"
+    port: int = 50051                # 0 = ephemeral (the bound port is logged)
+    metrics_port: int = 9090         # 0 = ephemeral, negative = no metrics endpoint
+    metrics_host: str = "0.0.0.0"
+    max_batch_size: int = 32
+    max_delay_ms: float = 5.0
+    max_queue: int = 1024            # queued items (images), over all queues
+    max_message_mb: int = 64         # per gRPC message, each way
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | None = None
+    grace_s: float = 30.0            # drain time on SIGTERM
+
+
+# ---- structured logs ----------------------------------------------------------------------
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, event/msg and any ``extra={"fields":...}``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", {}) or {})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def setup_logging(level: str = "info", stream=None) -> None:
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("vqserve")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def _event(event: str, msg: str = "", level: int = logging.INFO, **fields) -> None:
+    log.log(level, msg or event, extra={"fields": {"event": event, **fields}})
+
+
+# ---- auth -----------------------------------------------------------------------------------
+class BearerTokenAuth(grpc.aio.ServerInterceptor):
+    """Require ``authorization: Bearer <token>`` on every RPC except health checks."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        got = metadata.get("authorization", "")
+        if isinstance(got, str):
+            got = got.encode()
+        if hmac.compare_digest(got, self._expected):
+            return handler
+        return _deny(handler, details.method)
+
+
+def _deny(handler, method: str):
+    message = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
+
+    async def unary(request, context):
+        _event("unauthenticated", level=logging.WARNING, method=method)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request_iterator, context):
+        _event("unauthenticated", level=logging.WARNING, method=method)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kw = dict(request_deserializer=handler.request_deserializer,
+              response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(unary, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(streaming, **kw)
+    return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+
+
+# ---- reflection -------------------------------------------------------------------------------
+def _reflection_pool():
+    """One pool holding every served service's file (the OIP stubs live in a private pool)."""
+    from google.protobuf import descriptor_pool
+
+    from vqserve.serve._proto import grpc_predict_v2_pb2, tokenizer_pb2
+
+    pool = descriptor_pool.DescriptorPool()
+    for module in (tokenizer_pb2, grpc_predict_v2_pb2, health_pb2, reflection_pb2):
+        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
+    return pool
+
+
+# ---- the server -----------------------------------------------------------------------------
+class ServerState:
+    """What the services read: the engine (None while loading), readiness, metrics."""
+
+    def __init__(self, metrics: Metrics):
+        self.engine: Engine | None = None
+        self.ready = False
+        self.metrics = metrics
+        self.tracker = Tracker(metrics)
+
+
+class TokenizerServer:
+    SERVICES = (service_v1.SERVICE_NAME, service_oip.SERVICE_NAME)
+
+    def __init__(self, config: ServerConfig, runtime=None):
+        """``runtime``: a loaded Runtime, a zero-argument callable returning one (run in a
+        worker thread while health says NOT_SERVING), or None to ``load_runtime`` from config."""
+        self.config = config
+        self._runtime = runtime
+        self.metrics = Metrics()
+        self.state = ServerState(self.metrics)
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics_http = None
+        self._load_task: asyncio.Task | None = None
+        self._stopped = False
+
+    async def start(self) -> int:
+        """Bind and start serving (health NOT_SERVING); the model loads in the background."""
+        cfg = self.config
+        limit = cfg.max_message_mb * 1024 * 1024
+        interceptors = []
+        if cfg.auth_token:
+            interceptors.append(BearerTokenAuth(cfg.auth_token))
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", limit),
+                     ("grpc.max_send_message_length", limit),
+                     ("grpc.so_reuseport", 0)],
+        )
+        service_v1.add_to_server(service_v1.TokenizerService(self.state), self.server)
+        service_oip.add_to_server(service_oip.InferenceService(self.state), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for name in ("", *self.SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (*self.SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server,
+            pool=_reflection_pool())
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert or cfg.tls_key:
+            if not (cfg.tls_cert and cfg.tls_key):
+                raise ValueError("TLS needs both --tls-cert and --tls-key")
+            creds = grpc.ssl_server_credentials(
+                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if not self.port:
+            raise OSError(f"could not bind {address}")
+        await self.server.start()
+        if cfg.metrics_port >= 0:
+            self._metrics_http, self.metrics_port = self.metrics.start_http(cfg.metrics_port, cfg.metrics_host)
+        _event("listening", f"gRPC listening on {cfg.host}:{self.port}", port=self.port,
+               metrics_port=self.metrics_port, tls=bool(cfg.tls_cert), auth=bool(cfg.auth_token),
+               version=__version__)
+        self._load_task = asyncio.get_running_loop().create_task(self._load())
+        return self.port
+
+    async def _load(self) -> None:
+        cfg = self.config
+        t0 = time.perf_counter()
+        runtime = self._runtime
+        if runtime is None:
+            from vqserve.export.runtime import load_runtime
+
+            def runtime():
+                return load_runtime(cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device)
+        if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
+            runtime = await asyncio.get_running_loop().run_in_executor(None, runtime)
+        engine = Engine(runtime, self.metrics, max_batch_size=cfg.max_batch_size,
+                        max_delay_s=cfg.max_delay_ms / 1000.0, max_queue=cfg.max_queue)
+        engine.batcher.start()
+        self.state.engine = engine
+        self.state.ready = True
+        self.metrics.queue_depth.set_function(lambda: engine.batcher.queued)
+        for name in ("", *self.SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        info = runtime.info
+        _event("serving", f"serving {info.backend}/{info.dtype} on {info.device} at port {self.port}",
+               port=self.port, metrics_port=self.metrics_port, backend=info.backend, dtype=info.dtype,
+               device=info.device, codebook_size=info.codebook_size, factor=info.factor,
+               model_hash=info.model_hash, load_s=round(time.perf_counter() - t0, 3),
+               max_batch_size=cfg.max_batch_size, max_delay_ms=cfg.max_delay_ms, max_queue=cfg.max_queue)
+
+    async def wait_loaded(self) -> None:
+        """Wait for the model; re-raises a load failure."""
+        await self._load_task
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new RPCs, finish in-flight ones within ``grace``."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.grace_s if grace is None else grace
+        _event("draining", f"draining (grace {grace}s)", grace_s=grace)
+        self.state.ready = False
+        await self.health.enter_graceful_shutdown()
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        t0 = time.perf_counter()
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self.state.engine is not None:
+            await self.state.engine.batcher.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        _event("stopped", "stopped", drain_s=round(time.perf_counter() - t0, 3))
+
+
+async def serve_until_signal(config: ServerConfig, runtime=None) -> int:
+    """Run until SIGTERM/SIGINT, then drain; returns the exit status (0 after a clean drain)."""
+    server = TokenizerServer(config, runtime)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    load = asyncio.ensure_future(server.wait_loaded())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and load.exception() is not None:
+        _event("load_failed", f"could not load the model: {load.exception()}", level=logging.ERROR)
+        stopper.cancel()
+        await server.stop(0)
+        raise load.exception()
+    await stopper
+    await server.stop()
+    return 0
+
+
+class ServerThread:
+    """A TokenizerServer on its own event loop in a daemon thread.
+
+    with ServerThread(ServerConfig(model=path, port=0, metrics_port=0)) as srv:
+        TokenizerClient(f"127.0.0.1:{srv.port}").encode(images)
+    """
+
+    def __init__(self, config: ServerConfig, runtime=None):
+        self.config = config
+        self.runtime = runtime
+        self.server: TokenizerServer | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._main, name="vqserve-server", daemon=True)
+        self._ready = threading.Event()
+        self._bound = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._grace = 5.0
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.server.metrics_port
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0, wait_loaded: bool = True) -> ServerThread:
+        """Start; return once the model is loaded (or only bound, ``wait_loaded=False``)."""
+        self._thread.start()
+        event = self._ready if wait_loaded else self._bound
+        if not event.wait(timeout):
+            raise TimeoutError("the server did not start in time")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def wait_loaded(self, timeout: float = 120.0) -> None:
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the model did not load in time")
+        if self._error is not None:
+            raise self._error
+
+    def _main(self) -> None:
+        asyncio.run(self._amain())
+
+    async def _amain(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            self.server = TokenizerServer(self.config, self.runtime)
+            await self.server.start()
+            self._bound.set()
+            await self.server.wait_loaded()
+        except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+            self._error = exc
+            self._bound.set()
+            self._ready.set()
+            if self.server is not None:
+                await self.server.stop(0)
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await self.server.stop(self._grace)
+
+    def call(self, coro, timeout: float | None = 30.0):
+        """Run a coroutine on the server's loop from another thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.loop is not None and self._thread.is_alive():
+            self._grace = grace
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(grace + 30)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

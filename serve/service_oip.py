@@ -1,0 +1,149 @@
+"""Open Inference Protocol v2 (``inference.GRPCInferenceService``) over the same Engine.
+
+Two models: ``vqserve-encode`` (input ``images`` UINT8 [B,H,W,3] -> output ``indices``)
+and ``vqserve-decode`` (input ``indices``, any integer type -> output ``images`` UINT8).
+Tensors are read from ``raw_input_contents`` (what tritonclient sends) or from typed
+``contents``; outputs go back as ``raw_output_contents``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vqserve import __version__
+from vqserve.serve import codec
+from vqserve.serve._proto import grpc_predict_v2_pb2 as pb
+from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from vqserve.serve.codec import BadInput
+from vqserve.serve.errors import NotFound, NotReady, abort_for, deadline_of
+
+ENCODE_MODEL = "vqserve-encode"
+DECODE_MODEL = "vqserve-decode"
+MODELS = (ENCODE_MODEL, DECODE_MODEL)
+VERSIONS = ("", "1")
+
+# typed-contents field that carries each datatype
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+    "UINT32": "uint_contents", "UINT64": "uint64_contents", "INT8": "int_contents",
+    "INT16": "int_contents", "INT32": "int_contents", "INT64": "int64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+}
+
+
+def _check_model(name: str, version: str) -> None:
+    if name not in MODELS:
+        raise NotFound(f"model_name: unknown model {name!r}; this server has {list(MODELS)}")
+    if version not in VERSIONS:
+        raise NotFound(f"model_version: {name} has only version 1, got {version!r}")
+
+
+def input_array(request: pb.ModelInferRequest, index: int) -> np.ndarray:
+    """The ``index``-th input as a numpy array (raw bytes or typed contents)."""
+    tensor = request.inputs[index]
+    field = f"inputs[{index}]({tensor.name})"
+    name = codec.OIP_TO_NUMPY.get(tensor.datatype)
+    if name is None:
+        raise BadInput(f"{field}.datatype",
+                       f"must be one of {sorted(codec.OIP_TO_NUMPY)}, got {tensor.datatype!r}")
+    dtype = np.dtype(name).newbyteorder("<")
+    if request.raw_input_contents:
+        if len(request.raw_input_contents) != len(request.inputs):
+            raise BadInput("raw_input_contents", f"must have one entry per input ({len(request.inputs)}), "
+                                                 f"got {len(request.raw_input_contents)}")
+        return codec.array_from_bytes(tensor.shape, dtype, request.raw_input_contents[index], field)
+    shape = codec.check_shape(tensor.shape, field)
+    values = getattr(tensor.contents, _CONTENTS_FIELD.get(tensor.datatype, ""), None) \
+        if tensor.datatype in _CONTENTS_FIELD else None
+    if values is None:
+        raise BadInput(f"{field}.contents", f"typed contents are not supported for {tensor.datatype}; "
+                                            "send raw_input_contents")
+    count = int(np.prod(shape))
+    if len(values) != count:
+        raise BadInput(f"{field}.contents", f"must hold prod(shape) = {count} values for shape "
+                                            f"{list(shape)}, got {len(values)}")
+    raw = np.asarray(values, dtype=np.int64 if dtype.kind in "iu" else dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if raw.size and (raw.min() < info.min or raw.max() > info.max):
+            raise BadInput(f"{field}.contents", f"values must fit {tensor.datatype}")
+    return raw.astype(dtype).reshape(shape)
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, state):
+        self.state = state
+
+    @property
+    def engine(self):
+        if self.state.engine is None:
+            raise NotReady("the model is still loading; retry shortly")
+        return self.state.engine
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.state.ready)
+
+    async def ModelReady(self, request, context):
+        try:
+            _check_model(request.name, request.version)
+        except Exception as exc:  # noqa: BLE001
+            await abort_for(context, exc)
+        return pb.ModelReadyResponse(ready=self.state.ready)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name="vqserve", version=__version__, extensions=[])
+
+    async def ModelMetadata(self, request, context):
+        try:
+            _check_model(request.name, request.version)
+            info = self.engine.info
+        except Exception as exc:  # noqa: BLE001
+            await abort_for(context, exc)
+        index_type = codec.NUMPY_TO_OIP[np.dtype(info.index_dtype).name]
+        q = info.codes_per_position
+        index_shape = [-1, -1, -1] + ([q] if q > 1 else [])
+        image = pb.ModelMetadataResponse.TensorMetadata(name="images", datatype="UINT8", shape=[-1, -1, -1, 3])
+        index = pb.ModelMetadataResponse.TensorMetadata(name="indices", datatype=index_type, shape=index_shape)
+        inputs, outputs = ([image], [index]) if request.name == ENCODE_MODEL else ([index], [image])
+        return pb.ModelMetadataResponse(name=request.name, versions=["1"], platform=f"vqserve_{info.backend}",
+                                        inputs=inputs, outputs=outputs)
+
+    async def ModelInfer(self, request, context):
+        try:
+            with self.state.tracker.track("ModelInfer", context):
+                return await self._infer(request, context)
+        except Exception as exc:  # noqa: BLE001
+            await abort_for(context, exc)
+
+    async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        _check_model(request.model_name, request.model_version)
+        engine = self.engine
+        in_name, out_name = ("images", "indices") if request.model_name == ENCODE_MODEL else ("indices", "images")
+        if len(request.inputs) != 1 or request.inputs[0].name != in_name:
+            got = [t.name for t in request.inputs]
+            raise BadInput("inputs", f"{request.model_name} takes exactly one input named {in_name!r}, got {got}")
+        for i, wanted in enumerate(request.outputs):
+            if wanted.name != out_name:
+                raise BadInput(f"outputs[{i}].name", f"{request.model_name} has one output {out_name!r}, "
+                                                     f"got {wanted.name!r}")
+        array = input_array(request, 0)
+        field = f"inputs[0]({in_name})"
+        if request.model_name == ENCODE_MODEL:
+            out = await engine.encode(array, deadline_of(context), field)
+        else:
+            out = await engine.decode(array, deadline_of(context), field)
+        shape, dtype, data = codec.array_to_bytes(out)
+        response = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+        response.outputs.add(name=out_name, datatype=codec.NUMPY_TO_OIP[dtype], shape=shape)
+        response.raw_output_contents.append(data)
+        return response
+
+
+def add_to_server(service: InferenceService, server) -> None:
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name

@@ -1,0 +1,157 @@
+"""vqserve.v1.Tokenizer: the native gRPC API, a thin adapter over :class:`Engine`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import numpy as np
+
+from vqserve import __version__
+from vqserve.serve import codec
+from vqserve.serve._proto import tokenizer_pb2 as pb
+from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
+from vqserve.serve.errors import NotReady, abort_for, deadline_of, status_for
+
+STREAM_WINDOW = 32  # requests a stream may have in flight before the server stops reading
+
+
+def tensor_msg(array: np.ndarray) -> pb.Tensor:
+    shape, dtype, data = codec.array_to_bytes(array)
+    return pb.Tensor(shape=shape, dtype=dtype, data=data)
+
+
+def tensor_array(msg: pb.Tensor, field: str) -> np.ndarray:
+    return codec.array_from_bytes(msg.shape, msg.dtype, msg.data, field)
+
+
+class TokenizerService(pb_grpc.TokenizerServicer):
+    """``state`` is the server's :class:`ServerState` (engine is None while loading)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    @property
+    def engine(self):
+        engine = self.state.engine
+        if engine is None:
+            raise NotReady("the model is still loading; retry shortly")
+        return engine
+
+    # ---- request -> array -> response ---------------------------------------------------
+    async def _encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
+        engine = self.engine
+        kind = request.WhichOneof("pixels")
+        if kind == "images":
+            images = tensor_array(request.images, "images")
+            field = "images"
+        elif kind == "encoded":
+            images = codec.decode_images(list(request.encoded.images), "encoded.images",
+                                         engine.info.max_pixels)
+            field = "encoded.images"
+        else:
+            raise codec.BadInput("pixels", "set either `images` (raw uint8 NHWC) or `encoded` (PNG/JPEG)")
+        indices = await engine.encode(images, deadline_of(context), field)
+        return pb.EncodeResponse(indices=tensor_msg(indices), request_id=request.request_id)
+
+    async def _decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
+        engine = self.engine
+        if not request.HasField("indices"):
+            raise codec.BadInput("indices", "is required")
+        indices = tensor_array(request.indices, "indices")
+        images = await engine.decode(indices, deadline_of(context))
+        if request.output_format == pb.IMAGE_FORMAT_PNG:
+            loop = asyncio.get_running_loop()
+            pngs = await loop.run_in_executor(None, codec.encode_png, images)
+            return pb.DecodeResponse(encoded=pb.EncodedImages(images=pngs), request_id=request.request_id)
+        if request.output_format != pb.IMAGE_FORMAT_RAW:
+            raise codec.BadInput("output_format", f"unknown value {request.output_format}")
+        return pb.DecodeResponse(images=tensor_msg(images), request_id=request.request_id)
+
+    # ---- unary ------------------------------------------------------------------------
+    async def Encode(self, request, context):
+        return await self._unary("Encode", self._encode, request, context)
+
+    async def Decode(self, request, context):
+        return await self._unary("Decode", self._decode, request, context)
+
+    async def _unary(self, method, fn, request, context):
+        try:
+            with self.state.tracker.track(method, context):
+                return await fn(request, context)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort_for(context, exc)
+
+    # ---- streams ------------------------------------------------------------------------
+    async def EncodeStream(self, request_iterator, context):
+        async for response in self._stream("EncodeStream", self._encode, pb.EncodeResponse,
+                                           request_iterator, context):
+            yield response
+
+    async def DecodeStream(self, request_iterator, context):
+        async for response in self._stream("DecodeStream", self._decode, pb.DecodeResponse,
+                                           request_iterator, context):
+            yield response
+
+    async def _stream(self, method, fn, response_cls, request_iterator, context):
+        """Read ahead up to STREAM_WINDOW requests (so they can share batches); answer in
+        order; a bad request gets a response with ``error`` set and the stream goes on."""
+        pending: asyncio.Queue = asyncio.Queue(STREAM_WINDOW)
+
+        async def one(request):
+            try:
+                with self.state.tracker.track(method, context):
+                    return await fn(request, context)
+            except Exception as exc:  # noqa: BLE001 - reported in-band, per message
+                code, message = status_for(exc)
+                return response_cls(request_id=request.request_id,
+                                    error=pb.Error(code=code.value[0], message=message))
+
+        async def reader():
+            try:
+                async for request in request_iterator:
+                    await pending.put(asyncio.ensure_future(one(request)))
+            finally:
+                await pending.put(None)
+
+        read_task = asyncio.ensure_future(reader())
+        try:
+            while True:
+                task = await pending.get()
+                if task is None:
+                    break
+                yield await task
+            await read_task  # surfaces a broken request stream
+        finally:
+            read_task.cancel()
+            while not pending.empty():
+                task = pending.get_nowait()
+                if task is not None:
+                    task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await read_task
+
+    # ---- info ---------------------------------------------------------------------------
+    async def GetModelInfo(self, request, context):
+        try:
+            with self.state.tracker.track("GetModelInfo", context):
+                engine = self.engine
+                info = engine.info
+                return pb.ModelInfo(
+                    quantizer=info.quantizer, codebook_size=info.codebook_size,
+                    levels=list(info.levels), factor=info.factor,
+                    codes_per_position=info.codes_per_position, index_dtype=info.index_dtype,
+                    accepted_sizes=engine.size_rule, max_pixels=info.max_pixels,
+                    max_batch_size=engine.max_batch_size, dtype=info.dtype, backend=info.backend,
+                    device=info.device, model_hash=info.model_hash, server_version=__version__,
+                )
+        except Exception as exc:  # noqa: BLE001
+            await abort_for(context, exc)
+
+
+def add_to_server(service: TokenizerService, server: grpc.aio.Server) -> None:
+    pb_grpc.add_TokenizerServicer_to_server(service, server)
+
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name

@@ -1,0 +1,82 @@
+"""Run the gRPC tokenizer service (vqserve.v1.Tokenizer + Open Inference Protocol v2,
+health, reflection) with dynamic batching and Prometheus metrics on /metrics.
+
+Logs are JSON lines on stderr; the `listening` line carries the bound port (useful with
+--port 0). SIGTERM or Ctrl-C drains: health goes NOT_SERVING, new calls are refused,
+in-flight ones finish within --grace, then the process exits 0.
+
+Examples:
+  vqserve serve --model default
+  vqserve serve --model runs/tiny --device cpu --port 0 --metrics-port 0
+  vqserve serve --model artifacts/onnx-fp16 --backend onnx --max-batch-size 64 --max-delay-ms 2
+  vqserve serve --tls-cert server.crt --tls-key server.key --auth-token-file token.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", default="default",
+                   help="`default` (the shipped tokenizer), a checkpoint dir or an exported artifact dir")
+    m.add_argument("--backend", default="auto", choices=["auto", "eager", "torchscript", "onnx", "pt2"],
+                   help="runtime; auto = eager for checkpoints, the recorded format for artifacts")
+    m.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="network compute dtype (the quantizer always runs in fp32); default: fp32 for "
+                        "checkpoints, the exported dtype for artifacts")
+    m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    n = parser.add_argument_group("network")
+    n.add_argument("--host", default="[::]", help="address to bind (default all interfaces)")
+    n.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (logged)")
+    n.add_argument("--metrics-port", type=int, default=9090,
+                   help="Prometheus /metrics port; 0 picks a free one, -1 turns it off")
+    n.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message accepted")
+    n.add_argument("--tls-cert", help="PEM certificate chain (TLS on when given with --tls-key)")
+    n.add_argument("--tls-key", help="PEM private key")
+    n.add_argument("--auth-token-file",
+                   help="file holding a bearer token every call must send (health stays open)")
+    b = parser.add_argument_group("batching")
+    b.add_argument("--max-batch-size", type=int, default=32, help="images per model call")
+    b.add_argument("--max-delay-ms", type=float, default=5.0,
+                   help="longest a request waits for its batch to fill (0 = no waiting)")
+    b.add_argument("--max-queue", type=int, default=1024,
+                   help="queued images before new requests get RESOURCE_EXHAUSTED")
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace):
+    from vqserve.serve.server import ServerConfig
+
+    token = None
+    if args.auth_token_file:
+        token = Path(args.auth_token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"--auth-token-file {args.auth_token_file} is empty")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
+                             ("--max-delay-ms", args.max_delay_ms, 0), ("--port", args.port, 0)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.max_queue < args.max_batch_size:
+        raise ValueError(f"--max-queue ({args.max_queue}) must be >= --max-batch-size ({args.max_batch_size}), "
+                         "or full-size requests could never be queued")
+    return ServerConfig(
+        model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, host=args.host,
+        port=args.port, metrics_port=args.metrics_port, max_batch_size=args.max_batch_size,
+        max_delay_ms=args.max_delay_ms, max_queue=args.max_queue, max_message_mb=args.max_message_mb,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=token, grace_s=args.grace,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from vqserve.serve.server import serve_until_signal, setup_logging
+
+    setup_logging(args.log_level)
+    config = config_from_args(args)
+    return asyncio.run(serve_until_signal(config))
