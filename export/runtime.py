@@ -5,7 +5,8 @@ with ``RuntimeInfo``. The server's batcher, the OIP v2 adapter and the offline b
 are all written against this interface only, never against a backend.
 
 Backends: ``eager`` (a Tokenizer in-process, here), and the exported formats
-(``torchscript``, ``onnx``, ``pt2``) that ``load_runtime`` opens from an artifact dir.
+(``torchscript``, ``onnx``, ``pt2``; ``vqserve.export.runtimes``) that ``load_runtime``
+opens from an artifact directory by its ``manifest.json``.
 """
 
 from __future__ import annotations
@@ -126,14 +127,43 @@ class EagerRuntime:
         return pixels.cpu().numpy()
 
 
+BACKENDS = ("eager", "torchscript", "onnx", "pt2")
+
+
 def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: str = "auto",
-                 dtype: str = "fp32", device: str = "cpu") -> Runtime:
-    """Open a runtime. ``backend="eager"`` (or ``auto`` with a checkpoint / ``default``)
-    runs the tokenizer in PyTorch; an artifact directory with a ``manifest.json`` opens
-    the exported format it records (added by the export issue)."""
+                 dtype: str | None = None, device: str = "cpu") -> Runtime:
+    """Open a runtime: numpy in, numpy out, with ``.info`` (RuntimeInfo).
+
+    * a checkpoint directory or ``"default"`` with ``backend`` ``auto``/``eager``: the
+      tokenizer in PyTorch, networks in ``dtype`` (fp32 when None), quantizer in fp32;
+    * an artifact directory written by ``vqserve export`` (it holds ``manifest.json``):
+      the format the manifest records (TorchScript, ONNX Runtime or torch.export). Its
+      dtype is fixed at export time: ``dtype`` None accepts it, anything else must match.
+      ``backend`` other than ``auto`` must match the manifest's format.
+
+    ``device``: ``cpu``, ``cuda[:N]`` or ``auto``. For ONNX, ``auto``/``cuda`` use the
+    CUDAExecutionProvider (chosen automatically with ``auto`` when present).
+    """
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
     path = Path(str(model_or_artifact_dir))
-    if backend in ("auto", "eager") and not (path / "manifest.json").is_file():
-        return EagerRuntime(model_or_artifact_dir, dtype=dtype, device=device)
+    is_artifact = (path / "manifest.json").is_file()
+    if not is_artifact:
+        if backend in ("auto", "eager"):
+            return EagerRuntime(model_or_artifact_dir, dtype=dtype or "fp32", device=device)
+        raise ValueError(
+            f"backend {backend!r} needs an artifact directory with a manifest.json, and "
+            f"{str(path)!r} is not one; create it with "
+            f"`vqserve export --model {model_or_artifact_dir} --format {backend} --out DIR`"
+        )
     if backend == "eager":
         raise ValueError(f"{path} is an exported artifact directory; eager needs a checkpoint or 'default'")
-    raise ValueError(f"backend {backend!r} is not available yet for {path}")
+    from vqserve.export.manifest import read_manifest
+    from vqserve.export.runtimes import RUNTIMES
+
+    fmt = read_manifest(path)["format"]
+    if backend not in ("auto", fmt):
+        raise ValueError(f"{path} holds a {fmt!r} export; backend {backend!r} cannot open it")
+    if fmt not in RUNTIMES:
+        raise ValueError(f"{path} holds format {fmt!r}, which this vqserve cannot run")
+    return RUNTIMES[fmt](path, device=device, dtype=dtype)

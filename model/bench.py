@@ -63,7 +63,12 @@ def bench_quantizers(tokens: int, repeats: int) -> list[dict]:
 
 def bench_island(size: int, batch: int, repeats: int) -> dict:
     """Share of a bf16 encode spent in the fp32 quantizer (the island's whole cost)."""
-    from vqserve.model import Tokenizer, TokenizerConfig, default_tokenizer_available, load_tokenizer
+    from vqserve.model import (
+        Tokenizer,
+        TokenizerConfig,
+        default_tokenizer_available,
+        load_tokenizer,
+    )
 
     tok = load_tokenizer("default") if default_tokenizer_available() else Tokenizer(TokenizerConfig()).eval()
     tok = tok.to(torch.bfloat16).to(memory_format=torch.channels_last)

@@ -43,6 +43,9 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, extra: dict | 
         config["meta"] = extra
     state = {k: v.detach().to("cpu").contiguous() for k, v in tokenizer.state_dict().items()}
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint is shared like any dir
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -23,6 +24,15 @@ def test_save_load_identical_outputs(tmp_path, quantizer):
     assert torch.equal(loaded.decode(tok.encode(images)), tok.decode(tok.encode(images)))
     config, meta = read_config(path)
     assert config == tok.config and meta == {"step": 7}
+
+
+def test_checkpoint_dir_has_normal_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = save_tokenizer(make_tokenizer(), tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o755  # not mkdtemp's private 0700
 
 
 def test_files_are_not_pickles(tmp_path):

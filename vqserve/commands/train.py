@@ -31,6 +31,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--val-data", help="'builtin:val', an image folder, or '' for no validation")
     g.add_argument("--crop-size", type=int, help="training crop size (multiple of the factor)")
     g.add_argument("--batch-size", type=int)
+    g.add_argument("--sampling", choices=["uniform", "area"],
+                   help="draw training images in proportion to their area (default) or equally often")
     g = parser.add_argument_group("optimisation")
     g.add_argument("--steps", type=int)
     g.add_argument("--lr", type=float, help="peak learning rate (AdamW)")
@@ -48,6 +50,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--margin", type=float,
                    help="keep bounded latents this far from rounding boundaries (e.g. 0.15)")
     g.add_argument("--margin-weight", type=float, help="weight of the margin term (0 disables)")
+    g.add_argument("--margin-start", type=float,
+                   help="fraction of training before the margin term switches on (e.g. 0.5)")
+    g.add_argument("--margin-ramp", type=float, help="fraction of training to ramp its weight up")
     g.add_argument("--quant-noise", type=float, help="uniform noise half-width before rounding")
     g = parser.add_argument_group("runtime")
     g.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
@@ -64,8 +69,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print the final summary as JSON")
 
 
-_FLAT = ["data", "val_data", "crop_size", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
-         "margin", "margin_weight", "quant_noise", "precision", "device", "threads", "seed", "out",
+_FLAT = ["data", "val_data", "crop_size", "sampling", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
+         "margin", "margin_weight", "margin_start", "margin_ramp", "quant_noise", "precision", "device", "threads", "seed", "out",
          "val_every", "ckpt_every", "ckpt_minutes", "log_every"]
 _MODEL = ["quantizer", "levels", "channels", "num_res_blocks"]
 

@@ -1,0 +1,218 @@
+"""``export_model``: one call from a checkpoint to a checked artifact directory.
+
+Order of work, so a directory that exists under the final name is always complete:
+refuse impossible combinations up front -> build the wrapper graphs in the export dtype
+-> write the format's files into a temporary sibling directory -> open them with the
+runtime that will serve them -> check the fp32 island in the graphs -> measure parity
+against the fp32 eager model on real photographs -> enforce the agreement threshold ->
+write ``manifest.json`` -> rename the directory into place. Any failure removes the
+temporary directory; an existing export at ``out`` is replaced only on success.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vqserve.export.manifest import MANIFEST_NAME, file_entries, write_manifest
+
+FORMATS = ("torchscript", "onnx", "pt2")
+DTYPES = ("fp32", "bf16", "fp16")
+DEFAULT_MIN_AGREEMENT = 0.99
+DEFAULT_MIN_DECODE_PSNR = 30.0  # dB, artifact decode vs eager fp32 decode of the same indices
+
+
+class ParityError(ValueError):
+    """The exported graph's tokens disagree with the fp32 eager model too often."""
+
+
+def required_agreement(dtype: str, min_agreement: float | None) -> float:
+    """fp32 must match eager exactly; bf16/fp16 default to 99%."""
+    if min_agreement is not None:
+        if not 0.0 <= min_agreement <= 1.0:
+            raise ValueError(f"--min-agreement must be in [0, 1], got {min_agreement}")
+        return float(min_agreement)
+    return 1.0 if dtype == "fp32" else DEFAULT_MIN_AGREEMENT
+
+
+def check_combination(fmt: str, dtype: str, device: str) -> None:
+    """Refuse format/dtype/device combinations that cannot work, before any work."""
+    from vqserve.export.onnx_export import check_onnx_dtype
+
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if fmt == "onnx":
+        check_onnx_dtype(dtype)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} requested but no CUDA GPU is available here")
+
+
+def parity_message(fmt: str, dtype: str, parity: dict, required: float) -> str:
+    got = parity["index_agreement"]
+    return (
+        f"{fmt} {dtype} export agrees with the fp32 eager model on {got:.2%} of "
+        f"{parity['positions']} tokens of real photographs, below the required {required:.2%}. "
+        f"This model is not trained for low-precision robustness: its latents sit close enough "
+        f"to the quantizer's rounding boundaries that a {dtype} encoder changes tokens. "
+        f"Remedies: export with --dtype fp32 (exact), accept the measured agreement with a lower "
+        f"--min-agreement (e.g. --min-agreement {max(0.0, got - 0.0005):.3f}), or retrain the model "
+        f"with the low-precision robustness option of `vqserve train`. Nothing was written."
+    )
+
+
+def decode_message(fmt: str, dtype: str, parity: dict, required: float) -> str:
+    return (
+        f"{fmt} {dtype} decode differs from the fp32 eager decode of the same tokens: PSNR "
+        f"{parity['decode_psnr_vs_reference_db']} dB (max pixel difference "
+        f"{parity['decode_max_abs_diff']}), below the required {required:g} dB. The decoder's "
+        f"activations do not survive {dtype} (in fp16 they overflow its 65504 limit). "
+        f"Remedies: export with --dtype fp32 or bf16, lower --min-decode-psnr if the images "
+        f"are acceptable, or retrain the model for {dtype}. Nothing was written."
+    )
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"--out {out} exists and is not a directory")
+        if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+            raise ValueError(
+                f"--out {out} is a non-empty directory that is not a vqserve export; "
+                "choose a new or empty directory"
+            )
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.PathLike, *,
+                 min_agreement: float | None = None, device: str = "cpu",
+                 parity_size: int = 128, parity_count: int | None = None, opset: int | None = None,
+                 fp32_head: bool | None = None, min_decode_psnr: float = DEFAULT_MIN_DECODE_PSNR,
+                 log=None) -> dict:
+    """Export ``model`` (``"default"`` or a checkpoint dir) and return the manifest.
+
+    ``fp32_head``: keep the encoder's final projection in fp32 (None: on for bf16 only,
+    where it measurably raises index agreement; see docs/EXPORT.md). ``min_decode_psnr``:
+    the artifact's decode of eager's tokens must be at least this close (dB) to eager
+    fp32's decode of them (catches fp16 decoder overflow, which token agreement cannot)."""
+    from vqserve import __version__
+    from vqserve.export import wrappers
+    from vqserve.export.inspect_graph import assert_island
+    from vqserve.export.parity import measure_parity, validation_photos
+    from vqserve.export.runtime import EagerRuntime, index_dtype_for, resolve_device, sha256_file
+    from vqserve.export.runtimes import RUNTIMES
+    from vqserve.model.checkpoint import WEIGHTS_NAME, resolve_model_path
+
+    say = log or (lambda msg: None)
+    device = resolve_device(device)
+    check_combination(fmt, dtype, device)
+    required = required_agreement(dtype, min_agreement)
+    out = Path(out)
+    _prepare_out(out)
+    path = resolve_model_path(model)
+    reference = EagerRuntime(path, dtype="fp32", device=device)
+    tok = reference.tokenizer
+    cfg = tok.config
+    if parity_size % cfg.factor:
+        raise ValueError(f"parity image size {parity_size} must be a multiple of the factor {cfg.factor}")
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        say(f"building {dtype} graphs (quantizer in fp32) on {device}")
+        enc, dec = wrappers.build_graphs(tok, dtype, device, fp32_head)
+        fp32_layers = [wrappers.FP32_HEAD] if enc.fp32_head else []
+        images, indices = wrappers.example_inputs(tok, device=device)
+        say(f"exporting {fmt} to {out}")
+        if fmt == "torchscript":
+            from vqserve.export.torchscript import export_torchscript
+            files = export_torchscript(enc, dec, images, indices, tmp)
+        elif fmt == "pt2":
+            from vqserve.export.pt2 import export_pt2
+            files = export_pt2(enc, dec, images, indices, tmp, cfg.factor)
+        else:
+            from vqserve.export.onnx_export import DEFAULT_OPSET, export_onnx
+            files = export_onnx(enc, dec, images, indices, tmp, cfg.factor, dtype,
+                                opset or DEFAULT_OPSET)
+        del enc, dec
+        names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        manifest = {
+            "format": fmt,
+            "dtype": dtype,
+            "encode": files["encode"],
+            "decode": files["decode"],
+            "torch_version": files.get("torch_version", torch.__version__),
+            **({"opset": files["opset"], "onnx_version": files["onnx_version"]} if fmt == "onnx" else {}),
+            "vqserve_version": __version__,
+            "exported_on": device,
+            "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "fp32_layers": fp32_layers,
+            "quantizer": cfg.quantizer,
+            "levels": list(cfg.levels) if cfg.quantizer in ("fsq", "rfsq") else [],
+            "codebook_size": cfg.codebook_size,
+            "factor": cfg.factor,
+            "latent_dim": cfg.latent_dim,
+            "codes_per_position": cfg.codes_per_position,
+            "index_dtype": index_dtype_for(cfg.codebook_size).name,
+            "graph_index_dtype": "int64",
+            "inputs": {"encode": {"name": "images", "dtype": "uint8", "shape": ["batch", f"{cfg.factor}*h", f"{cfg.factor}*w", 3]},
+                       "decode": {"name": "indices", "dtype": "int64",
+                                  "shape": ["batch", "h", "w"] + ([cfg.codes_per_position] if cfg.codes_per_position > 1 else [])}},
+            "outputs": {"encode": {"name": "indices", "dtype": "int64"},
+                        "decode": {"name": "images", "dtype": "uint8", "shape": ["batch", f"{cfg.factor}*h", f"{cfg.factor}*w", 3]}},
+            "source": {"model": str(model), "path": str(path),
+                       "sha256": sha256_file(Path(path) / WEIGHTS_NAME), "config": cfg.to_dict()},
+            "files": file_entries(tmp, names),
+            "parity": {"status": "pending"},
+        }
+        write_manifest(tmp, manifest)
+        runtime = RUNTIMES[fmt](tmp, device=device, verify=False)
+        loaded = {}
+        if fmt == "pt2":
+            loaded = {"encode": runtime.encode_program, "decode": runtime.decode_program}
+        elif fmt == "torchscript":
+            loaded = {"encode": runtime.encoder, "decode": runtime.decoder}
+        say("checking the fp32 quantizer island in both graphs")
+        island = assert_island(tmp, manifest, loaded)
+        manifest["fp32_island"] = {role: {k: v for k, v in r.items() if k not in ("format", "role", "dtype")}
+                                   for role, r in island.items()}
+        say(f"measuring parity against fp32 eager on validation photos ({parity_size}px tiles)")
+        photos, photo_info = validation_photos(parity_size, parity_count)
+        parity = measure_parity(runtime, reference, photos)
+        parity.update({"reference": "eager fp32", "device": device, "validation": photo_info,
+                       "min_agreement": required,
+                       "runtime": runtime.info.extra.get("providers", [f"torch {device}"])})
+        if fmt == "onnx" and dtype == "fp16" and device == "cpu":
+            parity["note"] = ("measured on onnxruntime's CPUExecutionProvider, which runs fp16 "
+                              "graphs in fp32 (it inserts casts): this is not fp16 parity; run "
+                              "on the CUDAExecutionProvider for that")
+        manifest["parity"] = parity
+        del runtime
+        parity["min_decode_psnr_db"] = min_decode_psnr
+        if parity["index_agreement"] < required:
+            raise ParityError(parity_message(fmt, dtype, parity, required))
+        dec_psnr = parity["decode_psnr_vs_reference_db"]
+        if dec_psnr != "inf" and dec_psnr < min_decode_psnr:
+            raise ParityError(decode_message(fmt, dtype, parity, min_decode_psnr))
+        write_manifest(tmp, manifest)
+        _replace_dir(tmp, out)
+        tmp = None
+        return manifest
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,65 @@
+"""``manifest.json``: what an artifact directory holds and how well it matches eager fp32.
+
+Written last, after the graphs passed the fp32-island check and the parity threshold, so
+a directory with a manifest is a complete, checked export. ``verify_files`` re-hashes
+every listed file on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from vqserve.export.runtime import sha256_file
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "vqserve-export"
+MANIFEST_VERSION = 1
+REQUIRED = ("format", "dtype", "encode", "decode", "codebook_size", "factor", "index_dtype",
+            "codes_per_position", "quantizer", "files", "parity")
+
+
+def file_entries(directory: Path, names: list[str]) -> dict:
+    return {name: {"sha256": sha256_file(directory / name),
+                   "bytes": (directory / name).stat().st_size} for name in names}
+
+
+def write_manifest(directory: Path, manifest: dict) -> Path:
+    path = Path(directory) / MANIFEST_NAME
+    body = {"manifest_format": MANIFEST_FORMAT, "manifest_version": MANIFEST_VERSION, **manifest}
+    path.write_text(json.dumps(body, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{directory} has no {MANIFEST_NAME}: not an artifact directory written by `vqserve export`"
+        )
+    data = json.loads(path.read_text())
+    if data.get("manifest_format") != MANIFEST_FORMAT:
+        raise ValueError(f"{path} is not a vqserve export manifest")
+    if int(data.get("manifest_version", 0)) > MANIFEST_VERSION:
+        raise ValueError(f"{path} has manifest_version {data['manifest_version']}; "
+                         f"this vqserve reads up to {MANIFEST_VERSION}")
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise ValueError(f"{path} lacks required keys {missing}")
+    return data
+
+
+def verify_files(directory: str | os.PathLike, manifest: dict) -> None:
+    """Every listed file exists and has the recorded sha256 (a clear error otherwise)."""
+    directory = Path(directory)
+    for name, entry in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise FileNotFoundError(f"artifact file {path} listed in {MANIFEST_NAME} is missing")
+        digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            raise ValueError(
+                f"artifact file {path} does not match {MANIFEST_NAME}: sha256 {digest[:16]}... "
+                f"!= recorded {entry['sha256'][:16]}... (modified or corrupted; re-export)"
+            )

@@ -1,0 +1,109 @@
+"""Parity of an exported artifact against the fp32 eager model, on real photographs.
+
+Measured at export time and stored in ``manifest.json``:
+
+* ``index_agreement``: fraction of token positions whose index equals eager fp32's;
+* ``codebook_utilization``: distinct indices the artifact produced / codebook size (and the
+  same for eager fp32, ``reference_codebook_utilization``);
+* ``psnr_db``: PSNR of artifact decode(artifact encode(photos)) against the photos
+  (``reference_psnr_db``: the same for eager fp32);
+* ``decode_max_abs_diff`` / ``decode_psnr_vs_reference_db``: the artifact's decode of the
+  eager fp32 indices against eager fp32's decode of them (decode parity alone).
+
+Validation photos: the validation split of the training data (``chelsea`` and ``coffee``
+from scikit-image, never trained on), cut into the same fixed, non-overlapping, centred
+tiles the trainer validates on (18 tiles of 128x128). ``vqserve.model.data`` is training
+code, which export must not import (import-linter contract), so the split is mirrored
+here and a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# mirrors vqserve.model.data.BUILTIN_VAL (tests/test_export_parity.py keeps them equal)
+VALIDATION_PHOTOS = ("chelsea", "coffee")
+
+
+def _load_photo(name: str) -> np.ndarray:
+    try:
+        from skimage import data
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "parity at export time needs scikit-image's sample photographs: "
+            "pip install 'vqserve[export]' (or scikit-image)"
+        ) from exc
+    img = np.asarray(getattr(data, name)())
+    if img.ndim == 2:
+        img = np.repeat(img[:, :, None], 3, axis=2)
+    return np.ascontiguousarray(img[..., :3]).astype(np.uint8)
+
+
+def _tiles(img: np.ndarray, size: int) -> list[np.ndarray]:
+    """Non-overlapping centred ``size`` tiles, row-major (as model.data.tile_crops)."""
+    h, w = img.shape[:2]
+    ny, nx = h // size, w // size
+    y0, x0 = (h - ny * size) // 2, (w - nx * size) // 2
+    return [img[y0 + i * size : y0 + (i + 1) * size, x0 + j * size : x0 + (j + 1) * size]
+            for i in range(ny) for j in range(nx)]
+
+
+def validation_photos(size: int = 128, count: int | None = None) -> tuple[np.ndarray, dict]:
+    """uint8 ``[N,size,size,3]`` validation tiles and a description for the manifest.
+
+    ``count`` None (or 0): every tile, in photo order (what the trainer validates on).
+    Otherwise ``count`` tiles taken round-robin across the photos, so each is represented.
+    """
+    per_photo = [_tiles(_load_photo(name), size) for name in VALIDATION_PHOTOS]
+    if not count:
+        tiles = [t for ts in per_photo for t in ts]
+    else:
+        tiles = []
+        for i in range(max(len(ts) for ts in per_photo)):
+            tiles += [ts[i] for ts in per_photo if i < len(ts)]
+        if len(tiles) < count:
+            # fewer tiles than asked: repeat is pointless, say so
+            raise ValueError(f"only {len(tiles)} validation tiles of {size}px exist, asked for {count}")
+        tiles = tiles[:count]
+    if not tiles:
+        raise ValueError(f"no validation photo is at least {size}x{size}")
+    batch = np.ascontiguousarray(np.stack(tiles)).astype(np.uint8)
+    info = {"source": "skimage.data", "photos": list(VALIDATION_PHOTOS), "split": "val",
+            "tiles": "non-overlapping centred grid", "count": int(batch.shape[0]), "size": size}
+    return batch, info
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def _finite(x: float) -> float | str:
+    return round(x, 3) if math.isfinite(x) else "inf"
+
+
+def measure_parity(runtime, reference, photos: np.ndarray, batch_size: int = 8) -> dict:
+    """Compare ``runtime`` (any Runtime) with ``reference`` (eager fp32 Runtime) on photos."""
+
+    def run(fn, x):
+        return np.concatenate([fn(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+
+    ref_idx = run(reference.encode, photos)
+    idx = run(runtime.encode, photos)
+    ref_pix = run(reference.decode, ref_idx)
+    pix = run(runtime.decode, idx)
+    dec_of_ref = run(runtime.decode, ref_idx)
+    size = reference.info.codebook_size
+    agreement = float(np.mean(idx.astype(np.int64) == ref_idx.astype(np.int64)))
+    return {
+        "index_agreement": agreement,
+        "positions": int(ref_idx.size),
+        "codebook_utilization": len(np.unique(idx)) / size,
+        "reference_codebook_utilization": len(np.unique(ref_idx)) / size,
+        "psnr_db": _finite(psnr(pix, photos)),
+        "reference_psnr_db": _finite(psnr(ref_pix, photos)),
+        "decode_max_abs_diff": int(np.max(np.abs(dec_of_ref.astype(np.int16) - ref_pix.astype(np.int16)))),
+        "decode_psnr_vs_reference_db": _finite(psnr(dec_of_ref, ref_pix)),
+    }

@@ -1,0 +1,50 @@
+"""torch.export artifacts (``encode.pt2`` / ``decode.pt2``): the forward path upstream.
+
+Batch, height and width are dynamic; height and width are exported as ``factor * h`` so
+the graph itself records that they must be multiples of the downsampling factor.
+Load with ``torch.export.load(path).module()``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+ENCODE_FILE = "encode.pt2"
+DECODE_FILE = "decode.pt2"
+
+
+def dynamic_shapes(factor: int, codes_per_position: int = 1) -> tuple[dict, dict]:
+    """(encode, decode) dynamic-shape specs shared by the pt2 and ONNX exporters."""
+    batch, h, w = Dim("batch", min=1), Dim("h", min=1), Dim("w", min=1)
+    enc = {"images": {0: batch, 1: factor * h, 2: factor * w}}
+    dec = {"indices": {0: batch, 1: h, 2: w}}
+    return enc, dec
+
+
+def export_programs(encode: torch.nn.Module, decode: torch.nn.Module, images: torch.Tensor,
+                    indices: torch.Tensor, factor: int) -> tuple:
+    enc_dyn, dec_dyn = dynamic_shapes(factor)
+    with torch.no_grad():
+        ep_enc = torch.export.export(encode, (images,), dynamic_shapes=enc_dyn)
+        ep_dec = torch.export.export(decode, (indices,), dynamic_shapes=dec_dyn)
+    return ep_enc, ep_dec
+
+
+def export_pt2(encode: torch.nn.Module, decode: torch.nn.Module, images: torch.Tensor,
+               indices: torch.Tensor, out_dir: Path, factor: int) -> dict:
+    ep_enc, ep_dec = export_programs(encode, decode, images, indices, factor)
+    torch.export.save(ep_enc, str(out_dir / ENCODE_FILE))
+    torch.export.save(ep_dec, str(out_dir / DECODE_FILE))
+    return {"encode": ENCODE_FILE, "decode": DECODE_FILE, "torch_version": torch.__version__}
+
+
+def load_pt2(path: str | Path, device: str = "cpu"):
+    """The loaded ExportedProgram and a callable module on ``device``."""
+    ep = torch.export.load(str(path))
+    module = ep.module()
+    if device != "cpu":
+        module = module.to(device)
+    return ep, module

@@ -1,0 +1,185 @@
+"""Runtimes for exported artifacts: TorchScript, ONNX Runtime and torch.export (pt2).
+
+Each opens an artifact directory by its ``manifest.json``, verifies the sha256 of every
+file it loads, validates inputs in numpy before running (a graph cannot raise a helpful
+error, and must never gather with an out-of-range index), and returns numpy arrays:
+indices in the manifest's wire dtype, pixels as uint8 NHWC.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vqserve.export.checks import check_images, check_indices
+from vqserve.export.manifest import read_manifest, verify_files
+from vqserve.export.runtime import RuntimeInfo, resolve_device
+
+
+class ArtifactRuntime:
+    """Common part: manifest, RuntimeInfo, input checks, wire dtypes."""
+
+    backend = ""
+
+    def __init__(self, artifact_dir: str | os.PathLike, device: str = "cpu",
+                 dtype: str | None = None, verify: bool = True):
+        self.dir = Path(artifact_dir)
+        self.manifest = read_manifest(self.dir)
+        fmt = self.manifest["format"]
+        if fmt != self.backend:
+            raise ValueError(f"{self.dir} holds a {fmt!r} export, not {self.backend!r}")
+        if dtype is not None and dtype != self.manifest["dtype"]:
+            raise ValueError(
+                f"{self.dir} was exported with dtype {self.manifest['dtype']}, not {dtype}; "
+                f"re-export with `vqserve export --dtype {dtype}` or pass dtype=None"
+            )
+        if verify:
+            verify_files(self.dir, self.manifest)
+        self.device = self._resolve_device(device)
+        m = self.manifest
+        self._index_dtype = np.dtype(m["index_dtype"])
+        self.info = RuntimeInfo(
+            backend=self.backend,
+            dtype=m["dtype"],
+            device=self.device,
+            quantizer=m["quantizer"],
+            codebook_size=int(m["codebook_size"]),
+            factor=int(m["factor"]),
+            codes_per_position=int(m["codes_per_position"]),
+            levels=tuple(m.get("levels") or ()),
+            index_dtype=self._index_dtype.name,
+            model_hash=m["files"][m["encode"]]["sha256"],
+            extra={"artifact_dir": str(self.dir), "source_model_sha256": m.get("source", {}).get("sha256", "")},
+        )
+
+    def _resolve_device(self, device: str) -> str:
+        return resolve_device(device)
+
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        images = check_images(images, self.info.factor)
+        return np.asarray(self._encode(images)).astype(self._index_dtype, copy=False)
+
+    def decode(self, indices: np.ndarray) -> np.ndarray:
+        indices = check_indices(indices, self.info.codebook_size, self.info.codes_per_position)
+        return np.asarray(self._decode(indices))
+
+    def _encode(self, images: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _decode(self, indices: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class _TorchModuleRuntime(ArtifactRuntime):
+    """Shared numpy <-> torch plumbing for TorchScript and pt2."""
+
+    def _run(self, module, array: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            out = module(torch.from_numpy(array).to(self.device))
+        return out.cpu().numpy()
+
+    def _encode(self, images: np.ndarray) -> np.ndarray:
+        return self._run(self.encoder, images)
+
+    def _decode(self, indices: np.ndarray) -> np.ndarray:
+        return self._run(self.decoder, indices)
+
+
+class TorchScriptRuntime(_TorchModuleRuntime):
+    backend = "torchscript"
+
+    def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True):
+        from vqserve.export.torchscript import load_torchscript
+
+        super().__init__(artifact_dir, device, dtype, verify)
+        self.encoder = load_torchscript(self.dir / self.manifest["encode"], self.device)
+        self.decoder = load_torchscript(self.dir / self.manifest["decode"], self.device)
+
+
+class Pt2Runtime(_TorchModuleRuntime):
+    backend = "pt2"
+
+    def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True):
+        from vqserve.export.pt2 import load_pt2
+
+        super().__init__(artifact_dir, device, dtype, verify)
+        self.encode_program, self.encoder = load_pt2(self.dir / self.manifest["encode"], self.device)
+        self.decode_program, self.decoder = load_pt2(self.dir / self.manifest["decode"], self.device)
+
+
+def onnx_providers(device: str, dtype: str) -> list[str]:
+    """The onnxruntime providers for ``device``; a clear error naming provider and dtype
+    for combinations that cannot run."""
+    import onnxruntime as ort
+
+    from vqserve.export.onnx_export import BF16_REASON
+
+    available = ort.get_available_providers()
+    if device.startswith("cuda"):
+        provider = "CUDAExecutionProvider"
+        if provider not in available:
+            raise ValueError(
+                f"device {device!r} needs onnxruntime's {provider}, which this onnxruntime "
+                f"does not have (available: {', '.join(available)}); install onnxruntime-gpu "
+                "or use device='cpu'"
+            )
+    else:
+        provider = "CPUExecutionProvider"
+    if dtype == "bf16":
+        raise ValueError(f"{provider} cannot run a bf16 ONNX graph: {BF16_REASON}")
+    return [provider, "CPUExecutionProvider"] if provider != "CPUExecutionProvider" else [provider]
+
+
+def default_onnx_device() -> str:
+    """``cuda`` when onnxruntime has the CUDA provider and a GPU is visible, else ``cpu``."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+class OnnxRuntime(ArtifactRuntime):
+    """onnxruntime sessions; the CUDA provider is used whenever ``device`` is cuda (and
+    chosen automatically for ``device='auto'`` when present)."""
+
+    backend = "onnx"
+
+    def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None,
+                 verify: bool = True, threads: int | None = None):
+        import onnxruntime as ort
+
+        if device == "auto":
+            device = default_onnx_device()
+        manifest = read_manifest(Path(artifact_dir))
+        self.providers = onnx_providers(device if device != "auto" else "cpu", manifest["dtype"])
+        super().__init__(artifact_dir, device, dtype, verify)
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3
+        self.encoder = ort.InferenceSession(str(self.dir / self.manifest["encode"]), opts,
+                                            providers=self.providers)
+        self.decoder = ort.InferenceSession(str(self.dir / self.manifest["decode"]), opts,
+                                            providers=self.providers)
+        self.info.extra["providers"] = self.encoder.get_providers()
+        if manifest["dtype"] == "fp16" and self.providers[0] == "CPUExecutionProvider":
+            self.info.extra["note"] = (
+                "CPUExecutionProvider runs this fp16 graph in fp32 (it inserts casts): "
+                "results are not fp16 results"
+            )
+
+    def _resolve_device(self, device: str) -> str:
+        return device  # the provider check already ran; torch need not see the GPU
+
+    def _encode(self, images: np.ndarray) -> np.ndarray:
+        return self.encoder.run(None, {"images": images})[0]
+
+    def _decode(self, indices: np.ndarray) -> np.ndarray:
+        return self.decoder.run(None, {"indices": indices})[0]
+
+
+RUNTIMES = {"torchscript": TorchScriptRuntime, "onnx": OnnxRuntime, "pt2": Pt2Runtime}

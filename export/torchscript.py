@@ -1,0 +1,40 @@
+"""TorchScript artifacts (``encode.jit`` / ``decode.jit``): traced wrapper modules.
+
+Tracing (not scripting) the small wrappers of ``vqserve.export.wrappers`` works with every
+quantizer; shapes stay dynamic because the graphs only use shape-generic ops. TorchScript
+is deprecated upstream in favour of torch.export (format ``pt2``), but TorchServe and
+``.jit`` users still expect it, so it is delivered and tested like the others.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+ENCODE_FILE = "encode.jit"
+DECODE_FILE = "decode.jit"
+
+
+def export_torchscript(encode: torch.nn.Module, decode: torch.nn.Module,
+                       images: torch.Tensor, indices: torch.Tensor, out_dir: Path) -> dict:
+    """Trace both wrappers on the example inputs and save them into ``out_dir``."""
+    with warnings.catch_warnings(), torch.no_grad():
+        # the quantizers' Python shape checks are constant for a given model: expected
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)  # delivered on purpose; see docs
+        traced_enc = torch.jit.trace(encode, (images,), check_trace=False)
+        traced_dec = torch.jit.trace(decode, (indices,), check_trace=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced_enc.save(str(out_dir / ENCODE_FILE))
+        traced_dec.save(str(out_dir / DECODE_FILE))
+    return {"encode": ENCODE_FILE, "decode": DECODE_FILE,
+            "torch_version": torch.__version__}
+
+
+def load_torchscript(path: str | Path, device: str = "cpu") -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.load(str(path), map_location=device).eval()

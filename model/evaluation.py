@@ -1,0 +1,241 @@
+"""Tokenizer quality and low-precision agreement metrics.
+
+Serving code may import the codebook metrics from here, so this module imports only
+torch and numpy at the top (no scikit-image, no matplotlib).
+
+* ``psnr`` / ``ssim`` on uint8 or [-1,1] float images;
+* ``codebook_stats`` - utilization (fraction of codes used), entropy (bits) and
+  perplexity (``2**entropy``, the effective number of codes) of a set of indices;
+* ``index_agreement`` - the fraction of token indices a bf16/fp16 encode shares with the
+  fp32 eager encode of the same pixels;
+* ``evaluate_tokenizer`` - all of the above over a list of images, as one dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# -- pixel metrics ----------------------------------------------------------------------
+
+
+def _to_float255(x) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype == torch.uint8:
+        return t.to(torch.float64)
+    return ((t.to(torch.float64) + 1.0) * 127.5).clamp(0, 255)
+
+
+def mse(a, b) -> float:
+    return float(((_to_float255(a) - _to_float255(b)) ** 2).mean())
+
+
+def psnr(a, b) -> float:
+    """PSNR in dB over all pixels of two image batches (uint8, or float in [-1,1])."""
+    m = mse(a, b)
+    return float("inf") if m == 0 else 10.0 * math.log10(255.0**2 / m)
+
+
+def psnr_per_image(a, b) -> list[float]:
+    a, b = _to_float255(a), _to_float255(b)
+    out = []
+    for x, y in zip(a, b, strict=True):
+        m = float(((x - y) ** 2).mean())
+        out.append(float("inf") if m == 0 else 10.0 * math.log10(255.0**2 / m))
+    return out
+
+
+def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
+    coords = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
+    g = torch.exp(-(coords**2) / (2 * sigma**2))
+    g = g / g.sum()
+    return torch.outer(g, g)
+
+
+def ssim(a, b, data_range: float = 255.0) -> float:
+    """Mean SSIM (Wang et al. 2004; 11x11 Gaussian window, sigma 1.5), channels averaged.
+
+    Inputs are uint8 NHWC (or HWC) images or [-1,1] float NCHW; computed in fp64.
+    """
+    x, y = _to_float255(a), _to_float255(b)
+    if x.ndim == 3:
+        x, y = x[None], y[None]
+    if x.shape[-1] == 3 and x.shape[1] != 3:  # NHWC -> NCHW
+        x, y = x.permute(0, 3, 1, 2), y.permute(0, 3, 1, 2)
+    c = x.shape[1]
+    win = _gaussian_window().to(x.dtype)[None, None].repeat(c, 1, 1, 1)
+    if min(x.shape[-2:]) < win.shape[-1]:
+        raise ValueError(f"SSIM needs images of at least 11x11, got {tuple(x.shape[-2:])}")
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+
+    def filt(t: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(t, win, groups=c)
+
+    mu_x, mu_y = filt(x), filt(y)
+    sxx = filt(x * x) - mu_x**2
+    syy = filt(y * y) - mu_y**2
+    sxy = filt(x * y) - mu_x * mu_y
+    s = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x**2 + mu_y**2 + c1) * (sxx + syy + c2))
+    return float(s.mean())
+
+
+# -- codebook metrics -------------------------------------------------------------------
+
+
+def code_counts(indices: torch.Tensor | Iterable[torch.Tensor], codebook_size: int) -> torch.Tensor:
+    """Histogram of code usage (int64 ``[codebook_size]``)."""
+    if torch.is_tensor(indices):
+        indices = [indices]
+    counts = torch.zeros(codebook_size, dtype=torch.int64)
+    for idx in indices:
+        counts += torch.bincount(idx.reshape(-1).to(torch.int64).cpu(), minlength=codebook_size)
+    return counts
+
+
+def codebook_stats(counts: torch.Tensor) -> dict:
+    """utilization, used codes, entropy (bits), perplexity from a usage histogram."""
+    counts = counts.to(torch.float64)
+    total = float(counts.sum())
+    size = counts.numel()
+    used = int((counts > 0).sum())
+    if total == 0:
+        return {"codebook_size": size, "positions": 0, "used_codes": 0, "utilization": 0.0,
+                "entropy_bits": 0.0, "perplexity": 0.0}
+    p = counts[counts > 0] / total
+    entropy = float(-(p * torch.log2(p)).sum())
+    return {
+        "codebook_size": size,
+        "positions": int(total),
+        "used_codes": used,
+        "utilization": used / size,
+        "entropy_bits": entropy,
+        "max_entropy_bits": math.log2(size),
+        "perplexity": 2.0**entropy,
+    }
+
+
+def index_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of positions where two index tensors hold the same token."""
+    if a.shape != b.shape:
+        raise ValueError(f"index shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return float((a.reshape(-1) == b.reshape(-1)).to(torch.float64).mean())
+
+
+# -- whole-tokenizer evaluation ---------------------------------------------------------
+
+
+def encode_in_precision(tokenizer, images_u8: torch.Tensor, precision: str,
+                        channels_last: bool = True) -> torch.Tensor:
+    """Indices of uint8 NHWC ``images_u8`` with the encoder under autocast in ``precision``.
+
+    The quantizer stays fp32 (its own fp32 island). fp32 means plain eager, no autocast.
+    ``channels_last`` picks the oneDNN kernels that are fast for bf16 on CPUs.
+    """
+    from vqserve.model.precision import policy
+    from vqserve.model.tokenizer import pixels_to_float
+
+    pol = policy(precision)
+    x = pixels_to_float(tokenizer.check_images(images_u8)).to(tokenizer.device)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad(), pol.autocast(tokenizer.device.type):
+        return tokenizer.quantize(tokenizer.encode_latents(x))[1]
+
+
+@contextlib.contextmanager
+def _memory_format(module: torch.nn.Module, channels_last: bool):
+    if not channels_last:
+        yield
+        return
+    module.to(memory_format=torch.channels_last)
+    try:
+        yield
+    finally:
+        module.to(memory_format=torch.contiguous_format)
+
+
+def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[str] | None = None,
+                       precisions: Sequence[str] = ("bf16", "fp16"),
+                       channels_last: bool = True, baseline: bool = True) -> dict:
+    """PSNR/SSIM (fp32 eager round trip), codebook stats, and agreement per precision.
+
+    ``images`` are uint8 ``[H,W,3]`` arrays; each is centre-cropped to a multiple of the
+    tokenizer's factor and processed one at a time (sizes may differ).
+    """
+    tokenizer.eval()
+    f = tokenizer.factor
+    names = list(names) if names is not None else [f"image{i}" for i in range(len(images))]
+    per_image = []
+    counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
+    sq_err, n_px = 0.0, 0
+    base_sq_err = 0.0
+    agree = {p: [0, 0] for p in precisions}
+    timings = {"fp32": 0.0, **{p: 0.0 for p in precisions}}
+    for name, img in zip(names, images, strict=True):
+        img = _centre_crop_multiple(np.asarray(img), f)
+        batch = torch.from_numpy(np.array(img))[None]
+        # the reference: plain fp32 eager, default memory format - exactly ``tok.encode``
+        t0 = time.perf_counter()
+        idx = tokenizer.encode(batch).cpu()
+        timings["fp32"] += time.perf_counter() - t0
+        recon = tokenizer.decode(idx).cpu()
+        counts += code_counts(idx, tokenizer.codebook_size)
+        err = (batch.to(torch.float64) - recon.to(torch.float64)) ** 2
+        sq_err += float(err.sum())
+        n_px += err.numel()
+        row = {"name": name, "height": img.shape[0], "width": img.shape[1],
+               "psnr": psnr(batch, recon), "ssim": ssim(batch, recon)}
+        if baseline:
+            base = downsample_bicubic_baseline(batch, f)
+            row["baseline_psnr"] = psnr(batch, base)
+            base_sq_err += float(((batch.to(torch.float64) - base.to(torch.float64)) ** 2).sum())
+        with _memory_format(tokenizer, channels_last):
+            for p in precisions:
+                t0 = time.perf_counter()
+                low = encode_in_precision(tokenizer, batch, p, channels_last).cpu()
+                timings[p] += time.perf_counter() - t0
+                same = int((low == idx).sum())
+                agree[p][0] += same
+                agree[p][1] += idx.numel()
+                row[f"agreement_{p}"] = same / idx.numel()
+        per_image.append(row)
+    result = {
+        "images": len(per_image),
+        "factor": f,
+        "codebook_size": tokenizer.codebook_size,
+        "psnr": 10 * math.log10(255.0**2 / (sq_err / n_px)) if sq_err > 0 else float("inf"),
+        "ssim": float(np.mean([r["ssim"] for r in per_image])),
+        "codebook": codebook_stats(counts),
+        "agreement": {p: agree[p][0] / max(agree[p][1], 1) for p in precisions},
+        "encode_seconds": timings,
+        "per_image": per_image,
+    }
+    if baseline:
+        result["baseline_psnr"] = 10 * math.log10(255.0**2 / (base_sq_err / n_px))
+    result["utilization"] = result["codebook"]["utilization"]
+    result["entropy_bits"] = result["codebook"]["entropy_bits"]
+    result["perplexity"] = result["codebook"]["perplexity"]
+    return result
+
+
+def _centre_crop_multiple(img: np.ndarray, factor: int) -> np.ndarray:
+    """Centre crop so height and width are multiples of ``factor`` (kept here, not imported
+    from the training data module, so serving can use this module)."""
+    h, w = img.shape[:2]
+    hh, ww = h - h % factor, w - w % factor
+    y0, x0 = (h - hh) // 2, (w - ww) // 2
+    return img[y0 : y0 + hh, x0 : x0 + ww]
+
+
+def downsample_bicubic_baseline(images_u8: torch.Tensor, factor: int) -> torch.Tensor:
+    """The baseline every tokenizer must beat: area-downsample x factor, bicubic upsample."""
+    x = images_u8.permute(0, 3, 1, 2).to(torch.float32)
+    small = F.interpolate(x, scale_factor=1 / factor, mode="area")
+    up = F.interpolate(small, size=x.shape[-2:], mode="bicubic", align_corners=False)
+    return up.clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()

@@ -1,0 +1,557 @@
+"""The training loop: mixed precision through the one precision policy, resumable runs.
+
+``TrainConfig`` holds every knob (a YAML/JSON file plus CLI overrides builds it);
+``train(config)`` runs it. Precision follows ``vqserve.model.precision``:
+
+* fp32 - plain eager;
+* bf16 - the networks under ``torch.autocast(bfloat16)``, **no GradScaler** (failure 4);
+* fp16 - the networks under ``torch.autocast(float16)`` **with** a GradScaler;
+* the quantizer always computes in fp32 inside its own island (failures 1 and 2), and
+  the losses are computed on fp32 upcasts.
+
+Losses: L1 + L2 reconstruction, the quantizer's aux losses (commitment / entropy for
+VQ / LFQ), and, optionally, the low-precision robustness **margin** term for FSQ: the
+bounded pre-rounding latent of every channel is pushed at least ``margin`` away from its
+rounding boundaries (the half-integers), so the small drift a bf16/fp16 encoder adds does
+not flip a token. ``quant_noise`` additionally perturbs the bounded latent with uniform
+noise before rounding in training (straight-through), so the decoder tolerates it.
+
+Run directory (``out``)::
+
+    last/            the latest checkpoint, replaced atomically (temp dir + rename)
+      tokenizer/     config.json + model.safetensors (load_tokenizer works on it)
+      optimizer.safetensors   optimizer (and GradScaler) tensors, flattened; no pickle
+      state.json     step, scalars, param-group settings, the training config
+    final/           the finished tokenizer (config.json + model.safetensors)
+    metrics.jsonl    one JSON object per logged / validation step
+    curves.png, reconstructions.png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from vqserve.model.checkpoint import load_tokenizer, save_tokenizer
+from vqserve.model.config import TokenizerConfig
+from vqserve.model.evaluation import code_counts, codebook_stats, psnr
+from vqserve.model.precision import PrecisionPolicy, fp32_island, policy
+from vqserve.model.quantizers import FSQ
+from vqserve.model.tokenizer import Tokenizer
+
+MODEL_KEYS = {f.name for f in dataclasses.fields(TokenizerConfig)}
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data: str = "builtin"            # "builtin" (skimage.data train split) or an image folder
+    val_data: str = "builtin:val"    # "builtin:val", a folder, or "" for none
+    crop_size: int = 64
+    sampling: str = "area"           # area (images drawn by pixel count) | uniform
+    batch_size: int = 16
+    val_crop_size: int = 128
+    val_tiles_per_image: int = 0     # 0: every tile of every validation image
+    # optimisation
+    steps: int = 1000
+    lr: float = 1e-3
+    lr_schedule: str = "cosine"      # cosine | constant | linear
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    # losses
+    l1_weight: float = 1.0
+    l2_weight: float = 1.0
+    aux_weight: float = 1.0
+    margin: float = 0.0              # robustness: min distance of bounded FSQ latents to a boundary
+    margin_weight: float = 0.0
+    margin_start: float = 0.0        # fraction of training before the margin term switches on
+    margin_ramp: float = 0.0         # fraction of training over which its weight ramps up linearly
+    quant_noise: float = 0.0         # robustness: uniform noise half-width before rounding (train only)
+    # model (TokenizerConfig fields)
+    model: dict = field(default_factory=lambda: {"quantizer": "fsq", "levels": [8, 8, 8, 6, 5],
+                                                 "channels": [64, 128, 128], "num_res_blocks": 1})
+    # runtime
+    precision: str = "fp32"          # fp32 | bf16 | fp16
+    device: str = "cpu"              # cpu | cuda
+    channels_last: bool = False
+    threads: int = 0                 # torch.set_num_threads on CPU (0: leave as is)
+    seed: int = 0
+    out: str = "runs/train"
+    log_every: int = 10
+    val_every: int = 250
+    ckpt_every: int = 250
+    ckpt_minutes: float = 5.0        # also checkpoint when this much wall time has passed
+    progress: bool = True
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        policy(self.precision)  # validates the name
+        unknown = sorted(set(self.model) - MODEL_KEYS)
+        if unknown:
+            raise ValueError(f"unknown model keys {unknown}; known: {sorted(MODEL_KEYS)}")
+        if self.lr_schedule not in ("cosine", "constant", "linear"):
+            raise ValueError(f"lr_schedule must be cosine, constant or linear, got {self.lr_schedule!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        self.tokenizer_config()  # validates the model section
+        f = self.tokenizer_config().factor
+        for name in ("crop_size", "val_crop_size"):
+            if getattr(self, name) % f:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of the factor {f}")
+
+    def tokenizer_config(self) -> TokenizerConfig:
+        return TokenizerConfig(**self.model)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        model = dict(data.pop("model", {}) or {})
+        # model keys may also be given at the top level (flat configs / CLI overrides)
+        for k in list(data):
+            if k in MODEL_KEYS and k not in known:
+                model[k] = data.pop(k)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown training config keys {unknown}")
+        base = cls().model
+        return cls(**data, model={**base, **model})
+
+
+def load_config_file(path: str | os.PathLike) -> dict:
+    """A YAML or JSON file -> dict."""
+    text = Path(path).read_text()
+    if str(path).endswith(".json"):
+        return json.loads(text)
+    import yaml
+
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a training config must be a mapping, got {type(data).__name__}")
+    return data
+
+
+# -- schedule and losses ------------------------------------------------------------------
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    t = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    lo = cfg.lr * cfg.min_lr_ratio
+    if cfg.lr_schedule == "linear":
+        return lo + (cfg.lr - lo) * (1 - t)
+    return lo + (cfg.lr - lo) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def margin_weight_at(cfg: TrainConfig, step: int) -> float:
+    """Weight of the margin term at ``step``: 0 before ``margin_start``, then a linear ramp.
+
+    Switching it on after the codebook has organised itself matters: a margin from step 0
+    is a barrier at every rounding boundary that slows latents moving between codes.
+    """
+    if cfg.margin_weight <= 0 or cfg.margin <= 0:
+        return 0.0
+    start, ramp = cfg.margin_start * cfg.steps, cfg.margin_ramp * cfg.steps
+    if step < start:
+        return 0.0
+    if ramp <= 0:
+        return cfg.margin_weight
+    return cfg.margin_weight * min(1.0, (step - start + 1) / ramp)
+
+
+def boundary_distance(bounded: torch.Tensor) -> torch.Tensor:
+    """Distance of each bounded FSQ latent to its nearest rounding boundary (in [0, 0.5])."""
+    return 0.5 - (bounded - bounded.round()).abs()
+
+
+def margin_loss(bounded: torch.Tensor, margin: float) -> torch.Tensor:
+    """Hinge, normalised to [0, 1]: zero once every latent is ``margin`` from a boundary.
+
+    Linear rather than squared so a latent just inside the margin still feels a push
+    (a squared hinge fades to nothing exactly where the flips happen).
+    """
+    return (torch.relu(margin - boundary_distance(bounded)) / margin).mean()
+
+
+class Trainer:
+    """One training run. ``run()`` trains to ``cfg.steps`` (resuming if asked)."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False):
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False")
+        if cfg.threads and self.device.type == "cpu":
+            torch.set_num_threads(cfg.threads)
+        self.policy: PrecisionPolicy = policy(cfg.precision)
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = Tokenizer(cfg.tokenizer_config()).to(self.device)
+        if cfg.channels_last:
+            self.tokenizer.to(memory_format=torch.channels_last)
+        self.optimizer = torch.optim.AdamW(self.tokenizer.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.scaler = self.policy.grad_scaler(self.device.type)
+        self.step = 0
+        self.elapsed = 0.0  # training seconds over all sessions of this run
+        self.history: list[dict] = []
+        self._load_data()
+        if resume:
+            self.resume()
+
+    # -- data ----------------------------------------------------------------------------
+    def _load_data(self) -> None:
+        from vqserve.model.data import RandomCrops, open_source, tile_crops
+
+        cfg = self.cfg
+        self.train_source = open_source(cfg.data, "train", min_size=1)
+        self.crops = RandomCrops(self.train_source, cfg.crop_size, cfg.batch_size, seed=cfg.seed,
+                                 sampling=cfg.sampling)
+        self.val_tiles = None
+        if cfg.val_data:
+            val = open_source(cfg.val_data, "val", min_size=1)
+            if len(val):
+                self.val_tiles = torch.from_numpy(
+                    tile_crops(val.images, cfg.val_crop_size, cfg.val_tiles_per_image or None))
+        self.skipped = list(self.train_source.skipped)
+
+    def _batch(self, step: int) -> torch.Tensor:
+        x = self.crops.batch(step).to(self.device)
+        if self.cfg.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    # -- one step --------------------------------------------------------------------------
+    def _forward_losses(self, x: torch.Tensor, step: int) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:
+        cfg, tok = self.cfg, self.tokenizer
+        with self.policy.autocast(self.device.type):
+            latents = tok.encode_latents(x)
+            fsq = isinstance(tok.quantizer, FSQ)
+            robust = fsq and (cfg.margin_weight > 0 or cfg.quant_noise > 0)
+            if robust:
+                # the FSQ forward re-done in the fp32 island, so the bounded latent is at hand
+                with fp32_island(self.device.type):
+                    z = latents.permute(0, 2, 3, 1).to(torch.float32)
+                    bounded = tok.quantizer.bound(z)
+                    noisy = bounded
+                    if cfg.quant_noise > 0:
+                        g = torch.Generator(device=self.device).manual_seed(cfg.seed * 7919 + step)
+                        noise = (torch.rand(bounded.shape, generator=g, device=self.device) * 2 - 1)
+                        noisy = bounded + noise * cfg.quant_noise
+                    half = tok.quantizer._half_width()
+                    lo = (-half).to(torch.float32)
+                    hi = (tok.quantizer._levels - 1 - half).to(torch.float32)
+                    # straight-through; the clamp only matters when noise pushed a latent past
+                    # the outermost level, and leaves gradients exactly as FSQ's own round_ste
+                    snapped = torch.maximum(torch.minimum(noisy.round(), hi), lo)
+                    rounded = noisy + (snapped - noisy).detach()
+                    codes = (rounded / half.to(torch.float32)).permute(0, 3, 1, 2)
+                    indices = tok.quantizer.level_indices_to_indices(rounded.detach().to(torch.int64) + half)
+                aux = {}
+            else:
+                codes, indices, aux = tok.quantize(latents, return_aux=True)
+                bounded = None
+            recon = tok.decode_codes(codes)
+        recon32 = recon.to(torch.float32)
+        l1 = (recon32 - x).abs().mean()
+        l2 = (recon32 - x).pow(2).mean()
+        loss = cfg.l1_weight * l1 + cfg.l2_weight * l2
+        parts = {"l1": l1.item(), "l2": l2.item()}
+        for k, v in (aux or {}).items():
+            if torch.is_tensor(v) and v.numel() == 1:
+                loss = loss + cfg.aux_weight * v.to(torch.float32)
+                parts[k] = v.item()
+        if bounded is not None and cfg.margin > 0:
+            m = margin_loss(bounded, cfg.margin)
+            weight = margin_weight_at(cfg, step)
+            if weight > 0:
+                loss = loss + weight * m
+            parts["margin"] = m.item()
+            parts["margin_weight"] = weight
+        return loss, parts, recon32.detach(), indices
+
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        self.tokenizer.train()
+        lr = lr_at(cfg, step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        x = self._batch(step)
+        loss, parts, recon, indices = self._forward_losses(x, step)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        if cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.tokenizer.parameters(), cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return {"loss": loss.item(), **parts, "lr": lr, "psnr": psnr(recon.cpu(), x.cpu()),
+                "indices": indices.detach().cpu()}
+
+    # -- validation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict:
+        if self.val_tiles is None:
+            return {}
+        tok = self.tokenizer.eval()
+        counts = torch.zeros(tok.codebook_size, dtype=torch.int64)
+        sq, n = 0.0, 0
+        for i in range(0, len(self.val_tiles), 8):
+            u8 = self.val_tiles[i : i + 8]
+            x = u8.permute(0, 3, 1, 2).to(torch.float32).div(127.5).sub(1.0).to(self.device)
+            if self.cfg.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            codes, idx = tok.quantize(tok.encode_latents(x))
+            recon = tok.decode_codes(codes)
+            pix = ((recon.float() + 1) * 127.5).clamp(0, 255).round().cpu()
+            sq += float(((pix.permute(0, 2, 3, 1) - u8.to(torch.float32)) ** 2).sum())
+            n += u8.numel()
+            counts += code_counts(idx, tok.codebook_size)
+        stats = codebook_stats(counts)
+        return {"val_psnr": 10 * math.log10(255.0**2 / (sq / n)), "val_utilization": stats["utilization"],
+                "val_perplexity": stats["perplexity"], "val_entropy_bits": stats["entropy_bits"],
+                "val_used_codes": stats["used_codes"], "val_positions": stats["positions"]}
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _optimizer_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        sd = self.optimizer.state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict = {}
+        for pid, st in sd["state"].items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    tensors[f"state.{pid}.{k}"] = v.detach().to("cpu").contiguous()
+                else:
+                    scalars[f"state.{pid}.{k}"] = v
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+        scaler = {k: (float(v) if torch.is_tensor(v) else v) for k, v in self.scaler.state_dict().items()}
+        return tensors, {"param_groups": groups, "state_scalars": scalars, "scaler": scaler}
+
+    def save_checkpoint(self) -> Path:
+        """Write ``out/last`` atomically: a temp directory renamed over the old one."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        final = self.out / "last"
+        tmp = Path(tempfile.mkdtemp(prefix=".last.", dir=self.out))
+        try:
+            save_tokenizer(self.tokenizer, tmp / "tokenizer", extra=self._meta())
+            tensors, opt_json = self._optimizer_tensors()
+            save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+            state = {"step": self.step, "elapsed_seconds": self.elapsed, "optimizer": opt_json,
+                     "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
+            (tmp / "state.json").write_text(json.dumps(state) + "\n")
+            old = None
+            if final.exists():
+                old = self.out / f".last.old-{os.getpid()}"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def _meta(self) -> dict:
+        last_val = next((h for h in reversed(self.history) if "val_psnr" in h), {})
+        return {"step": self.step, "precision": self.cfg.precision, "seed": self.cfg.seed,
+                "data": self.cfg.data, "crop_size": self.cfg.crop_size,
+                "train_seconds": round(self.elapsed, 1),
+                **{k: v for k, v in last_val.items() if k.startswith("val_")}}
+
+    def resume(self) -> bool:
+        """Load ``out/last`` if present. Returns whether a checkpoint was found."""
+        ckpt = self.out / "last"
+        if not (ckpt / "state.json").is_file():
+            print(f"[train] no checkpoint in {ckpt}; starting from step 0", file=sys.stderr)
+            return False
+        state = json.loads((ckpt / "state.json").read_text())
+        saved_model = state["config"]["model"]
+        if TokenizerConfig(**saved_model) != self.cfg.tokenizer_config():
+            raise ValueError(f"--resume: the checkpoint in {ckpt} has model {saved_model}, "
+                             f"but this run asks for {self.cfg.model}")
+        loaded = load_tokenizer(ckpt / "tokenizer", device=self.device)
+        self.tokenizer.load_state_dict(loaded.state_dict())
+        tensors = load_file(str(ckpt / "optimizer.safetensors"), device=str(self.device))
+        opt = state["optimizer"]
+        sd_state: dict = {}
+        for key, v in tensors.items():
+            _, pid, name = key.split(".", 2)
+            sd_state.setdefault(int(pid), {})[name] = v.cpu() if name == "step" else v
+        for key, v in opt["state_scalars"].items():
+            _, pid, name = key.split(".", 2)
+            sd_state.setdefault(int(pid), {})[name] = v
+        self.optimizer.load_state_dict({"state": sd_state, "param_groups": opt["param_groups"]})
+        if opt.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(opt["scaler"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        self.step = int(state["step"])
+        self.elapsed = float(state.get("elapsed_seconds", 0.0))
+        self.history = read_metrics(self.out / "metrics.jsonl", up_to_step=self.step)
+        # rewrite the log so lines after the checkpoint (lost work) are not duplicated
+        write_metrics(self.out / "metrics.jsonl", self.history)
+        print(f"[train] resumed from {ckpt} at step {self.step}", file=sys.stderr)
+        return True
+
+    # -- the loop --------------------------------------------------------------------------
+    def _log(self, row: dict) -> None:
+        self.history.append(row)
+        with open(self.out / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def run(self, stop_at: int | None = None) -> dict:
+        """Train to ``cfg.steps``. ``stop_at`` ends this session early at that step, without
+        a final checkpoint: exactly what a killed run leaves behind (used by the tests)."""
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, dynamic_ncols=True,
+                   desc=f"train {cfg.precision}", file=sys.stderr)
+        window: list[dict] = []
+        counts = torch.zeros(self.tokenizer.codebook_size, dtype=torch.int64)
+        last_ckpt = time.monotonic()
+        t_session = time.monotonic()
+        elapsed0 = self.elapsed
+        if self.step == 0 and cfg.val_every:
+            self._log({"step": 0, "elapsed": 0.0, **self.validate()})
+        while self.step < cfg.steps:
+            if stop_at is not None and self.step >= stop_at:
+                bar.close()
+                return {"step": self.step, "interrupted": True}
+            r = self.train_step(self.step)
+            self.step += 1
+            self.elapsed = elapsed0 + time.monotonic() - t_session
+            counts += code_counts(r.pop("indices"), self.tokenizer.codebook_size)
+            window.append(r)
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                util = codebook_stats(counts)["utilization"]
+                row = {"step": self.step, "elapsed": round(self.elapsed, 2),
+                       **{k: float(np.mean([w[k] for w in window])) for k in window[0]},
+                       "utilization": util, "loss_scale": float(self.scaler.get_scale())
+                       if self.scaler.is_enabled() else 1.0}
+                row["lr"] = r["lr"]
+                bar.set_postfix(loss=f"{row['loss']:.4f}", psnr=f"{row['psnr']:.2f}",
+                                util=f"{util:.1%}")
+                window, counts = [], torch.zeros_like(counts)
+                if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.steps):
+                    row.update(self.validate())
+                    bar.write(f"step {self.step}: val PSNR {row.get('val_psnr', float('nan')):.2f} dB, "
+                              f"utilization {row.get('val_utilization', 0):.1%}, "
+                              f"perplexity {row.get('val_perplexity', 0):.0f}")
+                self._log(row)
+            bar.update(1)
+            due = (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or (
+                cfg.ckpt_minutes and time.monotonic() - last_ckpt > cfg.ckpt_minutes * 60)
+            if due or self.step == cfg.steps:
+                self.save_checkpoint()
+                last_ckpt = time.monotonic()
+        bar.close()
+        final = save_tokenizer(self.tokenizer, self.out / "final", extra=self._meta())
+        summary = {"step": self.step, "train_seconds": round(self.elapsed, 1), "final": str(final),
+                   **{k: v for k, v in self._meta().items() if k.startswith("val_")}}
+        if cfg.plots:
+            try:
+                plot_curves(self.history, self.out / "curves.png")
+                if self.val_tiles is not None:
+                    reconstruction_grid(self.tokenizer, self.val_tiles[:8], self.out / "reconstructions.png")
+            except ImportError as exc:  # matplotlib is a training extra
+                print(f"[train] plots skipped: {exc}", file=sys.stderr)
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def read_metrics(path: Path, up_to_step: int | None = None) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if up_to_step is None or row.get("step", 0) <= up_to_step:
+            rows.append(row)
+    return rows
+
+
+def write_metrics(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def plot_curves(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    tr = [h for h in history if "loss" in h]
+    va = [h for h in history if "val_psnr" in h]
+    axes[0].plot([h["step"] for h in tr], [h["loss"] for h in tr])
+    axes[0].set_yscale("log")
+    axes[0].set_title("training loss")
+    axes[1].plot([h["step"] for h in tr], [h["psnr"] for h in tr], label="train crops")
+    axes[1].plot([h["step"] for h in va], [h["val_psnr"] for h in va], "o-", label="validation")
+    axes[1].set_title("PSNR (dB)")
+    axes[1].legend()
+    axes[2].plot([h["step"] for h in tr], [h["utilization"] for h in tr], label="train (log window)")
+    axes[2].plot([h["step"] for h in va], [h["val_utilization"] for h in va], "o-", label="validation")
+    axes[2].set_title("codebook utilization")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def reconstruction_grid(tokenizer: Tokenizer, tiles_u8: torch.Tensor, path: Path) -> None:
+    """Top row originals, bottom row reconstructions (PNG via Pillow)."""
+    from PIL import Image
+
+    tok = tokenizer.eval()
+    was_cl = tok.encoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last) and \
+        not tok.encoder.conv_in.weight.is_contiguous()
+    tok.to(memory_format=torch.contiguous_format)
+    recon = tok.decode(tok.encode(tiles_u8))
+    if was_cl:
+        tok.to(memory_format=torch.channels_last)
+    top = torch.cat(list(tiles_u8), dim=1)
+    bottom = torch.cat(list(recon), dim=1)
+    Image.fromarray(torch.cat([top, bottom], dim=0).numpy()).save(path)
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> dict:
+    return Trainer(cfg, resume=resume).run()

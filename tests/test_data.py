@@ -1,0 +1,149 @@
+"""Training data: image folders (corrupt files skipped and counted), the built-in split, crops."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vqserve.model.data import (
+    BUILTIN_TRAIN,
+    BUILTIN_VAL,
+    DataError,
+    ImageSource,
+    RandomCrops,
+    center_crop_multiple,
+    image_folder,
+    tile_crops,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny convolutions on a shared 2-core box run far faster on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _photo(seed: int, h: int = 40, w: int = 56) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = np.stack([xx * 255 / w, yy * 255 / h, (xx + yy) * 127 / (h + w)], axis=-1)
+    return np.clip(base + rng.normal(0, 10, base.shape), 0, 255).astype(np.uint8)
+
+
+@pytest.fixture()
+def messy_folder(tmp_path):
+    """3 good images (png, jpg, webp in nested folders), 3 bad ones, 1 non-image file."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    Image.fromarray(_photo(0)).save(tmp_path / "one.png")
+    Image.fromarray(_photo(1)).save(tmp_path / "a" / "two.JPG", quality=95)
+    Image.fromarray(_photo(2)).save(tmp_path / "a" / "b" / "three.webp")
+    good = (tmp_path / "one.png").read_bytes()
+    (tmp_path / "a" / "truncated.png").write_bytes(good[: len(good) // 2])
+    (tmp_path / "a" / "b" / "not_really.jpg").write_text("this is not a jpeg")
+    (tmp_path / "empty.webp").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("ignored: not an image extension")
+    return tmp_path
+
+
+def test_corrupt_images_are_skipped_warned_and_counted(messy_folder):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        src = image_folder(messy_folder)
+    assert len(src) == 3
+    assert sorted(p.rsplit("/", 1)[-1] for p in src.names) == ["one.png", "three.webp", "two.JPG"]
+    assert len(src.skipped) == 3
+    assert {p.rsplit("/", 1)[-1] for p in src.skipped} == {"truncated.png", "not_really.jpg", "empty.webp"}
+    messages = [str(w.message) for w in caught]
+    assert any("3 of 6 image files" in m for m in messages)
+    assert sum("skipping unreadable image" in m for m in messages) == 3
+    for img in src.images:
+        assert img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
+
+
+def test_training_on_a_folder_with_corrupt_files_does_not_crash(messy_folder, tmp_path_factory):
+    from vqserve.model.training import TrainConfig, Trainer
+
+    out = tmp_path_factory.mktemp("run")
+    cfg = TrainConfig(data=str(messy_folder), val_data=str(messy_folder), crop_size=16, batch_size=2,
+                      val_crop_size=16, steps=2, warmup_steps=0, log_every=1, val_every=2,
+                      ckpt_every=2, model={"channels": [8, 8, 8], "levels": [8, 5, 5, 5]},
+                      out=str(out), progress=False, plots=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(cfg)
+    assert len(trainer.skipped) == 3
+    assert trainer.run()["step"] == 2
+
+
+def test_empty_or_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        image_folder(tmp_path / "nope")
+    src = image_folder(tmp_path)
+    assert len(src) == 0
+    with pytest.raises(DataError, match="no usable images"):
+        RandomCrops(src, 16, 2)
+
+
+def test_builtin_split_is_fixed_and_disjoint():
+    assert set(BUILTIN_TRAIN).isdisjoint(BUILTIN_VAL)
+    assert BUILTIN_VAL == ("chelsea", "coffee")
+    # the photographs the default was validated on must stay out of training
+    assert "chelsea" not in BUILTIN_TRAIN and "coffee" not in BUILTIN_TRAIN
+
+
+def test_builtin_validation_photographs_load():
+    from vqserve.model.data import builtin_source
+
+    src = builtin_source("val")
+    assert src.names == list(BUILTIN_VAL)
+    assert [img.shape for img in src.images] == [(300, 451, 3), (400, 600, 3)]
+
+
+def test_random_crops_are_a_function_of_seed_and_step():
+    src = ImageSource([_photo(0, 50, 70), _photo(1, 30, 30)], ["a", "b"])
+    crops = RandomCrops(src, 24, 5, seed=3)
+    a, b = crops.batch_uint8(7), crops.batch_uint8(7)
+    assert a.shape == (5, 24, 24, 3) and a.dtype == np.uint8
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, crops.batch_uint8(8))
+    assert not np.array_equal(a, RandomCrops(src, 24, 5, seed=4).batch_uint8(7))
+    x = crops.batch(0)
+    assert x.shape == (5, 3, 24, 24) and float(x.min()) >= -1 and float(x.max()) <= 1
+
+
+def test_crops_flip_and_cover_the_image():
+    img = np.arange(16 * 16 * 3, dtype=np.uint8).reshape(16, 16, 3)
+    crops = RandomCrops(ImageSource([img], ["x"]), 16, 64, seed=0)
+    batch = crops.batch_uint8(0)
+    flipped = sum(np.array_equal(c, img[:, ::-1]) for c in batch)
+    same = sum(np.array_equal(c, img) for c in batch)
+    assert flipped + same == 64 and flipped > 10 and same > 10
+
+
+def test_small_images_are_padded_not_dropped():
+    src = ImageSource([_photo(0, 10, 12)], ["tiny"])
+    assert RandomCrops(src, 16, 2).batch_uint8(0).shape == (2, 16, 16, 3)
+
+
+def test_tiles_and_centre_crop():
+    img = _photo(0, 300, 451)
+    tiles = tile_crops([img], 128)
+    assert tiles.shape == (2 * 3, 128, 128, 3)
+    assert tile_crops([img], 128, max_per_image=2).shape[0] == 2
+    assert center_crop_multiple(img, 8).shape == (296, 448, 3)
+
+
+def test_sampling_by_area_by_default_or_uniform():
+    big, small = _photo(0, 200, 200), _photo(1, 20, 20)
+    src = ImageSource([big, small], ["big", "small"])
+    np.testing.assert_allclose(RandomCrops(src, 16, 1).p, [40000 / 40400, 400 / 40400])
+    np.testing.assert_allclose(RandomCrops(src, 16, 1, sampling="uniform").p, [0.5, 0.5])
+    with pytest.raises(ValueError, match="sampling"):
+        RandomCrops(src, 16, 1, sampling="sqrt")

@@ -1,0 +1,150 @@
+"""Metrics (checked against scikit-image), `vqserve eval --json`, and the shipped default."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vqserve.model import default_tokenizer_available, load_tokenizer
+from vqserve.model.evaluation import (
+    code_counts,
+    codebook_stats,
+    downsample_bicubic_baseline,
+    index_agreement,
+    psnr,
+    ssim,
+)
+
+# Measured on the shipped default (docs/TRAINING.md): chelsea (a validation photograph,
+# never trained on), whole image centre-cropped to 296x448, fp32 eager round trip: 23.03 dB.
+# The floor leaves 1 dB for platform differences; an untrained tokenizer scores ~10 dB.
+DEFAULT_CHELSEA_PSNR_FLOOR = 22.0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny convolutions on a shared 2-core box run far faster on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _rand_images(seed: int, n: int = 2, h: int = 48, w: int = 40) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, h, w, 3), dtype=np.uint8)
+
+
+def test_psnr_matches_scikit_image():
+    from skimage.metrics import peak_signal_noise_ratio
+
+    a, b = _rand_images(0), _rand_images(1)
+    assert psnr(a, b) == pytest.approx(peak_signal_noise_ratio(a, b, data_range=255), abs=1e-9)
+    assert psnr(a, a) == math.inf
+    # float [-1, 1] inputs are scored on the same 0..255 scale
+    fa = torch.from_numpy(a).permute(0, 3, 1, 2).double() / 127.5 - 1
+    assert psnr(fa, torch.from_numpy(b).permute(0, 3, 1, 2).double() / 127.5 - 1) == pytest.approx(
+        psnr(a, b), abs=1e-6)
+
+
+def test_ssim_matches_scikit_image():
+    from skimage.metrics import structural_similarity
+
+    rng = np.random.default_rng(0)
+    a = _rand_images(2, n=1)[0]
+    b = np.clip(a.astype(int) + rng.integers(-30, 30, a.shape), 0, 255).astype(np.uint8)
+    ref = structural_similarity(a, b, data_range=255, channel_axis=-1, gaussian_weights=True,
+                                sigma=1.5, use_sample_covariance=False)
+    assert ssim(a, b) == pytest.approx(ref, abs=2e-3)
+    assert ssim(a, a) == pytest.approx(1.0)
+
+
+def test_codebook_stats_and_agreement():
+    counts = code_counts(torch.tensor([[0, 1], [0, 1]]), 4)
+    assert counts.tolist() == [2, 2, 0, 0]
+    s = codebook_stats(counts)
+    assert s["utilization"] == 0.5 and s["used_codes"] == 2 and s["positions"] == 4
+    assert s["entropy_bits"] == pytest.approx(1.0) and s["perplexity"] == pytest.approx(2.0)
+    assert s["max_entropy_bits"] == 2.0
+    assert codebook_stats(torch.zeros(8, dtype=torch.int64))["utilization"] == 0.0
+    assert index_agreement(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 0, 4])) == 0.75
+    with pytest.raises(ValueError, match="shapes differ"):
+        index_agreement(torch.zeros(3), torch.zeros(4))
+
+
+def test_baseline_is_exact_on_flat_images_and_lossy_on_detail():
+    flat = np.full((1, 32, 32, 3), 77, np.uint8)
+    assert torch.equal(downsample_bicubic_baseline(torch.from_numpy(flat), 8), torch.from_numpy(flat))
+    noisy = torch.from_numpy(_rand_images(3, n=1, h=32, w=32))
+    assert psnr(noisy, downsample_bicubic_baseline(noisy, 8)) < 15
+
+
+def test_eval_json_has_the_fields(tiny_checkpoint, tmp_path, capsys):
+    from vqserve.cli import main
+
+    for i, img in enumerate(_rand_images(4, n=2, h=40, w=48)):
+        Image.fromarray(img).save(tmp_path / f"im{i}.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["eval", "--model", tiny_checkpoint, "--images", str(tmp_path), "--json"]) == 0
+    assert any("skipping unreadable image" in str(w.message) for w in caught)
+    r = json.loads(capsys.readouterr().out)
+    for key in ("psnr", "baseline_psnr", "ssim", "utilization", "entropy_bits", "perplexity",
+                "agreement", "codebook", "per_image", "images", "factor", "codebook_size"):
+        assert key in r, key
+    assert r["images"] == 2 and r["skipped_images"] == 1 and r["factor"] == 8
+    assert set(r["agreement"]) == {"bf16", "fp16"}
+    assert all(0.0 <= v <= 1.0 for v in r["agreement"].values())
+    assert r["codebook"]["positions"] == 2 * 5 * 6
+    assert 0 < r["utilization"] <= 1 and r["entropy_bits"] >= 0
+    assert {"psnr", "ssim", "agreement_bf16", "agreement_fp16"} <= set(r["per_image"][0])
+
+
+def test_eval_table_on_terminal(tiny_checkpoint, tmp_path, capsys):
+    from vqserve.cli import main
+
+    Image.fromarray(_rand_images(5, n=1, h=32, w=32)[0]).save(tmp_path / "a.png")
+    assert main(["eval", "--model", tiny_checkpoint, "--images", str(tmp_path),
+                 "--precisions", "bf16"]) == 0
+    out = capsys.readouterr().out
+    for text in ("PSNR (fp32 eager)", "SSIM", "codebook utilization", "entropy",
+                 "bf16 vs fp32 index agreement", "baseline"):
+        assert text in out
+    assert "fp16 vs fp32" not in out
+
+
+def test_eval_rejects_bad_arguments(tiny_checkpoint, tmp_path, capsys):
+    from vqserve.cli import main
+
+    assert main(["eval", "--model", tiny_checkpoint, "--images", str(tmp_path)]) == 2
+    assert "no readable images" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path / "nope"), "--images", str(tmp_path)]) == 2
+
+
+@pytest.mark.skipif(not default_tokenizer_available(),
+                    reason="model/default/{config.json,model.safetensors} is absent in this checkout; "
+                           "train it with `vqserve train --config configs/default.yaml`")
+def test_shipped_default_round_trips_a_real_photograph():
+    from skimage import data
+
+    from vqserve.model.data import center_crop_multiple
+
+    tok = load_tokenizer("default")
+    assert tok.factor == 8 and tok.codebook_size >= 4096 and tok.config.quantizer == "fsq"
+    img = center_crop_multiple(data.chelsea(), 8)  # a validation photograph: never trained on
+    batch = torch.from_numpy(img)[None]
+    idx = tok.encode(batch)
+    assert idx.shape == (1, img.shape[0] // 8, img.shape[1] // 8)
+    assert int(idx.min()) >= 0 and int(idx.max()) < tok.codebook_size
+    recon = tok.decode(idx)
+    assert recon.shape == batch.shape and recon.dtype == torch.uint8
+    value = psnr(batch, recon)
+    assert value > DEFAULT_CHELSEA_PSNR_FLOOR, value
+    # and the serving path is deterministic: the same photograph gives the same tokens
+    assert torch.equal(tok.encode(batch), idx)

@@ -1,0 +1,258 @@
+"""The training loop: each precision trains and round-trips its checkpoint; resume; the policy.
+
+All runs are real (real networks, real optimizer, real files) and tiny: 8-channel
+factor-8 tokenizers on 16x16 crops of a few synthetic photographs, a few seconds each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from vqserve.model import load_tokenizer
+from vqserve.model.training import (
+    TrainConfig,
+    Trainer,
+    boundary_distance,
+    load_config_file,
+    lr_at,
+    margin_loss,
+    read_metrics,
+)
+
+TINY_MODEL = {"quantizer": "fsq", "levels": [8, 5, 5, 5], "channels": [8, 8, 8], "num_res_blocks": 1}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny convolutions on a shared 2-core box run far faster on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    """Three smooth 48x48 'photographs': gradients plus a few soft blobs."""
+    root = tmp_path_factory.mktemp("imgs")
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:48, 0:48].astype(np.float64)
+    for i in range(3):
+        img = np.zeros((48, 48, 3))
+        for c in range(3):
+            a, b = rng.uniform(-3, 3, 2)
+            img[..., c] = 128 + a * (xx - 24) + b * (yy - 24)
+            for _ in range(3):
+                cy, cx = rng.uniform(0, 48, 2)
+                img[..., c] += rng.uniform(-80, 80) * np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / 60)
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / f"img{i}.png")
+    return str(root)
+
+
+def tiny_config(image_dir: str, out, **overrides) -> TrainConfig:
+    base = dict(data=image_dir, val_data=image_dir, crop_size=16, batch_size=4, val_crop_size=16,
+                steps=12, lr=1e-2, warmup_steps=0, lr_schedule="constant", log_every=2,
+                val_every=12, ckpt_every=4, ckpt_minutes=0, model=dict(TINY_MODEL),
+                out=str(out), progress=False, plots=False, seed=0)
+    return TrainConfig(**{**base, **overrides})
+
+
+def _weights(tok) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tok.state_dict().items()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_tiny_run_lowers_loss_and_checkpoint_reloads_identically(precision, image_dir, tmp_path):
+    trainer = Trainer(tiny_config(image_dir, tmp_path / "run", precision=precision))
+    seen: list[torch.dtype] = []
+    hook = trainer.tokenizer.encoder.conv_in.register_forward_hook(
+        lambda m, i, o: seen.append(o.dtype) if m.training else None)
+    summary = trainer.run()
+    hook.remove()
+    assert summary["step"] == 12
+
+    # the networks really ran in the compute dtype (autocast), the policy's choice
+    expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert seen and set(seen) == {expected}
+
+    vals = [h["val_psnr"] for h in trainer.history if "val_psnr" in h]
+    assert len(vals) == 2 and vals[-1] > vals[0] + 1.0, vals  # validation loss went down
+    losses = [h["loss"] for h in trainer.history if "loss" in h]
+    assert losses[-1] < losses[0]
+    assert all(np.isfinite(losses))
+
+    # final/ and last/tokenizer reload to exactly the trained module's outputs
+    tiles = trainer.val_tiles
+    ref_idx = trainer.tokenizer.eval().encode(tiles)
+    ref_img = trainer.tokenizer.decode(ref_idx)
+    for path in (tmp_path / "run" / "final", tmp_path / "run" / "last" / "tokenizer"):
+        loaded = load_tokenizer(path)
+        assert torch.equal(loaded.encode(tiles), ref_idx)
+        assert torch.equal(loaded.decode(ref_idx), ref_img)
+        x = tiles.permute(0, 3, 1, 2).float() / 127.5 - 1
+        with torch.no_grad():
+            assert torch.equal(loaded(x)[0], trainer.tokenizer(x)[0])
+    state = json.loads((tmp_path / "run" / "last" / "state.json").read_text())
+    assert state["step"] == 12
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_bf16_uses_no_grad_scaler_and_fp16_does(image_dir, tmp_path):
+    bf = Trainer(tiny_config(image_dir, tmp_path / "bf", precision="bf16", steps=2, val_every=0))
+    fp = Trainer(tiny_config(image_dir, tmp_path / "fp", precision="fp16", steps=2, val_every=0))
+    assert not bf.policy.use_grad_scaler and fp.policy.use_grad_scaler
+    assert not bf.scaler.is_enabled() and fp.scaler.is_enabled()
+    bf.train_step(0)
+    fp.train_step(0)
+    # a disabled scaler holds no scale state at all; the fp16 one scaled the loss
+    assert getattr(bf.scaler, "_scale", None) is None and bf.scaler.state_dict() == {}
+    assert fp.scaler._scale is not None and fp.scaler.get_scale() > 1.0
+    fp.step = 1
+    fp.save_checkpoint()
+    saved = json.loads((tmp_path / "fp" / "last" / "state.json").read_text())
+    assert saved["optimizer"]["scaler"]["scale"] == fp.scaler.get_scale()
+    # the quantizer computed in fp32 even under fp16 autocast: indices match an fp32 re-run
+    # of the same latents
+    x = fp.crops.batch(0)
+    with torch.no_grad(), fp.policy.autocast("cpu"):
+        lat = fp.tokenizer.encode_latents(x)
+        _, idx = fp.tokenizer.quantize(lat)
+    _, idx32 = fp.tokenizer.quantize(lat.float())
+    assert torch.equal(idx, idx32)
+
+
+def test_resume_after_interruption_matches_an_uninterrupted_run(image_dir, tmp_path):
+    kwargs = dict(steps=8, ckpt_every=3, val_every=4, log_every=1, margin=0.1, margin_weight=0.1,
+                  quant_noise=0.05, lr_schedule="cosine", warmup_steps=2)
+    full = Trainer(tiny_config(image_dir, tmp_path / "full", **kwargs))
+    full.run()
+
+    cfg = tiny_config(image_dir, tmp_path / "killed", **kwargs)
+    first = Trainer(cfg)
+    assert first.run(stop_at=5) == {"step": 5, "interrupted": True}  # killed after step 5
+    assert json.loads((tmp_path / "killed" / "last" / "state.json").read_text())["step"] == 3
+
+    resumed = Trainer(cfg, resume=True)
+    assert resumed.step == 3  # lost at most one checkpoint interval
+    assert resumed.run()["step"] == 8
+    for k, v in _weights(full.tokenizer).items():
+        torch.testing.assert_close(resumed.tokenizer.state_dict()[k], v, rtol=0, atol=1e-6, msg=k)
+    steps = [r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 9))  # the lost steps 4-5 were dropped, not duplicated
+
+
+def test_resume_without_checkpoint_starts_fresh_and_mismatch_is_refused(image_dir, tmp_path):
+    assert Trainer(tiny_config(image_dir, tmp_path / "r", steps=2), resume=True).step == 0
+    Trainer(tiny_config(image_dir, tmp_path / "r", steps=2)).run()
+    other = dict(TINY_MODEL, levels=[5, 5, 5])
+    with pytest.raises(ValueError, match="--resume"):
+        Trainer(tiny_config(image_dir, tmp_path / "r", steps=4, model=other), resume=True)
+
+
+def test_checkpoint_has_no_pickle(image_dir, tmp_path):
+    trainer = Trainer(tiny_config(image_dir, tmp_path / "p", steps=1, val_every=0))
+    trainer.train_step(0)
+    trainer.step = 1
+    last = trainer.save_checkpoint()
+    files = sorted(p.relative_to(last).as_posix() for p in last.rglob("*") if p.is_file())
+    assert files == ["optimizer.safetensors", "state.json", "tokenizer/config.json",
+                     "tokenizer/model.safetensors"]
+    opt = load_file(str(last / "optimizer.safetensors"))
+    assert any(k.endswith(".exp_avg") for k in opt) and any(k.endswith(".exp_avg_sq") for k in opt)
+    assert not list(tmp_path.glob("p/.last*"))  # no temp directory left behind
+
+
+def test_cli_train_with_config_file_and_overrides(image_dir, tmp_path, capsys):
+    from vqserve.cli import main
+
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(
+        f"data: {image_dir}\nval_data: {image_dir}\ncrop_size: 16\nbatch_size: 2\nval_crop_size: 16\n"
+        "steps: 50\nwarmup_steps: 0\nlog_every: 1\nval_every: 0\nckpt_every: 2\n"
+        "model:\n  levels: [8, 5, 5, 5]\n  channels: [8, 8, 8]\n")
+    out = tmp_path / "cli"
+    argv = ["train", "--config", str(cfg_file), "--steps", "2", "--out", str(out), "--no-progress",
+            "--precision", "bf16", "--lr", "0.003", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step"] == 2
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["precision"] == "bf16" and saved["lr"] == 0.003 and saved["steps"] == 2
+    assert saved["model"]["channels"] == [8, 8, 8]
+    # --resume with more steps continues from step 2
+    assert main(argv[:-1] + ["--steps", "3", "--resume"]) == 0
+    assert "trained 3 steps" in capsys.readouterr().out
+    # --factor trims/extends the widths
+    from vqserve.commands.train import build_config
+
+    ns = argparse.Namespace(**{k: None for k in ["data", "val_data", "crop_size", "batch_size", "steps",
+                                                 "lr", "lr_schedule", "warmup_steps", "margin",
+                                                 "margin_weight", "quant_noise", "precision", "device",
+                                                 "threads", "seed", "out", "val_every", "ckpt_every",
+                                                 "ckpt_minutes", "log_every", "quantizer", "levels",
+                                                 "num_res_blocks", "margin_start", "margin_ramp",
+                                                 "sampling"]},
+                            config=str(cfg_file), channels=[8, 16], factor=16, no_progress=True)
+    assert build_config(ns).tokenizer_config().factor == 16
+
+
+def test_bad_configs_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown training config keys"):
+        TrainConfig.from_dict({"stepz": 3})
+    with pytest.raises(ValueError, match="multiple of the factor"):
+        TrainConfig(crop_size=20)
+    with pytest.raises(ValueError, match="not supported"):
+        TrainConfig(precision="fp8")
+    f = tmp_path / "c.yaml"
+    f.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config_file(f)
+    assert TrainConfig.from_dict({"levels": [5, 5, 5], "crop_size": 32}).model["levels"] == [5, 5, 5]
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(cfg, 0) == pytest.approx(1e-4)
+    assert lr_at(cfg, 9) == pytest.approx(1e-3)
+    assert lr_at(cfg, 10) == pytest.approx(1e-3)
+    assert lr_at(cfg, 100) == pytest.approx(1e-4)
+    assert all(lr_at(cfg, s) >= lr_at(cfg, s + 1) for s in range(10, 100))
+
+
+def test_margin_loss_pushes_latents_away_from_boundaries():
+    b = torch.tensor([0.0, 0.49, 0.5, 1.3, -2.45, 2.95])
+    torch.testing.assert_close(boundary_distance(b), torch.tensor([0.5, 0.01, 0.0, 0.2, 0.05, 0.45]))
+    assert float(margin_loss(torch.tensor([0.0, 1.0, -2.9, 3.0]), 0.1)) == 0.0
+    x = torch.tensor([0.45, -1.55], requires_grad=True)
+    margin_loss(x, 0.1).backward()
+    # descent moves 0.45 down towards 0 and -1.55 down towards -2: both away from a boundary
+    assert x.grad[0] > 0 and x.grad[1] > 0
+
+
+def test_robust_quantize_path_matches_fsq_exactly_when_inactive(image_dir, tmp_path):
+    """Before margin_start the margin path must train exactly like plain FSQ (same loss and
+    gradients), including latents saturated past the outermost level."""
+    model = dict(TINY_MODEL, levels=[8, 8, 8, 6, 5])
+    plain = Trainer(tiny_config(image_dir, tmp_path / "a", model=model, val_every=0))
+    robust = Trainer(tiny_config(image_dir, tmp_path / "b", model=model, val_every=0,
+                                 margin=0.1, margin_weight=0.1, margin_start=0.9))
+    robust.tokenizer.load_state_dict(plain.tokenizer.state_dict())
+    with torch.no_grad():
+        for t in (plain, robust):
+            t.tokenizer.encoder.conv_out.weight.mul_(50)  # drive latents into saturation
+    x = plain.crops.batch(0)
+    results = []
+    for t in (plain, robust):
+        loss, parts, recon, idx = t._forward_losses(x, 0)
+        loss.backward()
+        results.append((loss.detach(), recon, idx))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][2], results[1][2])
+    for p, q in zip(plain.tokenizer.parameters(), robust.tokenizer.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
