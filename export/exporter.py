@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from vqserve.export.manifest import MANIFEST_NAME, file_entries, write_manifest
+from vqserve.model.atomic import atomic_directory
 
 FORMATS = ("torchscript", "onnx", "pt2")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -90,16 +89,6 @@ def _prepare_out(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.PathLike, *,
                  min_agreement: float | None = None, device: str = "cpu",
                  parity_size: int = 128, parity_count: int | None = None, opset: int | None = None,
@@ -132,8 +121,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
     if parity_size % cfg.factor:
         raise ValueError(f"parity image size {parity_size} must be a multiple of the factor {cfg.factor}")
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:  # renamed into place only if every check passes
         say(f"building {dtype} graphs (quantizer in fp32) on {device}")
         enc, dec = wrappers.build_graphs(tok, dtype, device, fp32_head)
         fp32_layers = [wrappers.FP32_HEAD] if enc.fp32_head else []
@@ -210,9 +198,4 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
         if dec_psnr != "inf" and dec_psnr < min_decode_psnr:
             raise ParityError(decode_message(fmt, dtype, parity, min_decode_psnr))
         write_manifest(tmp, manifest)
-        _replace_dir(tmp, out)
-        tmp = None
-        return manifest
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return manifest

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from vqserve.model.atomic import atomic_directory
 from vqserve.model.config import TokenizerConfig
 from vqserve.model.tokenizer import Tokenizer
 
@@ -37,28 +36,13 @@ def default_tokenizer_available() -> bool:
 def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, extra: dict | None = None) -> Path:
     """Save atomically. ``extra`` (e.g. training metadata) is stored under ``"meta"``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     config = tokenizer.config.to_dict()
     if extra:
         config["meta"] = extra
     state = {k: v.detach().to("cpu").contiguous() for k, v in tokenizer.state_dict().items()}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint is shared like any dir
-    try:
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_directory(path) as staged:
+        (staged / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, str(staged / WEIGHTS_NAME), metadata={"format": "pt"})
     return path
 
 

@@ -46,6 +46,38 @@ def float_to_pixels(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
+def check_spatial(h: int, w: int, factor: int) -> None:
+    if h == 0 or w == 0 or h % factor or w % factor:
+        raise ValueError(
+            f"image height and width must be positive multiples of the downsampling factor {factor}, "
+            f"got {h}x{w}"
+        )
+
+
+def check_image_batch(shape: tuple, is_uint8: bool, dtype_name: str, factor: int, hint: str = "") -> None:
+    """The rules for a pixel batch, shared by the eager model and every exported runtime."""
+    if len(shape) != 4:
+        raise ValueError(f"images must have rank 4 [B,H,W,3], got shape {shape}")
+    if shape[-1] != 3:
+        raise ValueError(f"images must have 3 channels last [B,H,W,3], got shape {shape}")
+    if not is_uint8:
+        raise ValueError(f"images must be uint8, got {dtype_name}{hint}")
+    if shape[0] == 0:
+        raise ValueError("images is an empty batch (B=0)")
+    check_spatial(shape[1], shape[2], factor)
+
+
+def check_index_shape(shape: tuple, codes_per_position: int) -> None:
+    """``[B,h,w]`` (``[B,h,w,Q]`` for residual quantizers), nothing empty."""
+    q = codes_per_position
+    rank = 3 if q == 1 else 4
+    shape_txt = "[B,h,w]" if q == 1 else f"[B,h,w,{q}]"
+    if len(shape) != rank or (q > 1 and shape[-1] != q):
+        raise ValueError(f"indices must have shape {shape_txt}, got shape {shape}")
+    if 0 in shape[:3]:
+        raise ValueError(f"indices is empty, got shape {shape}")
+
+
 class Tokenizer(nn.Module):
     def __init__(self, config: TokenizerConfig):
         super().__init__()
@@ -113,34 +145,16 @@ class Tokenizer(nn.Module):
     # -- uint8 serving paths -------------------------------------------------------------
     def check_images(self, images) -> torch.Tensor:
         images = _as_tensor(images, "images")
-        if images.ndim != 4:
-            raise ValueError(f"images must have rank 4 [B,H,W,3], got shape {tuple(images.shape)}")
-        if images.shape[-1] != 3:
-            raise ValueError(f"images must have 3 channels last [B,H,W,3], got shape {tuple(images.shape)}")
-        if images.dtype != torch.uint8:
-            raise ValueError(f"images must be uint8, got {images.dtype} (use encode_float for float pixels)")
-        if images.shape[0] == 0:
-            raise ValueError("images is an empty batch (B=0)")
-        self._check_spatial(images.shape[1], images.shape[2])
+        check_image_batch(tuple(images.shape), images.dtype == torch.uint8, str(images.dtype),
+                          self.factor, hint=" (use encode_float for float pixels)")
         return images
 
     def _check_spatial(self, h: int, w: int) -> None:
-        f = self.factor
-        if h == 0 or w == 0 or h % f or w % f:
-            raise ValueError(
-                f"image height and width must be positive multiples of the downsampling factor {f}, "
-                f"got {h}x{w}"
-            )
+        check_spatial(h, w, self.factor)
 
     def check_indices(self, indices) -> torch.Tensor:
         indices = _as_tensor(indices, "indices")
-        q = self.config.codes_per_position
-        rank = 3 if q == 1 else 4
-        shape_txt = "[B,h,w]" if q == 1 else f"[B,h,w,{q}]"
-        if indices.ndim != rank or (q > 1 and indices.shape[-1] != q):
-            raise ValueError(f"indices must have shape {shape_txt}, got shape {tuple(indices.shape)}")
-        if indices.shape[0] == 0 or indices.shape[1] == 0 or indices.shape[2] == 0:
-            raise ValueError(f"indices is empty, got shape {tuple(indices.shape)}")
+        check_index_shape(tuple(indices.shape), self.config.codes_per_position)
         self.quantizer.check_indices(indices)
         return indices
 

@@ -33,9 +33,7 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +42,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from vqserve.model.atomic import atomic_directory
 from vqserve.model.checkpoint import load_tokenizer, save_tokenizer
 from vqserve.model.config import TokenizerConfig
 from vqserve.model.evaluation import code_counts, codebook_stats, psnr
@@ -357,25 +356,13 @@ class Trainer:
         """Write ``out/last`` atomically: a temp directory renamed over the old one."""
         self.out.mkdir(parents=True, exist_ok=True)
         final = self.out / "last"
-        tmp = Path(tempfile.mkdtemp(prefix=".last.", dir=self.out))
-        try:
-            save_tokenizer(self.tokenizer, tmp / "tokenizer", extra=self._meta())
+        with atomic_directory(final) as staged:
+            save_tokenizer(self.tokenizer, staged / "tokenizer", extra=self._meta())
             tensors, opt_json = self._optimizer_tensors()
-            save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+            save_file(tensors, str(staged / "optimizer.safetensors"), metadata={"format": "pt"})
             state = {"step": self.step, "elapsed_seconds": self.elapsed, "optimizer": opt_json,
                      "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
-            (tmp / "state.json").write_text(json.dumps(state) + "\n")
-            old = None
-            if final.exists():
-                old = self.out / f".last.old-{os.getpid()}"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            (staged / "state.json").write_text(json.dumps(state) + "\n")
         return final
 
     def _meta(self) -> dict:

@@ -36,3 +36,12 @@ def photos() -> np.ndarray:
         h, w = img.shape[:2]
         crops.append(img[h // 2 - 32 : h // 2 + 32, w // 2 - 32 : w // 2 + 32, :3])
     return np.stack(crops).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny convolutions on a shared 2-core box run far faster on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -6,7 +6,6 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from vqserve.model.data import (
@@ -20,14 +19,7 @@ from vqserve.model.data import (
     tile_crops,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny convolutions on a shared 2-core box run far faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _photo(seed: int, h: int = 40, w: int = 56) -> np.ndarray:

@@ -27,13 +27,7 @@ from vqserve.model.evaluation import (
 DEFAULT_CHELSEA_PSNR_FLOOR = 22.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny convolutions on a shared 2-core box run far faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rand_images(seed: int, n: int = 2, h: int = 48, w: int = 40) -> np.ndarray:

@@ -29,13 +29,7 @@ from vqserve.model.training import (
 TINY_MODEL = {"quantizer": "fsq", "levels": [8, 5, 5, 5], "channels": [8, 8, 8], "num_res_blocks": 1}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny convolutions on a shared 2-core box run far faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
