@@ -35,6 +35,8 @@ class FSQ(Fp32StateModule):
         self.levels = levels
         self.dim = len(levels)
         self.codebook_size = math.prod(levels)
+        if self.codebook_size >= 2**31:
+            raise ValueError(f"FSQ codebook of {self.codebook_size} codes is too large (limit 2**31)")
         basis = [1]
         for level in levels[:-1]:
             basis.append(basis[-1] * level)
@@ -69,11 +71,17 @@ class FSQ(Fp32StateModule):
         orig_dtype = z.dtype
         with fp32_island(z.device.type):
             bounded = self.bound(to_fp32(z))
-            rounded = round_ste(bounded)  # integers in [-(L//2), (L-1)//2], fp32
-            half_width = self._half_width()
-            codes = rounded / half_width.to(torch.float32)
-            level_indices = rounded.detach().to(torch.int64) + half_width
-            indices = self.level_indices_to_indices(level_indices)
+            # integers in [-(L//2), (L-1)//2], held in fp32; the straight-through estimator
+            # only where a gradient can flow (it costs two full passes over the latents)
+            needs_grad = torch.is_grad_enabled() and z.requires_grad
+            rounded = round_ste(bounded) if needs_grad else bounded.round()
+            half_width = self._half_width().to(torch.float32)
+            codes = rounded / half_width
+            # level indices are small exact integers; the mixed-radix sum runs in int32
+            # (codebook_size < 2**31, checked in __init__) and is widened once at the end
+            level_indices = (rounded.detach() + half_width).to(torch.int32)
+            indices = (level_indices * self._basis.to(torch.int32)).sum(dim=-1, dtype=torch.int32)
+            indices = indices.to(torch.int64)
         codes = codes.to(orig_dtype)
         if return_aux:
             return codes, indices, {}
