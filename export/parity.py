@@ -12,9 +12,8 @@ Measured at export time and stored in ``manifest.json``:
 
 Validation photos: the validation split of the training data (``chelsea`` and ``coffee``
 from scikit-image, never trained on), cut into the same fixed, non-overlapping, centred
-tiles the trainer validates on (18 tiles of 128x128). ``vqserve.model.data`` is training
-code, which export must not import (import-linter contract), so the split is mirrored
-here and a test keeps the two equal.
+tiles the trainer validates on (18 tiles of 128x128): both take the split and the tiling
+from ``vqserve.model.photos``.
 """
 
 from __future__ import annotations
@@ -23,31 +22,10 @@ import math
 
 import numpy as np
 
-# mirrors vqserve.model.data.BUILTIN_VAL (tests/test_export_parity.py keeps them equal)
-VALIDATION_PHOTOS = ("chelsea", "coffee")
+from vqserve.model.evaluation import psnr
+from vqserve.model.photos import BUILTIN_VAL, load_builtin_photo, tile_grid
 
-
-def _load_photo(name: str) -> np.ndarray:
-    try:
-        from skimage import data
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "parity at export time needs scikit-image's sample photographs: "
-            "pip install 'vqserve[export]' (or scikit-image)"
-        ) from exc
-    img = np.asarray(getattr(data, name)())
-    if img.ndim == 2:
-        img = np.repeat(img[:, :, None], 3, axis=2)
-    return np.ascontiguousarray(img[..., :3]).astype(np.uint8)
-
-
-def _tiles(img: np.ndarray, size: int) -> list[np.ndarray]:
-    """Non-overlapping centred ``size`` tiles, row-major (as model.data.tile_crops)."""
-    h, w = img.shape[:2]
-    ny, nx = h // size, w // size
-    y0, x0 = (h - ny * size) // 2, (w - nx * size) // 2
-    return [img[y0 + i * size : y0 + (i + 1) * size, x0 + j * size : x0 + (j + 1) * size]
-            for i in range(ny) for j in range(nx)]
+VALIDATION_PHOTOS = BUILTIN_VAL
 
 
 def validation_photos(size: int = 128, count: int | None = None) -> tuple[np.ndarray, dict]:
@@ -56,7 +34,7 @@ def validation_photos(size: int = 128, count: int | None = None) -> tuple[np.nda
     ``count`` None (or 0): every tile, in photo order (what the trainer validates on).
     Otherwise ``count`` tiles taken round-robin across the photos, so each is represented.
     """
-    per_photo = [_tiles(_load_photo(name), size) for name in VALIDATION_PHOTOS]
+    per_photo = [tile_grid(load_builtin_photo(name), size) for name in VALIDATION_PHOTOS]
     if not count:
         tiles = [t for ts in per_photo for t in ts]
     else:
@@ -73,11 +51,6 @@ def validation_photos(size: int = 128, count: int | None = None) -> tuple[np.nda
     info = {"source": "skimage.data", "photos": list(VALIDATION_PHOTOS), "split": "val",
             "tiles": "non-overlapping centred grid", "count": int(batch.shape[0]), "size": size}
     return batch, info
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
 def _finite(x: float) -> float | str:

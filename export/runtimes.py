@@ -154,9 +154,8 @@ class OnnxRuntime(ArtifactRuntime):
 
         if device == "auto":
             device = default_onnx_device()
-        manifest = read_manifest(Path(artifact_dir))
-        self.providers = onnx_providers(device if device != "auto" else "cpu", manifest["dtype"])
         super().__init__(artifact_dir, device, dtype, verify)
+        self.providers = onnx_providers(self.device, self.manifest["dtype"])
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
@@ -166,14 +165,14 @@ class OnnxRuntime(ArtifactRuntime):
         self.decoder = ort.InferenceSession(str(self.dir / self.manifest["decode"]), opts,
                                             providers=self.providers)
         self.info.extra["providers"] = self.encoder.get_providers()
-        if manifest["dtype"] == "fp16" and self.providers[0] == "CPUExecutionProvider":
+        if self.manifest["dtype"] == "fp16" and self.providers[0] == "CPUExecutionProvider":
             self.info.extra["note"] = (
                 "CPUExecutionProvider runs this fp16 graph in fp32 (it inserts casts): "
                 "results are not fp16 results"
             )
 
     def _resolve_device(self, device: str) -> str:
-        return device  # the provider check already ran; torch need not see the GPU
+        return device  # onnx_providers checks it; torch need not see the GPU
 
     def _encode(self, images: np.ndarray) -> np.ndarray:
         return self.encoder.run(None, {"images": images})[0]

@@ -25,50 +25,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
-
-# The fixed split of the scikit-image photographs. Validation photographs are never
-# seen in training; the two stereo_motorcycle views (near-duplicates) are both in train.
-BUILTIN_TRAIN: tuple[str, ...] = (
-    "astronaut", "rocket", "hubble_deep_field", "immunohistochemistry", "retina",
-    "stereo_motorcycle_left", "stereo_motorcycle_right",
-    # grayscale photographs / textures, repeated to RGB
-    "camera", "brick", "grass", "gravel", "moon", "clock", "coins",
+from vqserve.model.photos import (  # noqa: F401 - re-exported: the data API in one place
+    BUILTIN_TRAIN,
+    BUILTIN_VAL,
+    DataError,
+    load_builtin_photo,
+    tile_grid,
+    to_rgb_uint8,
 )
-BUILTIN_VAL: tuple[str, ...] = ("chelsea", "coffee")
 
-
-class DataError(ValueError):
-    """No usable images (empty folder, every file corrupt, unknown source)."""
-
-
-def _to_rgb_uint8(img: np.ndarray) -> np.ndarray:
-    img = np.asarray(img)
-    if img.dtype == bool:
-        img = img.astype(np.uint8) * 255
-    if img.dtype != np.uint8:
-        img = np.clip(img, 0, 255).astype(np.uint8)
-    if img.ndim == 2:
-        img = np.repeat(img[:, :, None], 3, axis=2)
-    if img.ndim != 3:
-        raise ValueError(f"expected an image [H,W] or [H,W,C], got shape {img.shape}")
-    if img.shape[2] == 1:
-        img = np.repeat(img, 3, axis=2)
-    return np.ascontiguousarray(img[:, :, :3])
-
-
-def load_builtin_photo(name: str) -> np.ndarray:
-    """One scikit-image photograph by name, as uint8 RGB ``[H,W,3]``."""
-    from skimage import data as skdata  # training-only dependency, imported on demand
-
-    if name.startswith("stereo_motorcycle_"):
-        left, right, _ = skdata.stereo_motorcycle()
-        return _to_rgb_uint8(left if name.endswith("left") else right)
-    loader = getattr(skdata, name, None)
-    if loader is None:
-        raise DataError(f"skimage.data has no photograph {name!r}")
-    return _to_rgb_uint8(loader())
-
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 
 @dataclass
 class ImageSource:
@@ -110,7 +76,7 @@ def read_image(path: str | os.PathLike) -> np.ndarray:
 
     with Image.open(path) as im:
         im.load()
-        return _to_rgb_uint8(np.asarray(im.convert("RGB")))
+        return to_rgb_uint8(np.asarray(im.convert("RGB")))
 
 
 def image_folder(root: str | os.PathLike, min_size: int = 1) -> ImageSource:
@@ -209,13 +175,7 @@ def tile_crops(images: Sequence[np.ndarray], size: int, max_per_image: int | Non
     """Fixed non-overlapping ``size x size`` tiles (centred grid) of each image: uint8 NHWC."""
     tiles = []
     for img in images:
-        h, w = img.shape[:2]
-        ny, nx = h // size, w // size
-        if ny == 0 or nx == 0:
-            continue
-        y0, x0 = (h - ny * size) // 2, (w - nx * size) // 2
-        found = [img[y0 + i * size : y0 + (i + 1) * size, x0 + j * size : x0 + (j + 1) * size]
-                 for i in range(ny) for j in range(nx)]
+        found = tile_grid(img, size)
         tiles.extend(found[:max_per_image] if max_per_image else found)
     if not tiles:
         raise DataError(f"no image is at least {size}x{size}; cannot cut validation crops")

@@ -18,7 +18,12 @@ import collections
 import threading
 
 import numpy as np
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from vqserve.model.evaluation import codebook_stats
 
 # Requests take 1 ms .. 10 s.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -61,18 +66,35 @@ class CodebookUsage:
 
     def stats(self) -> dict:
         with self._lock:
-            counts = self._counts.copy()
-            total = self._total
-        if total == 0:
-            return {"usage": 0.0, "entropy_bits": 0.0, "perplexity": 0.0, "tokens": 0}
-        p = counts[counts > 0] / total
-        entropy = float(-(p * np.log2(p)).sum())
-        return {
-            "usage": float((counts > 0).sum() / self.codebook_size),
-            "entropy_bits": entropy,
-            "perplexity": float(2.0 ** entropy),
-            "tokens": int(total),
-        }
+            counts = torch.from_numpy(self._counts.copy())
+        s = codebook_stats(counts)
+        return {"usage": s["utilization"], "entropy_bits": s["entropy_bits"],
+                "perplexity": s["perplexity"], "tokens": s["positions"]}
+
+
+class CodebookCollector(Collector):
+    """The codebook gauges, computed once per scrape (not once per gauge)."""
+
+    GAUGES = {
+        "usage": ("vqserve_codebook_usage_ratio",
+                  "Fraction of the codebook seen in the recent-token window."),
+        "entropy_bits": ("vqserve_codebook_entropy_bits",
+                         "Entropy (bits) of code frequencies in the window."),
+        "perplexity": ("vqserve_codebook_perplexity",
+                       "2**entropy: the effective number of codes in use."),
+        "tokens": ("vqserve_codebook_window_tokens", "Tokens in the codebook-usage window."),
+    }
+
+    def __init__(self, usage: dict[str, CodebookUsage]):
+        self.usage = usage
+
+    def collect(self):
+        stats = {method: tracker.stats() for method, tracker in self.usage.items()}
+        for key, (name, doc) in self.GAUGES.items():
+            family = GaugeMetricFamily(name, doc, labels=["method"])
+            for method, s in stats.items():
+                family.add_metric([method], s[key])
+            yield family
 
 
 class Metrics:
@@ -104,20 +126,7 @@ class Metrics:
 
     def set_codebook(self, codebook_size: int, window: int = 1 << 20) -> None:
         self.usage = {m: CodebookUsage(codebook_size, window) for m in ("encode", "decode")}
-        r = self.registry
-        gauges = {
-            "usage": Gauge("vqserve_codebook_usage_ratio",
-                           "Fraction of the codebook seen in the recent-token window.", ["method"], registry=r),
-            "entropy_bits": Gauge("vqserve_codebook_entropy_bits",
-                                  "Entropy (bits) of code frequencies in the window.", ["method"], registry=r),
-            "perplexity": Gauge("vqserve_codebook_perplexity",
-                                "2**entropy: the effective number of codes in use.", ["method"], registry=r),
-            "tokens": Gauge("vqserve_codebook_window_tokens",
-                            "Tokens in the codebook-usage window.", ["method"], registry=r),
-        }
-        for method, tracker in self.usage.items():
-            for stat, gauge in gauges.items():
-                gauge.labels(method).set_function(lambda t=tracker, s=stat: t.stats()[s])
+        self.registry.register(CodebookCollector(self.usage))
 
     def observe_batch(self, stats) -> None:
         """Observer for :class:`vqserve.serve.batcher.Batcher`."""
