@@ -254,7 +254,7 @@ class Trainer:
             fsq = isinstance(tok.quantizer, FSQ)
             robust = fsq and (cfg.margin_weight > 0 or cfg.quant_noise > 0)
             if robust:
-                # the FSQ forward re-done in the fp32 island, so the bounded latent is at hand
+                # FSQ in two halves, so the bounded latent is at hand for the margin and noise
                 with fp32_island(self.device.type):
                     z = latents.permute(0, 2, 3, 1).to(torch.float32)
                     bounded = tok.quantizer.bound(z)
@@ -263,15 +263,8 @@ class Trainer:
                         g = torch.Generator(device=self.device).manual_seed(cfg.seed * 7919 + step)
                         noise = (torch.rand(bounded.shape, generator=g, device=self.device) * 2 - 1)
                         noisy = bounded + noise * cfg.quant_noise
-                    half = tok.quantizer._half_width()
-                    lo = (-half).to(torch.float32)
-                    hi = (tok.quantizer._levels - 1 - half).to(torch.float32)
-                    # straight-through; the clamp only matters when noise pushed a latent past
-                    # the outermost level, and leaves gradients exactly as FSQ's own round_ste
-                    snapped = torch.maximum(torch.minimum(noisy.round(), hi), lo)
-                    rounded = noisy + (snapped - noisy).detach()
-                    codes = (rounded / half.to(torch.float32)).permute(0, 3, 1, 2)
-                    indices = tok.quantizer.level_indices_to_indices(rounded.detach().to(torch.int64) + half)
+                    codes, indices = tok.quantizer.quantize_bounded(noisy, clamp=cfg.quant_noise > 0)
+                    codes = codes.permute(0, 3, 1, 2)
                 aux = {}
             else:
                 codes, indices, aux = tok.quantize(latents, return_aux=True)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from vqserve.model.precision import Fp32StateModule, fp32_island
-from vqserve.model.quantizers.common import check_indices, check_last_dim, round_ste, to_fp32
+from vqserve.model.quantizers.common import check_indices, check_last_dim, to_fp32
 
 _EPS = 1e-3  # the same bound slack as vector-quantize-pytorch, so indices agree exactly
 
@@ -65,23 +65,36 @@ class FSQ(Fp32StateModule):
         indices = indices.to(torch.int64).unsqueeze(-1)
         return torch.remainder(torch.div(indices, self._basis, rounding_mode="floor"), self._levels)
 
+    def quantize_bounded(self, bounded: torch.Tensor, clamp: bool = False):
+        """fp32 pre-rounding latents (``bound``'s output) -> (fp32 codes, int64 indices).
+
+        The second half of ``forward``, public so training can perturb the bounded latent
+        (low-precision robustness noise) without re-implementing rounding and indexing.
+        ``clamp`` keeps a perturbed latent inside the outermost levels.
+        """
+        rounded = bounded.round()  # integers in [-(L//2), (L-1)//2], held in fp32
+        half_width = self._half_width().to(torch.float32)
+        if clamp:
+            top = self._levels.to(torch.float32) - 1 - half_width
+            rounded = torch.maximum(torch.minimum(rounded, top), -half_width)
+        # the straight-through estimator only where a gradient can flow (two full passes)
+        ste = rounded
+        if torch.is_grad_enabled() and bounded.requires_grad:
+            ste = bounded + (rounded - bounded).detach()
+        codes = ste / half_width
+        # level indices come from the exact rounded values (not the STE sum, whose fp32
+        # value need not be an exact integer); the mixed-radix sum runs in int32
+        # (codebook_size < 2**31, checked in __init__) and is widened once at the end
+        level_indices = (rounded + half_width).to(torch.int32)
+        indices = (level_indices * self._basis.to(torch.int32)).sum(dim=-1, dtype=torch.int32)
+        return codes, indices.to(torch.int64)
+
     # -- public API --------------------------------------------------------------------
     def forward(self, z: torch.Tensor, return_aux: bool = False):
         check_last_dim(z, self.dim, "FSQ")
         orig_dtype = z.dtype
         with fp32_island(z.device.type):
-            bounded = self.bound(to_fp32(z))
-            # integers in [-(L//2), (L-1)//2], held in fp32; the straight-through estimator
-            # only where a gradient can flow (it costs two full passes over the latents)
-            needs_grad = torch.is_grad_enabled() and z.requires_grad
-            rounded = round_ste(bounded) if needs_grad else bounded.round()
-            half_width = self._half_width().to(torch.float32)
-            codes = rounded / half_width
-            # level indices are small exact integers; the mixed-radix sum runs in int32
-            # (codebook_size < 2**31, checked in __init__) and is widened once at the end
-            level_indices = (rounded.detach() + half_width).to(torch.int32)
-            indices = (level_indices * self._basis.to(torch.int32)).sum(dim=-1, dtype=torch.int32)
-            indices = indices.to(torch.int64)
+            codes, indices = self.quantize_bounded(self.bound(to_fp32(z)))
         codes = codes.to(orig_dtype)
         if return_aux:
             return codes, indices, {}
