@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from vqserve.model.precision import QUANTIZER_DTYPE, parse_dtype
+from vqserve.model.tokenizer import float_to_pixels, pixels_to_float
 
 ISLAND = "island"  # the submodule name every graph check looks for
 
@@ -109,9 +110,8 @@ class EncodeGraph(nn.Module):
         self.island = Fp32Island(_quantizer_copy(tokenizer))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 exactly as Tokenizer.pixels_to_float, then cast explicitly
-        x = images.permute(0, 3, 1, 2).to(torch.float32) / 127.5 - 1.0
-        latents = self.encoder(x.to(self.dtype))
+        # the eager model's own normalisation (fp32), then an explicit cast
+        latents = self.encoder(pixels_to_float(images).to(self.dtype))
         return self.island(latents.permute(0, 2, 3, 1))
 
 
@@ -128,9 +128,7 @@ class DecodeGraph(nn.Module):
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         codes = self.island(indices).permute(0, 3, 1, 2)
         x = self.decoder(codes.to(self.dtype))  # border cast out of the island
-        # clamp and round in fp32 exactly as Tokenizer.float_to_pixels
-        x = ((x.to(torch.float32) + 1.0) * 127.5).clamp(0, 255).round()
-        return x.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return float_to_pixels(x)  # clamp and round in fp32, as the eager model does
 
 
 def build_graphs(tokenizer: nn.Module, dtype: str | torch.dtype = "fp32",
