@@ -11,6 +11,7 @@ opens from an artifact directory by its ``manifest.json``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+from vqserve.export.wrappers import default_fp32_head, keep_encoder_ends_fp32
 
 
 def index_dtype_for(codebook_size: int) -> np.dtype:
@@ -99,7 +102,13 @@ class EagerRuntime:
         device = resolve_device(device)
         torch_dtype = parse_dtype(dtype)
         path = resolve_model_path(model)
-        self.tokenizer = load_tokenizer(path, device=device).to(torch_dtype)
+        tokenizer = load_tokenizer(path, device=device)
+        # bf16: the same fp32 first/last encoder convolutions a bf16 export keeps (docs/EXPORT.md)
+        ends = default_fp32_head(torch_dtype)
+        fp32_encoder = copy.deepcopy(tokenizer.encoder) if ends else None
+        self.tokenizer = tokenizer.to(torch_dtype)
+        self.fp32_layers = (keep_encoder_ends_fp32(self.tokenizer.encoder, fp32_encoder, torch_dtype,
+                                                   head=True, stem=True) if ends else [])
         cfg = self.tokenizer.config
         self._index_dtype = index_dtype_for(cfg.codebook_size)
         self.info = RuntimeInfo(

@@ -82,22 +82,62 @@ class Fp32Head(nn.Module):
 
 
 FP32_HEAD = "encoder.conv_out"
+FP32_STEM = "encoder.conv_in"
+
+
+class Fp32Stem(nn.Module):
+    """The encoder's first convolution kept in fp32, fed the fp32 pixels directly.
+
+    Why: normalised uint8 pixels are not exact in bf16 (8-bit mantissa) and neither are
+    the first layer's weights; that first rounding, amplified by the rest of the encoder,
+    caused most of the bf16 token flips of the shipped default (bf16 agreement 98.21% with
+    the whole encoder in bf16, 99.23% with only this convolution in fp32, docs/EXPORT.md).
+    It is a few percent of the encoder's work. ``weight`` is exposed so the encoder's dtype
+    door casts its input to fp32, not to the compute dtype.
+    """
+
+    def __init__(self, conv: nn.Module, out_dtype: torch.dtype):
+        super().__init__()
+        self.conv = conv.float()
+        self.out_dtype = out_dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.conv.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.to(torch.float32)).to(self.out_dtype)
 
 
 def default_fp32_head(dtype: str | torch.dtype) -> bool:
-    """Keep the final projection in fp32 where it measurably helps: bf16 (8-bit mantissa).
-    For fp16 it made no difference, so the whole encoder stays fp16."""
+    """Keep the final projection (and the first convolution) in fp32 where it measurably
+    helps: bf16 (8-bit mantissa). For fp16 it made no difference, so the whole encoder stays
+    fp16."""
     return parse_dtype(dtype) == torch.bfloat16
+
+
+def keep_encoder_ends_fp32(encoder: nn.Module, fp32_encoder: nn.Module, dtype: torch.dtype,
+                           head: bool, stem: bool) -> list[str]:
+    """Swap ``encoder``'s first / last convolutions for fp32 copies of ``fp32_encoder``'s
+    (copied from the fp32 weights: a bf16 module cast back would have lost the bits).
+    Shared by the export graphs and the eager runtime, so both compute the same thing.
+    Returns the manifest's ``fp32_layers``."""
+    if head:
+        encoder.conv_out = Fp32Head(copy.deepcopy(fp32_encoder.conv_out))
+    if stem:
+        encoder.conv_in = Fp32Stem(copy.deepcopy(fp32_encoder.conv_in), dtype)
+    return [name for name, on in ((FP32_STEM, stem), (FP32_HEAD, head)) if on]
 
 
 class EncodeGraph(nn.Module):
     """uint8 NHWC pixels -> int64 indices. Networks in ``dtype``; quantizer in fp32.
 
-    ``fp32_head`` (default: on for bf16) keeps the encoder's final 1x1 projection in fp32.
+    ``fp32_head`` (default: on for bf16) keeps the encoder's final 1x1 projection in fp32;
+    ``fp32_stem`` (default: on for bf16) its first convolution.
     """
 
     def __init__(self, tokenizer: nn.Module, dtype: str | torch.dtype = "fp32",
-                 fp32_head: bool | None = None):
+                 fp32_head: bool | None = None, fp32_stem: bool | None = None):
         super().__init__()
         self.dtype = parse_dtype(dtype)
         self.factor = int(tokenizer.config.factor)
@@ -105,13 +145,18 @@ class EncodeGraph(nn.Module):
         if fp32_head is None:
             fp32_head = default_fp32_head(self.dtype)
         self.fp32_head = bool(fp32_head) and self.dtype != torch.float32
-        if self.fp32_head:
-            self.encoder.conv_out = Fp32Head(copy.deepcopy(tokenizer.encoder.conv_out))
+        if fp32_stem is None:
+            fp32_stem = default_fp32_head(self.dtype)
+        self.fp32_stem = bool(fp32_stem) and self.dtype != torch.float32
+        self.fp32_layers = keep_encoder_ends_fp32(self.encoder, tokenizer.encoder, self.dtype,
+                                                  self.fp32_head, self.fp32_stem)
         self.island = Fp32Island(_quantizer_copy(tokenizer))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        # the eager model's own normalisation (fp32), then an explicit cast
-        latents = self.encoder(pixels_to_float(images).to(self.dtype))
+        # the eager model's own normalisation (fp32), then an explicit cast (the fp32 stem
+        # takes the fp32 pixels and casts its own output)
+        pixels = pixels_to_float(images)
+        latents = self.encoder(pixels if self.fp32_stem else pixels.to(self.dtype))
         return self.island(latents.permute(0, 2, 3, 1))
 
 
@@ -133,9 +178,10 @@ class DecodeGraph(nn.Module):
 
 def build_graphs(tokenizer: nn.Module, dtype: str | torch.dtype = "fp32",
                  device: str | torch.device = "cpu",
-                 fp32_head: bool | None = None) -> tuple[EncodeGraph, DecodeGraph]:
+                 fp32_head: bool | None = None,
+                 fp32_stem: bool | None = None) -> tuple[EncodeGraph, DecodeGraph]:
     """Both wrappers, on ``device``, in eval mode, gradients off."""
-    enc = EncodeGraph(tokenizer, dtype, fp32_head).to(device).eval()
+    enc = EncodeGraph(tokenizer, dtype, fp32_head, fp32_stem).to(device).eval()
     dec = DecodeGraph(tokenizer, dtype).to(device).eval()
     return enc, dec
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from vqserve.model.atomic import atomic_directory
 from vqserve.model.config import TokenizerConfig
+from vqserve.model.precision import parse_dtype
 from vqserve.model.tokenizer import Tokenizer
 
 CONFIG_NAME = "config.json"
@@ -33,13 +34,34 @@ def default_tokenizer_available() -> bool:
     return (d / CONFIG_NAME).is_file() and (d / WEIGHTS_NAME).is_file()
 
 
-def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, extra: dict | None = None) -> Path:
-    """Save atomically. ``extra`` (e.g. training metadata) is stored under ``"meta"``."""
+NETWORK_STORAGE = ("fp32", "fp16")
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, extra: dict | None = None,
+                   network_storage: str = "fp32") -> Path:
+    """Save atomically. ``extra`` (e.g. training metadata) is stored under ``"meta"``.
+
+    ``network_storage="fp16"`` stores the encoder/decoder parameters as fp16 on disk (half
+    the bytes; the shipped default uses it to stay a few MB). Loading always builds an fp32
+    model, so what ships *is* the fp16-rounded weights, measured as such. Quantizer state
+    (VQ codebooks) always stays fp32: it is the fp32 island.
+    """
+    if network_storage not in NETWORK_STORAGE:
+        raise ValueError(f"network_storage must be one of {NETWORK_STORAGE}, got {network_storage!r}")
+    storage = parse_dtype(network_storage)
     path = Path(path)
     config = tokenizer.config.to_dict()
-    if extra:
-        config["meta"] = extra
-    state = {k: v.detach().to("cpu").contiguous() for k, v in tokenizer.state_dict().items()}
+    meta = {**(extra or {}), **({"network_storage": network_storage} if storage != torch.float32 else {})}
+    if meta:
+        config["meta"] = meta
+    state = {}
+    for k, v in tokenizer.state_dict().items():
+        v = v.detach().to("cpu")
+        if storage != torch.float32 and k.startswith(("encoder.", "decoder.")) and v.is_floating_point():
+            if not torch.isfinite(v.to(storage)).all():
+                raise ValueError(f"{k} does not fit in {network_storage} (|w| up to {float(v.abs().max()):.3g})")
+            v = v.to(storage)
+        state[k] = v.contiguous()
     with atomic_directory(path) as staged:
         (staged / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         save_file(state, str(staged / WEIGHTS_NAME), metadata={"format": "pt"})

@@ -12,7 +12,8 @@ QUANTIZERS = ("fsq", "lfq", "vq", "rfsq")
 
 @dataclass
 class TokenizerConfig:
-    """Network and quantizer shape. ``factor`` = 2 ** len(channels) spatial downsampling.
+    """Network and quantizer shape. ``factor`` = patch_size * 2 ** len(channels), the
+    spatial downsampling (4, 8 or 16).
 
     quantizer: ``fsq`` (levels), ``lfq`` (lfq_dim bits), ``vq`` (vq_codebook_size x vq_dim),
     ``rfsq`` (levels x num_quantizers). ``attention`` adds a TransformerEncoderLayer in the
@@ -29,15 +30,19 @@ class TokenizerConfig:
     num_res_blocks: int = 1
     attention: bool = False
     attention_heads: int = 4
+    patch_size: int = 1   # >1: pixel (un)shuffle stem, no full-resolution convolutions
 
     def __post_init__(self) -> None:
         self.levels = [int(v) for v in self.levels]
         self.channels = [int(c) for c in self.channels]
         if self.quantizer not in QUANTIZERS:
             raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
-        if len(self.channels) not in (2, 3, 4):
+        if self.patch_size not in (1, 2, 4):
+            raise ValueError(f"patch_size must be 1, 2 or 4, got {self.patch_size}")
+        if not self.channels or min(self.channels) < 1 or self.factor not in (4, 8, 16):
             raise ValueError(
-                f"channels must have 2, 3 or 4 entries (factor 4, 8 or 16), got {self.channels}"
+                "factor = patch_size * 2 ** len(channels) must be 4, 8 or 16 (positive widths), got "
+                f"patch_size={self.patch_size}, channels={self.channels}"
             )
         if self.num_res_blocks < 1:
             raise ValueError(f"num_res_blocks must be >= 1, got {self.num_res_blocks}")
@@ -48,7 +53,7 @@ class TokenizerConfig:
 
     @property
     def factor(self) -> int:
-        return 2 ** len(self.channels)
+        return self.patch_size * 2 ** len(self.channels)
 
     @property
     def latent_dim(self) -> int:

@@ -89,12 +89,18 @@ class _DtypeDoor(nn.Module):
 
 
 class Encoder(_DtypeDoor):
-    """Pixels ``[B,3,H,W]`` in [-1,1] -> latents ``[B,latent_dim,H/f,W/f]``."""
+    """Pixels ``[B,3,H,W]`` in [-1,1] -> latents ``[B,latent_dim,H/f,W/f]``.
+
+    ``patch_size`` p > 1 folds each p x p pixel block into channels first (pixel unshuffle),
+    so no convolution runs at full resolution: on a CPU budget that buys far more width
+    where it matters (the low-resolution stages) for the same time per step.
+    """
 
     def __init__(self, channels: list[int], num_res_blocks: int, latent_dim: int,
-                 attention: bool = False, heads: int = 4):
+                 attention: bool = False, heads: int = 4, patch_size: int = 1):
         super().__init__()
-        self.conv_in = nn.Conv2d(3, channels[0], 3, padding=1)
+        self.patch_size = patch_size
+        self.conv_in = nn.Conv2d(3 * patch_size * patch_size, channels[0], 3, padding=1)
         blocks: list[nn.Module] = []
         prev = channels[0]
         for ch in channels:
@@ -108,17 +114,24 @@ class Encoder(_DtypeDoor):
         self.conv_out = nn.Conv2d(prev, latent_dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv_in(self._door(x))
-        h = self.mid(self.down(h))
+        x = self._door(x)
+        if self.patch_size > 1:
+            x = F.pixel_unshuffle(x, self.patch_size)
+        h = self.mid(self.down(self.conv_in(x)))
         return self.conv_out(F.silu(self.norm_out(h)))
 
 
 class Decoder(_DtypeDoor):
-    """Codes ``[B,latent_dim,h,w]`` -> pixels ``[B,3,h*f,w*f]`` (unclamped, ~[-1,1])."""
+    """Codes ``[B,latent_dim,h,w]`` -> pixels ``[B,3,h*f,w*f]`` (unclamped, ~[-1,1]).
+
+    With ``patch_size`` p > 1 the last convolution predicts each p x p pixel block as
+    channels and a pixel shuffle lays them out (the mirror of the encoder's stem).
+    """
 
     def __init__(self, channels: list[int], num_res_blocks: int, latent_dim: int,
-                 attention: bool = False, heads: int = 4):
+                 attention: bool = False, heads: int = 4, patch_size: int = 1):
         super().__init__()
+        self.patch_size = patch_size
         top = channels[-1]
         self.conv_in = nn.Conv2d(latent_dim, top, 3, padding=1)
         self.mid = _mid(top, attention, heads)
@@ -131,9 +144,10 @@ class Decoder(_DtypeDoor):
             blocks.append(Upsample(ch))
         self.up = nn.Sequential(*blocks)
         self.norm_out = _norm(prev)
-        self.conv_out = nn.Conv2d(prev, 3, 3, padding=1)
+        self.conv_out = nn.Conv2d(prev, 3 * patch_size * patch_size, 3, padding=1)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         h = self.conv_in(self._door(codes))
         h = self.up(self.mid(h))
-        return self.conv_out(F.silu(self.norm_out(h)))
+        out = self.conv_out(F.silu(self.norm_out(h)))
+        return F.pixel_shuffle(out, self.patch_size) if self.patch_size > 1 else out

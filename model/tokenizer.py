@@ -84,10 +84,10 @@ class Tokenizer(nn.Module):
         self.config = config
         dim = config.latent_dim
         self.encoder = Encoder(config.channels, config.num_res_blocks, dim,
-                               config.attention, config.attention_heads)
+                               config.attention, config.attention_heads, config.patch_size)
         self.quantizer = build_quantizer(config)
         self.decoder = Decoder(config.channels, config.num_res_blocks, dim,
-                               config.attention, config.attention_heads)
+                               config.attention, config.attention_heads, config.patch_size)
 
     # -- facts ---------------------------------------------------------------------------
     @property

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.conftest import make_tokenizer
 from vqserve.model import default_tokenizer_available, load_tokenizer, save_tokenizer
@@ -78,3 +79,24 @@ def test_default_resolves_or_says_why():
     else:
         with pytest.raises(FileNotFoundError, match="default tokenizer weights are not in this install"):
             load_tokenizer("default")
+
+
+@pytest.mark.parametrize("quantizer", ["fsq", "vq"])
+def test_fp16_network_storage_halves_the_file_and_loads_as_fp32(tmp_path, quantizer):
+    tok = make_tokenizer(quantizer=quantizer, **({"vq_codebook_size": 64, "vq_dim": 4} if quantizer == "vq" else {}))
+    full = save_tokenizer(tok, tmp_path / "fp32")
+    half = save_tokenizer(tok, tmp_path / "fp16", network_storage="fp16")
+    assert (half / "model.safetensors").stat().st_size < 0.6 * (full / "model.safetensors").stat().st_size
+    stored = load_file(str(half / "model.safetensors"))
+    assert stored["encoder.conv_in.weight"].dtype == torch.float16
+    if quantizer == "vq":  # the quantizer's state is the fp32 island: never rounded
+        assert stored["quantizer.embed"].dtype == torch.float32
+        assert torch.equal(stored["quantizer.embed"], tok.state_dict()["quantizer.embed"])
+    back = load_tokenizer(half)
+    assert back.encoder.conv_in.weight.dtype == torch.float32
+    # exactly the fp16-rounded weights, nothing else
+    want = tok.encoder.conv_in.weight.detach().half().float()
+    assert torch.equal(back.encoder.conv_in.weight, want)
+    assert json.loads((half / "config.json").read_text())["meta"]["network_storage"] == "fp16"
+    with pytest.raises(ValueError, match="network_storage"):
+        save_tokenizer(tok, tmp_path / "x", network_storage="int8")

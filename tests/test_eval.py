@@ -22,9 +22,10 @@ from vqserve.model.evaluation import (
 )
 
 # Measured on the shipped default (docs/TRAINING.md): chelsea (a validation photograph,
-# never trained on), whole image centre-cropped to 296x448, fp32 eager round trip: 23.03 dB.
+# never trained on), whole image centre-cropped to 296x448, fp32 eager round trip: 27.00 dB
+# (the previous default, 22.16 dB on the validation set, scored 23.03 dB here).
 # The floor leaves 1 dB for platform differences; an untrained tokenizer scores ~10 dB.
-DEFAULT_CHELSEA_PSNR_FLOOR = 22.0
+DEFAULT_CHELSEA_PSNR_FLOOR = 26.0
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

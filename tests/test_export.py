@@ -76,7 +76,8 @@ def test_round_trip_and_dynamic_shapes(fmt, dtype, export_dir, eager, photos):
             diff = np.abs(pixels.astype(int) - ref32.decode(idx).astype(int)).max()
             assert diff <= (1 if fmt == "onnx" else 0)
         elif fmt != "onnx":
-            # torch formats in bf16/fp16 compute exactly what eager does in that dtype
+            # torch formats in bf16/fp16 compute what eager does in that dtype (bf16: both
+            # keep the encoder's first and last convolutions in fp32)
             same = np.mean(idx == eager(dtype).encode(images))
             assert same >= 0.98, same
         else:
@@ -89,8 +90,8 @@ def test_fp32_island_is_real_in_the_graph(fmt, dtype, export_dir):
     d = export_dir(fmt, dtype)
     manifest = read_manifest(d)
     want = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
-    head = dtype == "bf16"  # bf16 keeps the encoder's final projection in fp32 by default
-    assert manifest["fp32_layers"] == (["encoder.conv_out"] if head else [])
+    head = dtype == "bf16"  # bf16 keeps the encoder's first and last convolutions in fp32 by default
+    assert manifest["fp32_layers"] == (["encoder.conv_in", "encoder.conv_out"] if head else [])
     for role in ("encode", "decode"):
         rep = check_island(d, manifest, role)
         assert rep["ok"], rep["problems"]
@@ -139,7 +140,8 @@ def test_manifest_contents_and_sha256(fmt, dtype, export_dir, tiny_checkpoint):
 def test_attention_model_exports_with_island(tmp_path, photos):
     """Attention blocks (nn.TransformerEncoderLayer: failure 3 lived in its eval fast path)
     export in bf16 with the island intact and run on dynamic shapes; here with the whole
-    encoder in bf16 (--no-fp32-head), so the border cast sits at the island's entry."""
+    encoder in bf16 (--no-fp32-head --no-fp32-stem), so the border cast sits at the island's
+    entry."""
     import torch
 
     from vqserve.model import Tokenizer, TokenizerConfig, save_tokenizer
@@ -149,7 +151,8 @@ def test_attention_model_exports_with_island(tmp_path, photos):
                              attention=True, attention_heads=2)
     ckpt = save_tokenizer(Tokenizer(config).eval(), tmp_path / "attn")
     out = tmp_path / "ts"
-    m = export_model(ckpt, "torchscript", "bf16", out, min_agreement=0.0, fp32_head=False, **PARITY)
+    m = export_model(ckpt, "torchscript", "bf16", out, min_agreement=0.0, fp32_head=False,
+                     fp32_stem=False, **PARITY)
     assert m["fp32_island"]["encode"]["ok"] and m["fp32_layers"] == []
     assert m["fp32_island"]["encode"]["network_conv_dtypes"] == ["bfloat16"]
     assert m["fp32_island"]["encode"]["border_casts_in"] == 1
@@ -183,3 +186,39 @@ def test_other_quantizers_keep_their_island(quantizer, extra, tmp_path, photos):
     assert idx.shape == (2, 4, 6) + ((q,) if q > 1 else ())
     assert rt.decode(idx).shape == (2, 32, 48, 3)
     assert np.array_equal(idx, EagerRuntime(ckpt, dtype="bf16").encode(photos[:2, :32, :48]))
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx", "pt2"])
+def test_pixel_shuffle_stem_exports_with_dynamic_shapes(fmt, photos, tmp_path):
+    """The shipped default folds 4x4 pixel blocks into channels (pixel unshuffle / shuffle):
+    every format must carry that layout through dynamic batch and resolution unchanged."""
+    from tests.conftest import make_tokenizer
+    from vqserve.model import save_tokenizer
+
+    ckpt = tmp_path / "patch4"
+    save_tokenizer(make_tokenizer(channels=[16], patch_size=4), ckpt)
+    export_model(str(ckpt), fmt, "fp32", tmp_path / fmt, **PARITY)
+    rt = load_runtime(tmp_path / fmt)
+    ref = EagerRuntime(str(ckpt))
+    for images in _inputs(photos):
+        idx = rt.encode(images)
+        np.testing.assert_array_equal(idx, ref.encode(images))
+        diff = np.abs(rt.decode(idx).astype(int) - ref.decode(idx).astype(int)).max()
+        assert diff <= (1 if fmt == "onnx" else 0)
+
+
+def test_eager_bf16_keeps_the_encoder_ends_in_fp32_like_the_export(tiny_checkpoint, photos):
+    """Serving eager bf16 and a bf16 export must compute the same thing: both keep the
+    encoder's first and last convolutions in fp32 (from the fp32 weights), the rest bf16."""
+    import torch
+
+    rt = EagerRuntime(tiny_checkpoint, dtype="bf16")
+    enc = rt.tokenizer.encoder
+    assert rt.fp32_layers == ["encoder.conv_in", "encoder.conv_out"]
+    assert enc.conv_in.weight.dtype == torch.float32 and enc.conv_out.conv.weight.dtype == torch.float32
+    assert enc.down[0].conv1.weight.dtype == torch.bfloat16
+    fp32 = EagerRuntime(tiny_checkpoint)
+    assert torch.equal(enc.conv_in.weight, fp32.tokenizer.encoder.conv_in.weight)  # not a bf16 round trip
+    assert EagerRuntime(tiny_checkpoint, dtype="fp16").fp32_layers == []
+    idx = rt.encode(photos)
+    assert idx.shape == (4, 8, 8) and rt.decode(idx).shape == photos.shape

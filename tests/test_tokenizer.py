@@ -23,6 +23,19 @@ def test_factor_and_round_trip_shapes(channels, factor):
     assert pixels.shape == (2, 32, 48, 3) and pixels.dtype == torch.uint8
 
 
+@pytest.mark.parametrize("channels,patch,factor", [([16], 4, 8), ([16, 16], 2, 8), ([16, 16], 4, 16)])
+def test_pixel_shuffle_stem_sets_the_factor_and_keeps_full_resolution_out(channels, patch, factor):
+    tok = make_tokenizer(channels=channels, patch_size=patch)
+    assert tok.factor == factor
+    # no convolution sees full resolution: the first one takes p*p*3 folded channels
+    assert tok.encoder.conv_in.in_channels == 3 * patch * patch
+    assert tok.decoder.conv_out.out_channels == 3 * patch * patch
+    images = torch.randint(0, 256, (2, 32, 48, 3), dtype=torch.uint8)
+    indices = tok.encode(images)
+    assert indices.shape == (2, 32 // factor, 48 // factor)
+    assert tok.decode(indices).shape == (2, 32, 48, 3)
+
+
 @pytest.mark.parametrize("quantizer,extra", [
     ("fsq", {}), ("lfq", {"lfq_dim": 10}), ("vq", {"vq_codebook_size": 128, "vq_dim": 4}),
     ("rfsq", {"num_quantizers": 3}),
@@ -90,8 +103,12 @@ def test_decode_bad_indices_is_a_clear_value_error(indices, message):
 def test_config_validation():
     with pytest.raises(ValueError, match="quantizer must be one of"):
         TokenizerConfig(quantizer="pq")
-    with pytest.raises(ValueError, match="factor 4, 8 or 16"):
+    with pytest.raises(ValueError, match="must be 4, 8 or 16"):
         TokenizerConfig(channels=[8])
+    with pytest.raises(ValueError, match="must be 4, 8 or 16"):
+        TokenizerConfig(channels=[8, 8, 8], patch_size=4)  # factor 32
+    with pytest.raises(ValueError, match="patch_size must be 1, 2 or 4"):
+        TokenizerConfig(channels=[8, 8], patch_size=3)
     with pytest.raises(ValueError, match="attention_heads"):
         TokenizerConfig(channels=[8, 8, 10], attention=True, attention_heads=4)
     with pytest.raises(ValueError, match="levels must each be >= 3"):

@@ -46,6 +46,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                       help="keep the encoder's final projection in fp32 (default: on for bf16 only)")
     head.add_argument("--no-fp32-head", dest="fp32_head", action="store_false",
                       help="run the whole encoder in --dtype")
+    stem = parser.add_mutually_exclusive_group()
+    stem.add_argument("--fp32-stem", dest="fp32_stem", action="store_true", default=None,
+                      help="keep the encoder's first convolution in fp32, fed fp32 pixels "
+                           "(default: on for bf16 only; the largest single source of bf16 token flips)")
+    stem.add_argument("--no-fp32-stem", dest="fp32_stem", action="store_false",
+                      help="cast the pixels to --dtype before the first convolution")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -62,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         manifest = export_model(args.model, args.fmt, args.dtype, args.out,
                                 min_agreement=args.min_agreement, device=args.device,
                                 parity_size=args.parity_size, parity_count=args.parity_count,
-                                opset=args.opset, fp32_head=args.fp32_head,
+                                opset=args.opset, fp32_head=args.fp32_head, fp32_stem=args.fp32_stem,
                                 min_decode_psnr=args.min_decode_psnr, log=log)
     except ImportError as exc:  # a missing optional dependency (scikit-image, onnx...)
         print(f"vqserve export: error: {exc}", file=sys.stderr)

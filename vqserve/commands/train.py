@@ -40,12 +40,14 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-steps", type=int)
     g = parser.add_argument_group("model")
     g.add_argument("--quantizer", choices=["fsq", "lfq", "vq", "rfsq"])
-    g.add_argument("--levels", type=_int_list, help="FSQ levels, e.g. 8,8,8,6,5")
+    g.add_argument("--levels", type=_int_list, help="FSQ levels, e.g. 8,8,8,5,5,5")
     g.add_argument("--channels", type=_int_list,
-                   help="encoder/decoder widths per stage, e.g. 64,128,256 (factor = 2**stages)")
+                   help="encoder/decoder widths per stage, e.g. 64,128,256 (factor = patch_size * 2**stages)")
     g.add_argument("--factor", type=int, choices=[4, 8, 16],
                    help="downsampling factor; trims or extends --channels to log2(factor) stages")
     g.add_argument("--num-res-blocks", type=int)
+    g.add_argument("--patch-size", type=int, choices=[1, 2, 4],
+                   help="pixel-unshuffle stem: factor = patch_size * 2**len(channels)")
     g = parser.add_argument_group("low-precision robustness (FSQ)")
     g.add_argument("--margin", type=float,
                    help="keep bounded latents this far from rounding boundaries (e.g. 0.15)")
@@ -72,7 +74,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 _FLAT = ["data", "val_data", "crop_size", "sampling", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
          "margin", "margin_weight", "margin_start", "margin_ramp", "quant_noise", "precision", "device", "threads", "seed", "out",
          "val_every", "ckpt_every", "ckpt_minutes", "log_every"]
-_MODEL = ["quantizer", "levels", "channels", "num_res_blocks"]
+_MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size"]
 
 
 def build_config(args: argparse.Namespace):
@@ -89,7 +91,8 @@ def build_config(args: argparse.Namespace):
         if value is not None:
             model[key] = value
     if args.factor is not None:
-        stages = {4: 2, 8: 3, 16: 4}[args.factor]
+        patch = int(model.get("patch_size") or 1)
+        stages = max(1, {4: 2, 8: 3, 16: 4}[args.factor] - {1: 0, 2: 1, 4: 2}[patch])
         channels = list(model.get("channels") or TrainConfig().model["channels"])
         while len(channels) < stages:
             channels.append(channels[-1])
