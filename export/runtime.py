@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from vqserve.export.wrappers import default_fp32_head, keep_encoder_ends_fp32
+from vqserve.export.wrappers import default_fp32_ends, keep_encoder_ends_fp32
 
 
 def index_dtype_for(codebook_size: int) -> np.dtype:
@@ -104,10 +104,11 @@ class EagerRuntime:
         path = resolve_model_path(model)
         tokenizer = load_tokenizer(path, device=device)
         # bf16: the same fp32 first/last encoder convolutions a bf16 export keeps (docs/EXPORT.md)
-        ends = default_fp32_head(torch_dtype)
-        fp32_encoder = copy.deepcopy(tokenizer.encoder) if ends else None
+        ends = default_fp32_ends(torch_dtype)
+        # .to() casts modules in place: copy the two fp32 convolutions aside first
+        fp32_ends = copy.deepcopy((tokenizer.encoder.conv_in, tokenizer.encoder.conv_out)) if ends else None
         self.tokenizer = tokenizer.to(torch_dtype)
-        self.fp32_layers = (keep_encoder_ends_fp32(self.tokenizer.encoder, fp32_encoder, torch_dtype,
+        self.fp32_layers = (keep_encoder_ends_fp32(self.tokenizer.encoder, *fp32_ends, torch_dtype,
                                                    head=True, stem=True) if ends else [])
         cfg = self.tokenizer.config
         self._index_dtype = index_dtype_for(cfg.codebook_size)

@@ -109,23 +109,23 @@ class Fp32Stem(nn.Module):
         return self.conv(x.to(torch.float32)).to(self.out_dtype)
 
 
-def default_fp32_head(dtype: str | torch.dtype) -> bool:
+def default_fp32_ends(dtype: str | torch.dtype) -> bool:
     """Keep the final projection (and the first convolution) in fp32 where it measurably
     helps: bf16 (8-bit mantissa). For fp16 it made no difference, so the whole encoder stays
     fp16."""
     return parse_dtype(dtype) == torch.bfloat16
 
 
-def keep_encoder_ends_fp32(encoder: nn.Module, fp32_encoder: nn.Module, dtype: torch.dtype,
-                           head: bool, stem: bool) -> list[str]:
-    """Swap ``encoder``'s first / last convolutions for fp32 copies of ``fp32_encoder``'s
+def keep_encoder_ends_fp32(encoder: nn.Module, fp32_conv_in: nn.Module, fp32_conv_out: nn.Module,
+                           dtype: torch.dtype, head: bool, stem: bool) -> list[str]:
+    """Swap ``encoder``'s first / last convolutions for fp32 copies of the given fp32 ones
     (copied from the fp32 weights: a bf16 module cast back would have lost the bits).
     Shared by the export graphs and the eager runtime, so both compute the same thing.
     Returns the manifest's ``fp32_layers``."""
     if head:
-        encoder.conv_out = Fp32Head(copy.deepcopy(fp32_encoder.conv_out))
+        encoder.conv_out = Fp32Head(copy.deepcopy(fp32_conv_out))
     if stem:
-        encoder.conv_in = Fp32Stem(copy.deepcopy(fp32_encoder.conv_in), dtype)
+        encoder.conv_in = Fp32Stem(copy.deepcopy(fp32_conv_in), dtype)
     return [name for name, on in ((FP32_STEM, stem), (FP32_HEAD, head)) if on]
 
 
@@ -143,12 +143,13 @@ class EncodeGraph(nn.Module):
         self.factor = int(tokenizer.config.factor)
         self.encoder = _network_copy(tokenizer, "encoder", self.dtype)
         if fp32_head is None:
-            fp32_head = default_fp32_head(self.dtype)
+            fp32_head = default_fp32_ends(self.dtype)
         self.fp32_head = bool(fp32_head) and self.dtype != torch.float32
         if fp32_stem is None:
-            fp32_stem = default_fp32_head(self.dtype)
+            fp32_stem = default_fp32_ends(self.dtype)
         self.fp32_stem = bool(fp32_stem) and self.dtype != torch.float32
-        self.fp32_layers = keep_encoder_ends_fp32(self.encoder, tokenizer.encoder, self.dtype,
+        self.fp32_layers = keep_encoder_ends_fp32(self.encoder, tokenizer.encoder.conv_in,
+                                                  tokenizer.encoder.conv_out, self.dtype,
                                                   self.fp32_head, self.fp32_stem)
         self.island = Fp32Island(_quantizer_copy(tokenizer))
 
