@@ -11,9 +11,9 @@ For every format the checks are the same, read from that format's own graph:
 5. the quantizer's decisive ops (FSQ Round, LFQ Greater, VQ ArgMin) are inside it and
    take float32;
 6. the networks really run in the export dtype (their Conv inputs have it); an encoder
-   whose final projection is kept in fp32 (``fp32_layers`` in the manifest, default for
-   bf16) may also show float32 convolutions, and its latents then reach the island
-   already in float32 (the explicit cast sits at the projection's input instead).
+   whose residual stream is kept in fp32 (``fp32_layers`` in the manifest, default for
+   bf16; ``vqserve.model.mixed_precision``) also shows float32 convolutions, and its
+   latents then reach the island already in float32.
 
 ``check_island`` returns a report dict (``problems`` empty when all hold); ``IslandError``
 is raised by ``assert_island``.
@@ -50,14 +50,14 @@ def _marker_ops(quantizer: str, kind: str) -> set[str]:
     return table[kind][quantizer]
 
 
-def _finish(rep: dict, dtype: str, role: str, quantizer: str, fp32_head: bool = False) -> dict:
+def _finish(rep: dict, dtype: str, role: str, quantizer: str, fp32_stream: bool = False) -> dict:
     low = dtype != "fp32"
-    head = fp32_head and role == "encode" and low
+    mixed = fp32_stream and role == "encode" and low
     if rep["island_nodes"] == 0:
         rep["problems"].append("no quantizer island found in the graph")
     if set(rep["island_float_dtypes"]) - {"float32"}:
         rep["problems"].append(f"island computes in {sorted(set(rep['island_float_dtypes']))}, not only float32")
-    if low and role == "encode" and rep["border_casts_in"] == 0 and not head:
+    if low and role == "encode" and rep["border_casts_in"] == 0 and not mixed:
         rep["problems"].append("no explicit cast to float32 at the island's entry")
     if low and role == "decode" and rep["border_casts_out"] == 0:
         rep["problems"].append(f"no explicit cast from the island's float32 codes to {dtype}")
@@ -67,7 +67,7 @@ def _finish(rep: dict, dtype: str, role: str, quantizer: str, fp32_head: bool = 
     convs = set(rep["network_conv_dtypes"])
     if not convs:
         rep["problems"].append("no convolution found outside the island")
-    elif convs != {want} and not (head and convs == {want, "float32"}):
+    elif convs != {want} and not (mixed and convs == {want, "float32"}):
         rep["problems"].append(f"networks run in {sorted(convs)}, expected {want}")
     rep["island_float_dtypes"] = sorted(set(rep["island_float_dtypes"]))
     rep["network_conv_dtypes"] = sorted(convs)
@@ -81,7 +81,7 @@ _ONNX_NAMES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64"}
 _LAYOUT = {"Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
 
 
-def check_onnx(path: str | Path, role: str, dtype: str, quantizer: str, fp32_head: bool = False) -> dict:
+def check_onnx(path: str | Path, role: str, dtype: str, quantizer: str, fp32_stream: bool = False) -> dict:
     import onnx
     from onnx import TensorProto
 
@@ -159,7 +159,7 @@ def check_onnx(path: str | Path, role: str, dtype: str, quantizer: str, fp32_hea
         if n.op_type == "Conv" and n not in island:
             t = types.get(n.input[0])
             rep["network_conv_dtypes"].append(_ONNX_NAMES.get(t, str(t)))
-    return _finish(rep, dtype, role, quantizer, fp32_head)
+    return _finish(rep, dtype, role, quantizer, fp32_stream)
 
 
 # -- torch.export (pt2) -----------------------------------------------------------------
@@ -186,7 +186,7 @@ def _val_dtype(node):
     return getattr(val, "dtype", None)
 
 
-def check_pt2(program, role: str, dtype: str, quantizer: str, fp32_head: bool = False) -> dict:
+def check_pt2(program, role: str, dtype: str, quantizer: str, fp32_stream: bool = False) -> dict:
     """``program``: a loaded ``torch.export.ExportedProgram`` (or a path to a .pt2)."""
     if isinstance(program, (str, Path)):
         program = torch.export.load(str(program))
@@ -234,7 +234,7 @@ def check_pt2(program, role: str, dtype: str, quantizer: str, fp32_head: bool = 
     for n in nodes:
         if n not in island and "conv" in _op_name(n.target):
             rep["network_conv_dtypes"].append(str(_val_dtype(n)).replace("torch.", ""))
-    return _finish(rep, dtype, role, quantizer, fp32_head)
+    return _finish(rep, dtype, role, quantizer, fp32_stream)
 
 
 # -- TorchScript --------------------------------------------------------------------------
@@ -260,7 +260,7 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 def check_torchscript(module, role: str, dtype: str, quantizer: str, factor: int,
                       latent_dim: int, codebook_size: int, codes_per_position: int = 1,
-                      fp32_head: bool = False, device: str = "cpu") -> dict:
+                      fp32_stream: bool = False, device: str = "cpu") -> dict:
     """``module``: a loaded ``torch.jit.ScriptModule`` (or a path to a .jit file).
 
     Static: the island submodule exists, its input goes straight into a float32 (encode)
@@ -277,7 +277,7 @@ def check_torchscript(module, role: str, dtype: str, quantizer: str, factor: int
     compute = parse_dtype(dtype)
     if not hasattr(module, ISLAND):
         rep["problems"].append("artifact has no island submodule")
-        return _finish(rep, dtype, role, quantizer, fp32_head)
+        return _finish(rep, dtype, role, quantizer, fp32_stream)
     island = getattr(module, ISLAND)
     graph = island.inlined_graph
     rep["island_nodes"] = sum(1 for n in graph.nodes() if n.kind().startswith("aten::"))
@@ -343,7 +343,7 @@ def check_torchscript(module, role: str, dtype: str, quantizer: str, factor: int
                 and compute != torch.float32 and not seen_decoder_cast:
             rep["border_casts_out"] += 1
             seen_decoder_cast = True
-    return _finish(rep, dtype, role, quantizer, fp32_head)
+    return _finish(rep, dtype, role, quantizer, fp32_stream)
 
 
 def check_island(artifact_dir: str | Path, manifest: dict, role: str, loaded=None) -> dict:
@@ -351,14 +351,14 @@ def check_island(artifact_dir: str | Path, manifest: dict, role: str, loaded=Non
     graph already loaded from that file (a ScriptModule / ExportedProgram), to skip a reload."""
     path = loaded if loaded is not None else Path(artifact_dir) / manifest[role]
     fmt, dtype, q = manifest["format"], manifest["dtype"], manifest["quantizer"]
-    head = bool(manifest.get("fp32_layers"))
+    mixed = bool(manifest.get("fp32_layers"))
     if fmt == "onnx":
-        return check_onnx(path, role, dtype, q, head)
+        return check_onnx(path, role, dtype, q, mixed)
     if fmt == "pt2":
-        return check_pt2(path, role, dtype, q, head)
+        return check_pt2(path, role, dtype, q, mixed)
     if fmt == "torchscript":
         return check_torchscript(path, role, dtype, q, manifest["factor"], manifest["latent_dim"],
-                                 manifest["codebook_size"], manifest["codes_per_position"], head,
+                                 manifest["codebook_size"], manifest["codes_per_position"], mixed,
                                  device=manifest.get("exported_on", "cpu") if torch.cuda.is_available() else "cpu")
     raise ValueError(f"no fp32-island check for format {fmt!r}")
 

@@ -11,7 +11,6 @@ opens from an artifact directory by its ``manifest.json``.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 from dataclasses import asdict, dataclass, field
@@ -21,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from vqserve.export.wrappers import default_fp32_ends, keep_encoder_ends_fp32
+from vqserve.model.mixed_precision import low_precision_encoder
 
 
 def index_dtype_for(codebook_size: int) -> np.dtype:
@@ -103,13 +102,12 @@ class EagerRuntime:
         torch_dtype = parse_dtype(dtype)
         path = resolve_model_path(model)
         tokenizer = load_tokenizer(path, device=device)
-        # bf16: the same fp32 first/last encoder convolutions a bf16 export keeps (docs/EXPORT.md)
-        ends = default_fp32_ends(torch_dtype)
-        # .to() casts modules in place: copy the two fp32 convolutions aside first
-        fp32_ends = copy.deepcopy((tokenizer.encoder.conv_in, tokenizer.encoder.conv_out)) if ends else None
+        # the same encoder a bf16/fp16 export holds (fp32 residual stream for bf16, docs/EXPORT.md),
+        # built from the fp32 weights before .to() casts the rest in place
+        encoder, kept = low_precision_encoder(tokenizer.encoder, torch_dtype)
         self.tokenizer = tokenizer.to(torch_dtype)
-        self.fp32_layers = (keep_encoder_ends_fp32(self.tokenizer.encoder, *fp32_ends, torch_dtype,
-                                                   head=True, stem=True) if ends else [])
+        self.tokenizer.encoder = encoder
+        self.fp32_layers = [f"encoder.{name}" for name in kept]
         cfg = self.tokenizer.config
         self._index_dtype = index_dtype_for(cfg.codebook_size)
         self.info = RuntimeInfo(

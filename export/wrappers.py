@@ -19,6 +19,7 @@ import copy
 import torch
 from torch import nn
 
+from vqserve.model.mixed_precision import low_precision_encoder
 from vqserve.model.precision import QUANTIZER_DTYPE, parse_dtype
 from vqserve.model.tokenizer import float_to_pixels, pixels_to_float
 
@@ -69,95 +70,30 @@ def _quantizer_copy(tokenizer: nn.Module) -> nn.Module:
     return q
 
 
-class Fp32Head(nn.Module):
-    """The encoder's final projection kept in fp32: casts its input explicitly, so the
-    latents reach the island already in float32 (measured: bf16 agreement +0.26 points)."""
-
-    def __init__(self, conv: nn.Module):
-        super().__init__()
-        self.conv = conv.float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x.to(torch.float32))
-
-
-FP32_HEAD = "encoder.conv_out"
-FP32_STEM = "encoder.conv_in"
-
-
-class Fp32Stem(nn.Module):
-    """The encoder's first convolution kept in fp32, fed the fp32 pixels directly.
-
-    Why: normalised uint8 pixels are not exact in bf16 (8-bit mantissa) and neither are
-    the first layer's weights; that first rounding, amplified by the rest of the encoder,
-    caused most of the bf16 token flips of the shipped default (bf16 agreement 98.21% with
-    the whole encoder in bf16, 99.23% with only this convolution in fp32, docs/EXPORT.md).
-    It is a few percent of the encoder's work. ``weight`` is exposed so the encoder's dtype
-    door casts its input to fp32, not to the compute dtype.
-    """
-
-    def __init__(self, conv: nn.Module, out_dtype: torch.dtype):
-        super().__init__()
-        self.conv = conv.float()
-        self.out_dtype = out_dtype
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.conv.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x.to(torch.float32)).to(self.out_dtype)
-
-
-def default_fp32_ends(dtype: str | torch.dtype) -> bool:
-    """Keep the final projection (and the first convolution) in fp32 where it measurably
-    helps: bf16 (8-bit mantissa). For fp16 it made no difference, so the whole encoder stays
-    fp16."""
-    return parse_dtype(dtype) == torch.bfloat16
-
-
-def keep_encoder_ends_fp32(encoder: nn.Module, fp32_conv_in: nn.Module, fp32_conv_out: nn.Module,
-                           dtype: torch.dtype, head: bool, stem: bool) -> list[str]:
-    """Swap ``encoder``'s first / last convolutions for fp32 copies of the given fp32 ones
-    (copied from the fp32 weights: a bf16 module cast back would have lost the bits).
-    Shared by the export graphs and the eager runtime, so both compute the same thing.
-    Returns the manifest's ``fp32_layers``."""
-    if head:
-        encoder.conv_out = Fp32Head(copy.deepcopy(fp32_conv_out))
-    if stem:
-        encoder.conv_in = Fp32Stem(copy.deepcopy(fp32_conv_in), dtype)
-    return [name for name, on in ((FP32_STEM, stem), (FP32_HEAD, head)) if on]
-
-
 class EncodeGraph(nn.Module):
     """uint8 NHWC pixels -> int64 indices. Networks in ``dtype``; quantizer in fp32.
 
-    ``fp32_head`` (default: on for bf16) keeps the encoder's final 1x1 projection in fp32;
-    ``fp32_stem`` (default: on for bf16) its first convolution.
+    ``fp32_stream`` (default: on for bf16) runs only the residual branches' convolutions in
+    ``dtype`` and keeps the encoder's residual stream, norms, stem, downsample and final
+    projection in fp32 (``vqserve.model.mixed_precision``); ``fp32_layers`` names the
+    convolutions it kept in fp32.
     """
 
     def __init__(self, tokenizer: nn.Module, dtype: str | torch.dtype = "fp32",
-                 fp32_head: bool | None = None, fp32_stem: bool | None = None):
+                 fp32_stream: bool | None = None):
         super().__init__()
         self.dtype = parse_dtype(dtype)
         self.factor = int(tokenizer.config.factor)
-        self.encoder = _network_copy(tokenizer, "encoder", self.dtype)
-        if fp32_head is None:
-            fp32_head = default_fp32_ends(self.dtype)
-        self.fp32_head = bool(fp32_head) and self.dtype != torch.float32
-        if fp32_stem is None:
-            fp32_stem = default_fp32_ends(self.dtype)
-        self.fp32_stem = bool(fp32_stem) and self.dtype != torch.float32
-        self.fp32_layers = keep_encoder_ends_fp32(self.encoder, tokenizer.encoder.conv_in,
-                                                  tokenizer.encoder.conv_out, self.dtype,
-                                                  self.fp32_head, self.fp32_stem)
+        self.encoder, kept = low_precision_encoder(tokenizer.encoder, self.dtype, fp32_stream)
+        for p in self.encoder.parameters():
+            p.requires_grad_(False)
+        self.fp32_layers = [f"encoder.{name}" for name in kept]
         self.island = Fp32Island(_quantizer_copy(tokenizer))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        # the eager model's own normalisation (fp32), then an explicit cast (the fp32 stem
-        # takes the fp32 pixels and casts its own output)
-        pixels = pixels_to_float(images)
-        latents = self.encoder(pixels if self.fp32_stem else pixels.to(self.dtype))
+        # the eager model's own normalisation (fp32); the encoder's door casts it explicitly
+        # to its first convolution's dtype (fp32 under the fp32-stream policy)
+        latents = self.encoder(pixels_to_float(images))
         return self.island(latents.permute(0, 2, 3, 1))
 
 
@@ -179,10 +115,9 @@ class DecodeGraph(nn.Module):
 
 def build_graphs(tokenizer: nn.Module, dtype: str | torch.dtype = "fp32",
                  device: str | torch.device = "cpu",
-                 fp32_head: bool | None = None,
-                 fp32_stem: bool | None = None) -> tuple[EncodeGraph, DecodeGraph]:
+                 fp32_stream: bool | None = None) -> tuple[EncodeGraph, DecodeGraph]:
     """Both wrappers, on ``device``, in eval mode, gradients off."""
-    enc = EncodeGraph(tokenizer, dtype, fp32_head, fp32_stem).to(device).eval()
+    enc = EncodeGraph(tokenizer, dtype, fp32_stream).to(device).eval()
     dec = DecodeGraph(tokenizer, dtype).to(device).eval()
     return enc, dec
 

@@ -34,16 +34,16 @@ def default_tokenizer_available() -> bool:
     return (d / CONFIG_NAME).is_file() and (d / WEIGHTS_NAME).is_file()
 
 
-NETWORK_STORAGE = ("fp32", "fp16")
+NETWORK_STORAGE = ("fp32", "fp16", "bf16")
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, extra: dict | None = None,
                    network_storage: str = "fp32") -> Path:
     """Save atomically. ``extra`` (e.g. training metadata) is stored under ``"meta"``.
 
-    ``network_storage="fp16"`` stores the encoder/decoder parameters as fp16 on disk (half
-    the bytes; the shipped default uses it to stay a few MB). Loading always builds an fp32
-    model, so what ships *is* the fp16-rounded weights, measured as such. Quantizer state
+    ``network_storage="fp16"`` or ``"bf16"`` stores the encoder/decoder parameters in 16
+    bits on disk (half the bytes; the shipped default uses it to stay a few MB). Loading
+    always builds an fp32 model, so what ships *is* the rounded weights, measured as such. Quantizer state
     (VQ codebooks) always stays fp32: it is the fp32 island.
     """
     if network_storage not in NETWORK_STORAGE:

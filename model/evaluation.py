@@ -131,21 +131,25 @@ def index_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def encode_in_precision(tokenizer, images_u8: torch.Tensor, precision: str,
-                        channels_last: bool = True) -> torch.Tensor:
-    """Indices of uint8 NHWC ``images_u8`` with the encoder under autocast in ``precision``.
+                        channels_last: bool = True, encoder: torch.nn.Module | None = None) -> torch.Tensor:
+    """Indices of uint8 NHWC ``images_u8`` with a low-precision encoder; quantizer in fp32.
 
-    The quantizer stays fp32 (its own fp32 island). fp32 means plain eager, no autocast.
-    ``channels_last`` picks the oneDNN kernels that are fast for bf16 on CPUs.
+    ``encoder``: a copy built by ``low_precision_encoder`` (what serving and exports run);
+    None runs ``tokenizer``'s own encoder under autocast in ``precision`` (what training
+    runs). fp32 with no encoder means plain eager. ``channels_last`` picks the oneDNN
+    kernels that are fast for bf16 on CPUs.
     """
     from vqserve.model.precision import policy
     from vqserve.model.tokenizer import pixels_to_float
 
-    pol = policy(precision)
     x = pixels_to_float(tokenizer.check_images(images_u8)).to(tokenizer.device)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    with torch.no_grad(), pol.autocast(tokenizer.device.type):
-        return tokenizer.quantize(tokenizer.encode_latents(x))[1]
+    with torch.no_grad():
+        if encoder is not None:
+            return tokenizer.quantize(encoder(x))[1]
+        with policy(precision).autocast(tokenizer.device.type):
+            return tokenizer.quantize(tokenizer.encode_latents(x))[1]
 
 
 @contextlib.contextmanager
@@ -165,18 +169,27 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
                        channels_last: bool = True, baseline: bool = True) -> dict:
     """PSNR/SSIM (fp32 eager round trip), codebook stats, and agreement per precision.
 
+    ``agreement[p]``: the encoder as serving and exports run it in ``p``
+    (``low_precision_encoder``: fp32 residual stream for bf16); ``agreement_autocast[p]``:
+    the whole encoder under autocast, as training runs it.
     ``images`` are uint8 ``[H,W,3]`` arrays; each is centre-cropped to a multiple of the
     tokenizer's factor and processed one at a time (sizes may differ).
     """
+    from vqserve.model.mixed_precision import low_precision_encoder
+
     tokenizer.eval()
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    served = {p: low_precision_encoder(tokenizer.encoder, p)[0].to(tokenizer.device, memory_format=layout)
+              for p in precisions}
     f = tokenizer.factor
     names = list(names) if names is not None else [f"image{i}" for i in range(len(images))]
     per_image = []
     counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
     sq_err, n_px = 0.0, 0
     base_sq_err = 0.0
-    agree = {p: [0, 0] for p in precisions}
-    timings = {"fp32": 0.0, **{p: 0.0 for p in precisions}}
+    runs = [(p, served[p]) for p in precisions] + [(f"{p}_autocast", None) for p in precisions]
+    agree = {name: [0, 0] for name, _ in runs}
+    timings = {"fp32": 0.0, **{name: 0.0 for name, _ in runs}}
     for name, img in zip(names, images, strict=True):
         img = _centre_crop_multiple(np.asarray(img), f)
         batch = torch.from_numpy(np.array(img))[None]
@@ -196,14 +209,14 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
             row["baseline_psnr"] = psnr(batch, base)
             base_sq_err += float(((batch.to(torch.float64) - base.to(torch.float64)) ** 2).sum())
         with _memory_format(tokenizer, channels_last):
-            for p in precisions:
+            for name, encoder in runs:
                 t0 = time.perf_counter()
-                low = encode_in_precision(tokenizer, batch, p, channels_last).cpu()
-                timings[p] += time.perf_counter() - t0
+                low = encode_in_precision(tokenizer, batch, name.split("_")[0], channels_last, encoder).cpu()
+                timings[name] += time.perf_counter() - t0
                 same = int((low == idx).sum())
-                agree[p][0] += same
-                agree[p][1] += idx.numel()
-                row[f"agreement_{p}"] = same / idx.numel()
+                agree[name][0] += same
+                agree[name][1] += idx.numel()
+                row[f"agreement_{name}"] = same / idx.numel()
         per_image.append(row)
     result = {
         "images": len(per_image),
@@ -213,6 +226,8 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
         "ssim": float(np.mean([r["ssim"] for r in per_image])),
         "codebook": codebook_stats(counts),
         "agreement": {p: agree[p][0] / max(agree[p][1], 1) for p in precisions},
+        "agreement_autocast": {p: agree[f"{p}_autocast"][0] / max(agree[f"{p}_autocast"][1], 1)
+                               for p in precisions},
         "encode_seconds": timings,
         "per_image": per_image,
     }

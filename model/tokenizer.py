@@ -100,7 +100,8 @@ class Tokenizer(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.encoder.conv_in.weight.dtype
+        # the decoder's: a bf16 encoder may keep its stem in fp32 (vqserve.model.mixed_precision)
+        return self.decoder.conv_in.weight.dtype
 
     @property
     def device(self) -> torch.device:

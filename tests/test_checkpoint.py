@@ -81,22 +81,24 @@ def test_default_resolves_or_says_why():
             load_tokenizer("default")
 
 
+@pytest.mark.parametrize("storage", ["fp16", "bf16"])
 @pytest.mark.parametrize("quantizer", ["fsq", "vq"])
-def test_fp16_network_storage_halves_the_file_and_loads_as_fp32(tmp_path, quantizer):
+def test_16_bit_network_storage_halves_the_file_and_loads_as_fp32(tmp_path, quantizer, storage):
     tok = make_tokenizer(quantizer=quantizer, **({"vq_codebook_size": 64, "vq_dim": 4} if quantizer == "vq" else {}))
+    half_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[storage]
     full = save_tokenizer(tok, tmp_path / "fp32")
-    half = save_tokenizer(tok, tmp_path / "fp16", network_storage="fp16")
+    half = save_tokenizer(tok, tmp_path / storage, network_storage=storage)
     assert (half / "model.safetensors").stat().st_size < 0.6 * (full / "model.safetensors").stat().st_size
     stored = load_file(str(half / "model.safetensors"))
-    assert stored["encoder.conv_in.weight"].dtype == torch.float16
+    assert stored["encoder.conv_in.weight"].dtype == half_dtype
     if quantizer == "vq":  # the quantizer's state is the fp32 island: never rounded
         assert stored["quantizer.embed"].dtype == torch.float32
         assert torch.equal(stored["quantizer.embed"], tok.state_dict()["quantizer.embed"])
     back = load_tokenizer(half)
     assert back.encoder.conv_in.weight.dtype == torch.float32
-    # exactly the fp16-rounded weights, nothing else
-    want = tok.encoder.conv_in.weight.detach().half().float()
+    # exactly the rounded weights, nothing else
+    want = tok.encoder.conv_in.weight.detach().to(half_dtype).float()
     assert torch.equal(back.encoder.conv_in.weight, want)
-    assert json.loads((half / "config.json").read_text())["meta"]["network_storage"] == "fp16"
+    assert json.loads((half / "config.json").read_text())["meta"]["network_storage"] == storage
     with pytest.raises(ValueError, match="network_storage"):
         save_tokenizer(tok, tmp_path / "x", network_storage="int8")

@@ -23,6 +23,9 @@ COMBOS = [
 ]
 IDS = [f"{f}-{d}" for f, d in COMBOS]
 PARITY = dict(parity_size=32, parity_count=4)
+# the tiny model's convolutions outside residual branches: stem, three downsamples, projection
+STREAM_CONVS = ["encoder.conv_in", "encoder.down.1.conv", "encoder.down.3.conv", "encoder.down.5.conv",
+                "encoder.conv_out"]
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +93,8 @@ def test_fp32_island_is_real_in_the_graph(fmt, dtype, export_dir):
     d = export_dir(fmt, dtype)
     manifest = read_manifest(d)
     want = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
-    head = dtype == "bf16"  # bf16 keeps the encoder's first and last convolutions in fp32 by default
-    assert manifest["fp32_layers"] == (["encoder.conv_in", "encoder.conv_out"] if head else [])
+    head = dtype == "bf16"  # bf16 keeps the encoder's residual stream in fp32 by default
+    assert manifest["fp32_layers"] == (STREAM_CONVS if head else [])
     for role in ("encode", "decode"):
         rep = check_island(d, manifest, role)
         assert rep["ok"], rep["problems"]
@@ -140,8 +143,7 @@ def test_manifest_contents_and_sha256(fmt, dtype, export_dir, tiny_checkpoint):
 def test_attention_model_exports_with_island(tmp_path, photos):
     """Attention blocks (nn.TransformerEncoderLayer: failure 3 lived in its eval fast path)
     export in bf16 with the island intact and run on dynamic shapes; here with the whole
-    encoder in bf16 (--no-fp32-head --no-fp32-stem), so the border cast sits at the island's
-    entry."""
+    encoder in bf16 (--no-fp32-stream), so the border cast sits at the island's entry."""
     import torch
 
     from vqserve.model import Tokenizer, TokenizerConfig, save_tokenizer
@@ -151,8 +153,7 @@ def test_attention_model_exports_with_island(tmp_path, photos):
                              attention=True, attention_heads=2)
     ckpt = save_tokenizer(Tokenizer(config).eval(), tmp_path / "attn")
     out = tmp_path / "ts"
-    m = export_model(ckpt, "torchscript", "bf16", out, min_agreement=0.0, fp32_head=False,
-                     fp32_stem=False, **PARITY)
+    m = export_model(ckpt, "torchscript", "bf16", out, min_agreement=0.0, fp32_stream=False, **PARITY)
     assert m["fp32_island"]["encode"]["ok"] and m["fp32_layers"] == []
     assert m["fp32_island"]["encode"]["network_conv_dtypes"] == ["bfloat16"]
     assert m["fp32_island"]["encode"]["border_casts_in"] == 1
@@ -207,18 +208,22 @@ def test_pixel_shuffle_stem_exports_with_dynamic_shapes(fmt, photos, tmp_path):
         assert diff <= (1 if fmt == "onnx" else 0)
 
 
-def test_eager_bf16_keeps_the_encoder_ends_in_fp32_like_the_export(tiny_checkpoint, photos):
+def test_eager_bf16_runs_the_encoder_exactly_like_the_export(tiny_checkpoint, photos, export_dir):
     """Serving eager bf16 and a bf16 export must compute the same thing: both keep the
-    encoder's first and last convolutions in fp32 (from the fp32 weights), the rest bf16."""
+    encoder's residual stream in fp32 (convolutions outside the residual branches taken from
+    the fp32 weights) and run the branch convolutions in bf16, so their tokens are identical."""
     import torch
 
     rt = EagerRuntime(tiny_checkpoint, dtype="bf16")
     enc = rt.tokenizer.encoder
-    assert rt.fp32_layers == ["encoder.conv_in", "encoder.conv_out"]
-    assert enc.conv_in.weight.dtype == torch.float32 and enc.conv_out.conv.weight.dtype == torch.float32
-    assert enc.down[0].conv1.weight.dtype == torch.bfloat16
+    assert rt.fp32_layers == STREAM_CONVS
+    assert enc.conv_in.weight.dtype == torch.float32 and enc.conv_out.weight.dtype == torch.float32
+    assert enc.down[0].conv1.weight.dtype == torch.bfloat16 and enc.down[0].norm1.weight.dtype == torch.float32
+    assert rt.tokenizer.decoder.conv_in.weight.dtype == torch.bfloat16
     fp32 = EagerRuntime(tiny_checkpoint)
     assert torch.equal(enc.conv_in.weight, fp32.tokenizer.encoder.conv_in.weight)  # not a bf16 round trip
     assert EagerRuntime(tiny_checkpoint, dtype="fp16").fp32_layers == []
     idx = rt.encode(photos)
     assert idx.shape == (4, 8, 8) and rt.decode(idx).shape == photos.shape
+    exported = load_runtime(export_dir("torchscript", "bf16"))
+    np.testing.assert_array_equal(exported.encode(photos), idx)

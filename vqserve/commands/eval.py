@@ -1,10 +1,12 @@
 """Measure a tokenizer: PSNR, SSIM, codebook use, and bf16/fp16 index agreement with fp32.
 
 Each image is centre-cropped to a multiple of the factor, encoded and decoded in fp32
-eager (PSNR, SSIM, codebook utilization / entropy / perplexity), and encoded again with
-the encoder under bf16 and fp16 autocast (quantizer fp32, as always); agreement is the
-fraction of tokens identical to the fp32 ones. The baseline is area-downsample x factor
-then bicubic upsample of the same images.
+eager (PSNR, SSIM, codebook utilization / entropy / perplexity), and encoded again in
+bf16 and fp16 (quantizer fp32, as always) two ways: the encoder as serving and exports run
+it (for bf16 the residual stream stays fp32, vqserve.model.mixed_precision) and the whole
+encoder under autocast, as training runs it. Agreement is the fraction of tokens identical
+to the fp32 ones. The baseline is area-downsample x factor then bicubic upsample of the
+same images.
 
 `--images builtin` uses the validation photographs of the built-in split (never trained on).
 
@@ -103,7 +105,12 @@ def _print_table(r: dict, precisions: list[str], out) -> None:
             ("perplexity", f"{cb['perplexity']:.0f}")]
     for p in precisions:
         a = r["agreement"][p]
-        rows.append((f"{p} vs fp32 index agreement", f"{a:.3%} ({_flips(a, cb['positions'])} tokens differ)"))
+        rows.append((f"{p} vs fp32 index agreement", f"{a:.3%} ({_flips(a, cb['positions'])} tokens differ; "
+                                                     "as served and exported)"))
+    for p in precisions:
+        a = r["agreement_autocast"][p]
+        rows.append((f"{p} autocast vs fp32", f"{a:.3%} ({_flips(a, cb['positions'])} tokens differ; "
+                                             "whole encoder under autocast, as in training)"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}", file=out)
