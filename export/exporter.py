@@ -53,14 +53,15 @@ def check_combination(fmt: str, dtype: str, device: str) -> None:
         raise ValueError(f"--device {device} requested but no CUDA GPU is available here")
 
 
-def parity_message(fmt: str, dtype: str, parity: dict, required: float) -> str:
+def parity_message(fmt: str, dtype: str, parity: dict, required: float, fp32_stream: bool = True) -> str:
     got = parity["index_agreement"]
+    stream = "" if fp32_stream else "keep the encoder's residual stream in fp32 (--fp32-stream), "
     return (
         f"{fmt} {dtype} export agrees with the fp32 eager model on {got:.2%} of "
         f"{parity['positions']} tokens of real photographs, below the required {required:.2%}. "
         f"This model is not trained for low-precision robustness: its latents sit close enough "
         f"to the quantizer's rounding boundaries that a {dtype} encoder changes tokens. "
-        f"Remedies: export with --dtype fp32 (exact), accept the measured agreement with a lower "
+        f"Remedies: export with --dtype fp32 (exact), {stream}accept the measured agreement with a lower "
         f"--min-agreement (e.g. --min-agreement {max(0.0, got - 0.0005):.3f}), or retrain the model "
         f"with the low-precision robustness option of `vqserve train`. Nothing was written."
     )
@@ -195,7 +196,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
         del runtime
         parity["min_decode_psnr_db"] = min_decode_psnr
         if parity["index_agreement"] < required:
-            raise ParityError(parity_message(fmt, dtype, parity, required))
+            raise ParityError(parity_message(fmt, dtype, parity, required, bool(fp32_layers) or dtype == "fp32"))
         dec_psnr = parity["decode_psnr_vs_reference_db"]
         if dec_psnr != "inf" and dec_psnr < min_decode_psnr:
             raise ParityError(decode_message(fmt, dtype, parity, min_decode_psnr))

@@ -45,12 +45,15 @@ def test_parity_below_threshold_fails_loudly_and_writes_nothing(tiny_checkpoint,
     msg = str(info.value)
     assert "not trained for low-precision robustness" in msg and "below the required 100.00%" in msg
     assert "--dtype fp32" in msg and "--min-agreement" in msg and "robustness option" in msg
+    assert "--fp32-stream" not in msg  # already on for bf16
     assert not out.exists() and not _leftovers(tmp_path, "strict")
-    # the CLI: non-zero exit, the same message, still nothing written
+    # the CLI: non-zero exit, the same message, still nothing written; with the fp32 stream
+    # turned off, the message offers it as a remedy
     rc = cli_main(["export", "--model", tiny_checkpoint, "--format", "torchscript", "--dtype", "bf16",
                    "--out", str(out), "--min-agreement", "1.0", "--parity-size", "32",
-                   "--parity-count", "4", "--quiet"])
-    assert rc != 0 and "not trained for low-precision robustness" in capsys.readouterr().err
+                   "--parity-count", "4", "--quiet", "--no-fp32-stream"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "not trained for low-precision robustness" in err and "(--fp32-stream)" in err
     assert not out.exists() and not _leftovers(tmp_path, "strict")
 
 
