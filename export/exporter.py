@@ -55,7 +55,8 @@ def check_combination(fmt: str, dtype: str, device: str) -> None:
 
 def parity_message(fmt: str, dtype: str, parity: dict, required: float, fp32_stream: bool = True) -> str:
     got = parity["index_agreement"]
-    stream = "" if fp32_stream else "keep the encoder's residual stream in fp32 (--fp32-stream), "
+    offer_stream = dtype != "fp32" and not fp32_stream
+    stream = "keep the encoder's residual stream in fp32 (--fp32-stream), " if offer_stream else ""
     return (
         f"{fmt} {dtype} export agrees with the fp32 eager model on {got:.2%} of "
         f"{parity['positions']} tokens of real photographs, below the required {required:.2%}. "
@@ -196,7 +197,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
         del runtime
         parity["min_decode_psnr_db"] = min_decode_psnr
         if parity["index_agreement"] < required:
-            raise ParityError(parity_message(fmt, dtype, parity, required, bool(fp32_layers) or dtype == "fp32"))
+            raise ParityError(parity_message(fmt, dtype, parity, required, bool(fp32_layers)))
         dec_psnr = parity["decode_psnr_vs_reference_db"]
         if dec_psnr != "inf" and dec_psnr < min_decode_psnr:
             raise ParityError(decode_message(fmt, dtype, parity, min_decode_psnr))

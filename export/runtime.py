@@ -101,12 +101,11 @@ class EagerRuntime:
         device = resolve_device(device)
         torch_dtype = parse_dtype(dtype)
         path = resolve_model_path(model)
-        tokenizer = load_tokenizer(path, device=device)
+        self.tokenizer = load_tokenizer(path, device=device)
         # the same encoder a bf16/fp16 export holds (fp32 residual stream for bf16, docs/EXPORT.md),
-        # built from the fp32 weights before .to() casts the rest in place
-        encoder, kept = low_precision_encoder(tokenizer.encoder, torch_dtype)
-        self.tokenizer = tokenizer.to(torch_dtype)
-        self.tokenizer.encoder = encoder
+        # built from the fp32 weights; the quantizer is fp32 whatever the dtype
+        self.tokenizer.encoder, kept = low_precision_encoder(self.tokenizer.encoder, torch_dtype)
+        self.tokenizer.decoder.to(torch_dtype)
         self.fp32_layers = [f"encoder.{name}" for name in kept]
         cfg = self.tokenizer.config
         self._index_dtype = index_dtype_for(cfg.codebook_size)

@@ -85,8 +85,6 @@ class EncodeGraph(nn.Module):
         self.dtype = parse_dtype(dtype)
         self.factor = int(tokenizer.config.factor)
         self.encoder, kept = low_precision_encoder(tokenizer.encoder, self.dtype, fp32_stream)
-        for p in self.encoder.parameters():
-            p.requires_grad_(False)
         self.fp32_layers = [f"encoder.{name}" for name in kept]
         self.island = Fp32Island(_quantizer_copy(tokenizer))
 

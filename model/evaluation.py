@@ -187,9 +187,10 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
     sq_err, n_px = 0.0, 0
     base_sq_err = 0.0
-    runs = [(p, served[p]) for p in precisions] + [(f"{p}_autocast", None) for p in precisions]
-    agree = {name: [0, 0] for name, _ in runs}
-    timings = {"fp32": 0.0, **{name: 0.0 for name, _ in runs}}
+    # (result key, precision, encoder copy or None for autocast)
+    runs = [(p, p, served[p]) for p in precisions] + [(f"{p}_autocast", p, None) for p in precisions]
+    agree = {name: [0, 0] for name, _, _ in runs}
+    timings = {"fp32": 0.0, **{name: 0.0 for name, _, _ in runs}}
     for name, img in zip(names, images, strict=True):
         img = _centre_crop_multiple(np.asarray(img), f)
         batch = torch.from_numpy(np.array(img))[None]
@@ -209,9 +210,9 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
             row["baseline_psnr"] = psnr(batch, base)
             base_sq_err += float(((batch.to(torch.float64) - base.to(torch.float64)) ** 2).sum())
         with _memory_format(tokenizer, channels_last):
-            for name, encoder in runs:
+            for name, precision, encoder in runs:
                 t0 = time.perf_counter()
-                low = encode_in_precision(tokenizer, batch, name.split("_")[0], channels_last, encoder).cpu()
+                low = encode_in_precision(tokenizer, batch, precision, channels_last, encoder).cpu()
                 timings[name] += time.perf_counter() - t0
                 same = int((low == idx).sum())
                 agree[name][0] += same

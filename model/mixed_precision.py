@@ -38,8 +38,8 @@ from torch import nn
 from vqserve.model.networks import AttentionBlock, ResBlock
 from vqserve.model.precision import cast_to, module_dtype, parse_dtype
 
-# layers whose input is cast to their own dtype: everything that holds parameters
-_CASTING_LAYERS = (nn.Conv2d, nn.GroupNorm, nn.Linear, AttentionBlock)
+# layers whose input is cast to their own dtype (Linear layers live only inside AttentionBlock)
+_CASTING_LAYERS = (nn.Conv2d, nn.GroupNorm, AttentionBlock)
 
 
 def _cast_input_to_own_dtype(module: nn.Module, args: tuple) -> tuple:
@@ -54,8 +54,8 @@ def default_fp32_stream(dtype: str | torch.dtype) -> bool:
 
 def low_precision_encoder(encoder: nn.Module, dtype: str | torch.dtype,
                           fp32_stream: bool | None = None) -> tuple[nn.Module, list[str]]:
-    """A copy of ``encoder`` for inference in ``dtype``, and the names of its convolutions
-    kept in fp32 (empty when the whole copy runs in ``dtype``).
+    """A copy of ``encoder`` for inference in ``dtype`` (eval mode, gradients off), and the
+    names of its convolutions kept in fp32 (empty when the whole copy runs in ``dtype``).
 
     ``fp32_stream`` None follows ``default_fp32_stream``. The copy is always made from the
     fp32 weights the caller holds, so the fp32 layers carry every bit of them.
@@ -63,7 +63,7 @@ def low_precision_encoder(encoder: nn.Module, dtype: str | torch.dtype,
     dtype = parse_dtype(dtype)
     if fp32_stream is None:
         fp32_stream = default_fp32_stream(dtype)
-    enc = copy.deepcopy(encoder).float().eval()
+    enc = copy.deepcopy(encoder).float().eval().requires_grad_(False)
     if dtype == torch.float32 or not fp32_stream:
         return enc.to(dtype), []
     for block in enc.modules():

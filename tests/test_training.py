@@ -195,6 +195,12 @@ def test_cli_train_with_config_file_and_overrides(image_dir, tmp_path, capsys):
                                                  "sampling"]},
                             config=str(cfg_file), channels=[8, 16], factor=16, no_progress=True)
     assert build_config(ns).tokenizer_config().factor == 16
+    # with a patch-4 stem, factor 16 needs two stages; factor 4 leaves none and is refused
+    ns.patch_size = 4
+    assert build_config(ns).tokenizer_config().channels == [8, 16]
+    ns.factor = 4
+    with pytest.raises(ValueError, match="at least one stage"):
+        build_config(ns)
 
 
 def test_bad_configs_are_clear_errors(tmp_path):

@@ -92,7 +92,10 @@ def build_config(args: argparse.Namespace):
             model[key] = value
     if args.factor is not None:
         patch = int(model.get("patch_size") or 1)
-        stages = max(1, {4: 2, 8: 3, 16: 4}[args.factor] - {1: 0, 2: 1, 4: 2}[patch])
+        if args.factor < 2 * patch:
+            raise ValueError(f"--factor {args.factor} needs at least one stage after the patch-size {patch} "
+                             f"stem (factor >= {2 * patch})")
+        stages = (args.factor // patch).bit_length() - 1  # log2: factor = patch * 2**stages
         channels = list(model.get("channels") or TrainConfig().model["channels"])
         while len(channels) < stages:
             channels.append(channels[-1])
