@@ -123,7 +123,10 @@ class EagerRuntime:
         )
 
     def encode(self, images: np.ndarray) -> np.ndarray:
-        indices = self.tokenizer.encode(torch.from_numpy(np.ascontiguousarray(images)))
+        images = np.ascontiguousarray(images)
+        if not images.flags.writeable:  # torch warns on read-only buffers (e.g. from Pillow)
+            images = images.copy()
+        indices = self.tokenizer.encode(torch.from_numpy(images))
         return indices.cpu().numpy().astype(self._index_dtype)
 
     def decode(self, indices: np.ndarray) -> np.ndarray:

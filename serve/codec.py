@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from vqserve.serve import images
+
 
 class BadInput(ValueError):
     """A request field broke a rule. ``str(exc)`` is the message the client sees."""
@@ -79,15 +81,14 @@ def array_to_bytes(array: np.ndarray) -> tuple[list[int], str, bytes]:
 
 
 # ---- encoded images ---------------------------------------------------------------------
-def _pillow():
-    from PIL import Image
-
-    return Image
+# Pixels come from the one preprocessing function (serve/images.py): EXIF orientation,
+# 16-bit, alpha, palette and grayscale are handled identically here, in the client
+# commands and in `vqserve tokenize`.
+WIRE_IMAGE_FORMATS = ("PNG", "JPEG")
 
 
 def decode_images(blobs: Sequence[bytes], field: str, max_pixels: int) -> np.ndarray:
     """PNG/JPEG bytes, one per image -> uint8 ``[B,H,W,3]``; every image must share a size."""
-    Image = _pillow()
     if not blobs:
         raise BadInput(field, "is an empty batch (no images)")
     arrays = []
@@ -96,17 +97,9 @@ def decode_images(blobs: Sequence[bytes], field: str, max_pixels: int) -> np.nda
         if not blob:
             raise BadInput(name, "is empty (expected PNG or JPEG bytes)")
         try:
-            with Image.open(io.BytesIO(blob)) as img:
-                if img.format not in ("PNG", "JPEG"):
-                    raise BadInput(name, f"must be a PNG or JPEG image, got {img.format}")
-                w, h = img.size
-                if w * h > max_pixels:
-                    raise BadInput(name, f"has {h}x{w} = {h * w} pixels, more than the limit {max_pixels}")
-                arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
-        except BadInput:
-            raise
-        except Exception as exc:  # Pillow raises many types for corrupt data
-            raise BadInput(name, f"is not a decodable PNG or JPEG image ({type(exc).__name__}: {exc})") from None
+            arr = images.load_rgb(blob, formats=WIRE_IMAGE_FORMATS, max_pixels=max_pixels)
+        except images.ImageError as exc:
+            raise BadInput(name, str(exc)) from None
         if arrays and arr.shape != arrays[0].shape:
             raise BadInput(name, f"has size {arr.shape[0]}x{arr.shape[1]}, but {field}[0] has "
                                  f"{arrays[0].shape[0]}x{arrays[0].shape[1]}; one request holds one size")
@@ -114,11 +107,12 @@ def decode_images(blobs: Sequence[bytes], field: str, max_pixels: int) -> np.nda
     return np.stack(arrays)
 
 
-def encode_png(images: np.ndarray, compress_level: int = 1) -> list[bytes]:
+def encode_png(batch: np.ndarray, compress_level: int = 1) -> list[bytes]:
     """uint8 ``[B,H,W,3]`` -> one PNG per image (lossless)."""
-    Image = _pillow()
+    from PIL import Image
+
     out = []
-    for img in images:
+    for img in batch:
         buf = io.BytesIO()
         Image.fromarray(np.ascontiguousarray(img), "RGB").save(buf, format="PNG", compress_level=compress_level)
         out.append(buf.getvalue())
@@ -126,7 +120,8 @@ def encode_png(images: np.ndarray, compress_level: int = 1) -> list[bytes]:
 
 
 def read_image_file(path) -> np.ndarray:
-    """An image file -> uint8 ``[H,W,3]``."""
-    Image = _pillow()
-    with Image.open(path) as img:
-        return np.asarray(img.convert("RGB"), dtype=np.uint8)
+    """An image file -> uint8 ``[H,W,3]`` as displayed (serve/images.py rules)."""
+    try:
+        return images.load_rgb(path)
+    except images.ImageError as exc:
+        raise ValueError(f"{path}: {exc}") from None

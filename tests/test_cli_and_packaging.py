@@ -34,7 +34,8 @@ def test_no_command_prints_help(capsys):
     assert "COMMAND" in capsys.readouterr().out
 
 
-BUILT = ["info", "train", "eval", "export", "serve", "encode", "decode", "bench"]
+BUILT = ["info", "train", "eval", "export", "serve", "encode", "decode", "bench", "tokenize",
+         "detokenize", "verify"]
 
 
 def test_the_built_commands_are_registered():

@@ -23,8 +23,9 @@ COMMANDS: list[tuple[str, str]] = [
     ("serve", "run the gRPC tokenizer service with dynamic batching"),
     ("encode", "client: send images to a running server, get token indices"),
     ("decode", "client: send token indices to a running server, get images"),
-    ("tokenize", "offline: tokenize folders of images into index shards"),
+    ("tokenize", "offline: tokenize datasets (folders, lists, WebDataset, Parquet) into shards"),
     ("detokenize", "offline: turn index shards back into images"),
+    ("verify", "offline: check a tokenized dataset (sha256, schema, keys, re-encoded samples)"),
     ("bench", "benchmarks: quantizers, runtimes, serving"),
 ]
 

@@ -3,6 +3,7 @@
   vqserve bench quantizers   FSQ/LFQ throughput vs vector-quantize-pytorch; fp32-island cost
   vqserve bench runtimes     eager / TorchScript / ONNX Runtime / torch.export, per dtype
   vqserve bench serve        gRPC serving vs in-process; dynamic batching on vs off
+  vqserve bench tokenize     `vqserve tokenize` end-to-end vs the raw runtime on the same images
 
 Options after the target go to that benchmark: `vqserve bench serve --help`.
 """
@@ -16,6 +17,7 @@ TARGETS = {
     "quantizers": "vqserve.model.bench",
     "runtimes": "vqserve.export.bench",
     "serve": "vqserve.serve.bench",
+    "tokenize": "vqserve.serve.tokenize_bench",
 }
 
 

@@ -18,17 +18,11 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from vqserve.commands.common import add_model_args
+
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    m = parser.add_argument_group("model")
-    m.add_argument("--model", default="default",
-                   help="`default` (the shipped tokenizer), a checkpoint dir or an exported artifact dir")
-    m.add_argument("--backend", default="auto", choices=["auto", "eager", "torchscript", "onnx", "pt2"],
-                   help="runtime; auto = eager for checkpoints, the recorded format for artifacts")
-    m.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
-                   help="network compute dtype (the quantizer always runs in fp32); default: fp32 for "
-                        "checkpoints, the exported dtype for artifacts")
-    m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    add_model_args(parser)
     n = parser.add_argument_group("network")
     n.add_argument("--host", default="[::]", help="address to bind (default all interfaces)")
     n.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (logged)")

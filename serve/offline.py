@@ -1,0 +1,396 @@
+"""Offline batch tokenization (``vqserve tokenize``): plan, resume, encode, commit, manifest.
+
+The pieces, each used by both engines (local processes here, Ray Data in ``offline_ray``):
+
+* **plan** — the inputs are listed (``sources.list_records``) and cut into shards of
+  ``shard_size`` records in input order; shard *i* is always the same records, so its name
+  (``shard-00000i.parquet``) is deterministic and a re-run knows what each file must hold;
+* **decode** — :func:`decode_task` turns a task (≤ ``batch_size`` records of one shard) into
+  model-ready pixels with the shared preprocessing (``serve/images.py``), in worker processes;
+* **encode** — :func:`encode_task` runs one runtime call per image shape of a task, so the
+  batches an image lands in depend only on the plan, never on timing or the engine;
+* **commit** — a shard is written atomically with its fingerprint, plan hash and errors; a
+  shard whose file exists is complete and is skipped on resume;
+* **finish** — ``manifest.json`` and ``errors.jsonl`` are rebuilt from the shard files, so an
+  interrupted-and-resumed run ends byte-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from vqserve import __version__
+from vqserve.serve import images, shards, sources
+
+MANIFEST = "manifest.json"
+ERRORS = "errors.jsonl"
+LAYOUT = "vqserve-tokens/1"
+
+
+class TokenizeError(RuntimeError):
+    """The run cannot go on (settings mismatch, changed inputs, --fail-fast); one line."""
+
+
+class Interrupted(TokenizeError):
+    """Ctrl-C: complete shards are kept; the message says how to resume."""
+
+
+class FailFast(TokenizeError):
+    """--fail-fast met a bad image."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that decides the tokens and the files; part of the fingerprint."""
+
+    preprocess: images.Preprocess
+    shard_size: int = 1000
+    batch_size: int = 16
+    shard_format: str = "parquet"
+    image_column: str = "image"
+    key_column: str | None = None
+
+    def __post_init__(self):
+        if self.shard_size < 1:
+            raise ValueError(f"--shard-size must be at least 1, got {self.shard_size}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.shard_format not in shards.FORMATS:
+            raise ValueError(f"--format must be one of {shards.FORMATS}, got {self.shard_format!r}")
+
+
+@dataclass(frozen=True)
+class Task:
+    shard: int
+    index: int            # position of the task inside its shard
+    records: tuple        # of sources.Record
+
+
+@dataclass
+class DecodedTask:
+    """What a decode worker sends back: per record, a Prepared or an error string."""
+
+    task: Task
+    items: list           # images.Prepared | str
+
+
+@dataclass
+class EncodedTask:
+    task: Task
+    rows: list            # shards.TokenRow, in record order
+    errors: list          # {"key", "source", "reason"}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.parent / f"{shards.TMP_PREFIX}{path.name}.{os.getpid()}"
+    tmp.write_text(text, encoding="utf-8")
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ---- decode (worker processes; no torch) ----------------------------------------------------
+def _ignore_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+
+
+def decode_task(task: Task, pre: images.Preprocess, image_column: str) -> DecodedTask:
+    items: list = []
+    for rec in task.records:
+        if rec.error:
+            items.append(rec.error)
+            continue
+        try:
+            items.append(images.prepare(sources.read_image_source(rec, image_column), pre))
+        except (images.ImageError, OSError, ValueError) as exc:
+            items.append(str(exc))
+        except Exception as exc:  # a decoder bug must not stop a million-image run
+            items.append(f"{type(exc).__name__}: {exc}")
+    return DecodedTask(task, items)
+
+
+# ---- encode (the process that holds the runtime) --------------------------------------------
+def encode_task(runtime, decoded: DecodedTask) -> EncodedTask:
+    """One runtime call per distinct image shape in the task, in first-seen order."""
+    recs, items = decoded.task.records, decoded.items
+    groups: dict[tuple, list[int]] = {}
+    errors = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            errors.append({"key": recs[i].key, "source": recs[i].source, "reason": item})
+        else:
+            groups.setdefault(item.pixels.shape, []).append(i)
+    tokens: dict[int, np.ndarray] = {}
+    for idx in groups.values():
+        out = runtime.encode(np.stack([items[i].pixels for i in idx]))
+        for j, i in enumerate(idx):
+            tokens[i] = out[j]
+    rows = [shards.TokenRow(key=recs[i].key, source=recs[i].source, orig_height=items[i].orig_height,
+                            orig_width=items[i].orig_width, crop=items[i].crop,
+                            height=items[i].pixels.shape[0], width=items[i].pixels.shape[1],
+                            tokens=tokens[i])
+            for i in sorted(tokens)]
+    return EncodedTask(decoded.task, rows, errors)
+
+
+# ---- the job ----------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One ``vqserve tokenize`` run into ``out``: the plan and everything engines share."""
+
+    inputs: list[str]
+    out: Path
+    settings: Settings
+    runtime_info: dict                     # RuntimeInfo.to_dict()
+    model_ref: str
+    records: list = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    done_records: int = 0
+    fingerprint: str = ""
+
+    @property
+    def shard_count(self) -> int:
+        return -(-len(self.records) // self.settings.shard_size)
+
+    def shard_records(self, shard: int) -> list:
+        s = self.settings.shard_size
+        return self.records[shard * s:(shard + 1) * s]
+
+    def shard_path(self, shard: int) -> Path:
+        return self.out / shards.shard_name(shard, self.settings.shard_format)
+
+    def tasks(self, shard: int) -> Iterator[Task]:
+        recs, b = self.shard_records(shard), self.settings.batch_size
+        for t, start in enumerate(range(0, len(recs), b)):
+            yield Task(shard, t, tuple(recs[start:start + b]))
+
+    def task_count(self, shard: int) -> int:
+        return -(-len(self.shard_records(shard)) // self.settings.batch_size)
+
+    def identity(self) -> dict:
+        """What must be equal for two runs to share a folder."""
+        info = self.runtime_info
+        return {
+            "layout": LAYOUT,
+            "model": {"hash": info["model_hash"], "backend": info["backend"], "dtype": info["dtype"],
+                      "device": info["device"].split(":")[0]},
+            "index_dtype": info["index_dtype"],
+            "preprocess": self.settings.preprocess.to_dict(),
+            "shard_size": self.settings.shard_size,
+            "batch_size": self.settings.batch_size,
+            "shard_format": self.settings.shard_format,
+            "image_column": self.settings.image_column,
+            "key_column": self.settings.key_column,
+            "inputs": self.inputs,
+        }
+
+    def plan_hash(self, shard: int) -> str:
+        digest = hashlib.sha256()
+        for rec in self.shard_records(shard):
+            digest.update(json.dumps([rec.key, rec.source, rec.error]).encode())
+        return digest.hexdigest()
+
+    # -- start: list, check the folder, find what is left -------------------------------------
+    def prepare(self) -> None:
+        ident = self.identity()
+        self.fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        self._check_out_dir(ident)
+        self.records = sources.list_records(self.inputs, self.settings.image_column,
+                                            self.settings.key_column)
+        if not self.records:
+            raise TokenizeError(f"no images found in {' '.join(self.inputs)}")
+        self.out.mkdir(parents=True, exist_ok=True)
+        for stale in self.out.glob(f"{shards.TMP_PREFIX}*"):
+            stale.unlink()  # our own half-written files from a killed run
+        if not (self.out / MANIFEST).exists():
+            self._write_manifest(complete=False)
+        self.pending, self.done_records = [], 0
+        for shard in range(self.shard_count):
+            path = self.shard_path(shard)
+            if not path.exists():
+                self.pending.append(shard)
+                continue
+            try:
+                info = shards.read_shard_info(path)
+            except Exception as exc:
+                raise TokenizeError(f"{path} is damaged ({type(exc).__name__}: {exc}); move it away "
+                                    "and re-run to redo that shard") from None
+            if info.fingerprint != self.fingerprint:
+                raise TokenizeError(f"{path} was made with other settings (fingerprint "
+                                    f"{info.fingerprint}, this run {self.fingerprint})")
+            if info.plan != self.plan_hash(shard):
+                raise TokenizeError(f"the inputs changed since {path.name} was written (it holds other "
+                                    "images than the inputs now list); tokenize into a new --out folder")
+            self.done_records += len(self.shard_records(shard))
+        extra = self.shard_path(self.shard_count)
+        if extra.exists():
+            raise TokenizeError(f"{extra} exists but the inputs now make only {self.shard_count} "
+                                "shards: the inputs changed; use a new --out folder")
+
+    def _check_out_dir(self, ident: dict) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise TokenizeError(f"--out {self.out} is a file, not a folder")
+        manifest = self.out / MANIFEST
+        if manifest.exists():
+            try:
+                old = json.loads(manifest.read_text())
+                old_ident = old["identity"]
+            except Exception:
+                raise TokenizeError(f"{self.out} holds a {MANIFEST} that is not a vqserve tokenize "
+                                    "manifest; choose an empty or new --out folder") from None
+            if old_ident != ident:
+                diffs = [k for k in sorted(set(old_ident) | set(ident)) if old_ident.get(k) != ident.get(k)]
+                detail = "; ".join(f"{k}: was {json.dumps(old_ident.get(k))}, now {json.dumps(ident.get(k))}"
+                                   for k in diffs)
+                raise TokenizeError(f"{self.out} holds tokens made with other settings ({detail[:600]}); "
+                                    "refusing to mix two configurations: use a new --out folder")
+        elif self.out.exists() and any(p for p in self.out.iterdir() if not p.name.startswith(".")):
+            raise TokenizeError(f"--out {self.out} is not empty and holds no vqserve {MANIFEST}; "
+                                "choose an empty or new folder (nothing there is overwritten)")
+
+    # -- per shard ------------------------------------------------------------------------------
+    def commit(self, shard: int, encoded: list[EncodedTask]) -> None:
+        encoded = sorted(encoded, key=lambda e: e.task.index)
+        rows = [r for e in encoded for r in e.rows]
+        errors = [err for e in encoded for err in e.errors]
+        shards.WRITERS[self.settings.shard_format](
+            self.shard_path(shard), rows, self.runtime_info["index_dtype"], self.fingerprint,
+            self.plan_hash(shard), errors)
+
+    # -- end ------------------------------------------------------------------------------------
+    def finish(self) -> dict:
+        listed, errors, totals = [], [], {"images": len(self.records), "rows": 0, "errors": 0}
+        for shard in range(self.shard_count):
+            path = self.shard_path(shard)
+            info = shards.read_shard_info(path)
+            listed.append({"name": path.name, "rows": info.rows, "errors": len(info.errors),
+                           "sha256": shards.sha256_file(path)})
+            errors.extend({**e, "shard": path.name} for e in info.errors)
+            totals["rows"] += info.rows
+            totals["errors"] += len(info.errors)
+        totals["shards"] = len(listed)
+        _write_atomic(self.out / ERRORS, "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors))
+        return self._write_manifest(complete=True, shards_list=listed, totals=totals)
+
+    def _write_manifest(self, complete: bool, shards_list=None, totals=None) -> dict:
+        info = self.runtime_info
+        manifest = {
+            "vqserve_version": __version__,
+            "complete": complete,
+            "fingerprint": self.fingerprint,
+            "identity": self.identity(),
+            "model": {"ref": self.model_ref, **{k: info[k] for k in (
+                "model_hash", "backend", "dtype", "device", "quantizer", "codebook_size", "factor",
+                "codes_per_position", "levels")}},
+            "index_dtype": info["index_dtype"],
+            "preprocess": self.settings.preprocess.to_dict(),
+            "shards": shards_list or [],
+            "totals": totals or {},
+        }
+        _write_atomic(self.out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        return manifest
+
+
+# ---- the local engine ---------------------------------------------------------------------------
+def default_workers(device: str) -> int:
+    """Decode processes. On a GPU, decoding is the bottleneck: all cores but one decode. On a
+    CPU the model is (a 256x256 image costs ~100 ms to encode and ~4 ms to decode), and torch
+    already uses every core: a decode process beside it stalls its threads more than it hides
+    (measured in docs/TOKENIZE.md), so decoding runs inline between batches."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(32, cores - 1)) if device.startswith("cuda") else 0
+
+
+def _decoded_stream(job: Job, workers: int, prefetch: int) -> Iterator[DecodedTask]:
+    """Decoded tasks in plan order; at most ``prefetch`` in flight (bounded memory)."""
+    tasks = (t for shard in job.pending for t in job.tasks(shard))
+    pre, col = job.settings.preprocess, job.settings.image_column
+    if workers == 0:
+        for t in tasks:
+            yield decode_task(t, pre, col)
+        return
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch threads
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_ignore_sigint)
+    window: deque = deque()
+    try:
+        for t in tasks:
+            window.append(pool.submit(decode_task, t, pre, col))
+            if len(window) >= prefetch:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Committer:
+    """The engines' shared back end: takes encoded tasks in any order, commits a shard when
+    its last task arrives, keeps the progress bar and counts, applies --fail-fast, and turns
+    Ctrl-C into :class:`Interrupted` with the resume hint. ``finish()`` writes the manifest."""
+
+    def __init__(self, job: Job, fail_fast: bool = False, progress: bool | None = None):
+        from tqdm import tqdm
+
+        self.job, self.fail_fast = job, fail_fast
+        self.bar = tqdm(total=len(job.records), initial=job.done_records, unit="img", desc="tokenize",
+                        dynamic_ncols=True, disable=(not progress) if progress is not None else None,
+                        file=sys.stderr)
+        self.t0, self.new_images, self.new_errors = time.perf_counter(), 0, 0
+        self.committed = job.shard_count - len(job.pending)
+        self.current: dict[int, list[EncodedTask]] = {}
+
+    def add(self, enc: EncodedTask) -> None:
+        if self.fail_fast and enc.errors:
+            e = enc.errors[0]
+            raise FailFast(f"{e['source']}: {e['reason']} (--fail-fast)")
+        shard = enc.task.shard
+        self.current.setdefault(shard, []).append(enc)
+        self.new_images += len(enc.task.records)
+        self.new_errors += len(enc.errors)
+        self.bar.update(len(enc.task.records))
+        if self.new_errors:
+            self.bar.set_postfix(errors=self.new_errors, refresh=False)
+        if len(self.current[shard]) == self.job.task_count(shard):
+            self.job.commit(shard, self.current.pop(shard))
+            self.committed += 1
+
+    def __enter__(self) -> Committer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.bar.close()
+        if exc_type is KeyboardInterrupt:
+            raise Interrupted(f"interrupted: {self.committed} of {self.job.shard_count} shards are "
+                              f"complete in {self.job.out}; run the same command again to resume") from None
+
+    def finish(self) -> dict:
+        elapsed = time.perf_counter() - self.t0
+        manifest = self.job.finish()
+        return {"manifest": manifest, "new_images": self.new_images, "new_errors": self.new_errors,
+                "seconds": elapsed, "images_per_second": self.new_images / elapsed if elapsed > 0 else 0.0}
+
+
+def run_local(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bool = False,
+              progress: bool | None = None) -> dict:
+    """Decode in ``workers`` processes (``0``: here, between batches), encode here, commit
+    shard by shard; at most ``prefetch`` decoded tasks wait (bounded memory)."""
+    prefetch = prefetch or max(4, 2 * workers + 2)
+    with Committer(job, fail_fast, progress) as committer:
+        for decoded in _decoded_stream(job, workers, prefetch):
+            committer.add(encode_task(runtime, decoded))
+    return committer.finish()

@@ -1,0 +1,214 @@
+"""Token shards on disk: the Parquet schema, deterministic atomic writes, reading back.
+
+One row per image. Readable with pyarrow / pandas / ``datasets`` alone::
+
+    key, source                      string
+    orig_height, orig_width          int32   the image as displayed (after EXIF rotation)
+    crop_top, crop_left,
+    crop_height, crop_width          int32   the region used, in original pixels
+    height, width                    int32   the pixels the model saw
+    grid_height, grid_width          int32   the token grid
+    tokens                           list<uint8|uint16|uint32>  row-major [grid_h, grid_w(, Q)]
+
+Each shard also carries key-value metadata: ``vqserve.fingerprint`` (the settings it was
+made with), ``vqserve.plan`` (sha256 of its input records, so a resume notices changed
+inputs) and ``vqserve.errors`` (the images of this shard that failed). Shards are written
+to a temporary name, fsynced and renamed: a file with the final name is always complete.
+Writes are byte-deterministic: the same rows give the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TMP_PREFIX = ".tmp-"
+META_FINGERPRINT = b"vqserve.fingerprint"
+META_PLAN = b"vqserve.plan"
+META_ERRORS = b"vqserve.errors"
+INT_COLUMNS = ("orig_height", "orig_width", "crop_top", "crop_left", "crop_height", "crop_width",
+               "height", "width", "grid_height", "grid_width")
+FORMATS = ("parquet", "webdataset")
+
+
+@dataclass
+class TokenRow:
+    key: str
+    source: str
+    orig_height: int
+    orig_width: int
+    crop: tuple[int, int, int, int]   # top, left, height, width
+    height: int
+    width: int
+    tokens: np.ndarray                # [grid_h, grid_w(, Q)] in the index dtype
+
+    def meta(self) -> dict:
+        t, left, h, w = self.crop
+        return {"key": self.key, "source": self.source, "orig_height": self.orig_height,
+                "orig_width": self.orig_width, "crop_top": t, "crop_left": left, "crop_height": h,
+                "crop_width": w, "height": self.height, "width": self.width,
+                "grid_height": int(self.tokens.shape[0]), "grid_width": int(self.tokens.shape[1])}
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks (the manifest records one per shard).
+    Here rather than imported from export/runtime.py: decode workers import this package
+    and must not load torch."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def shard_name(index: int, fmt: str = "parquet") -> str:
+    """Deterministic from the input order: shard ``index`` holds records
+    ``[index * shard_size, (index + 1) * shard_size)`` of the listed inputs."""
+    return f"shard-{index:06d}.{'parquet' if fmt == 'parquet' else 'tar'}"
+
+
+def schema(index_dtype: str):
+    import pyarrow as pa
+
+    fields = [pa.field("key", pa.string()), pa.field("source", pa.string())]
+    fields += [pa.field(name, pa.int32()) for name in INT_COLUMNS]
+    fields.append(pa.field("tokens", pa.list_(pa.from_numpy_dtype(np.dtype(index_dtype)))))
+    return pa.schema(fields)
+
+
+def _fsync_write(final: Path, write) -> None:
+    """Write through ``write(tmp_path)``, fsync, rename to ``final``, fsync the folder."""
+    tmp = final.parent / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_parquet_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str, fingerprint: str,
+                        plan: str, errors: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sch = schema(index_dtype).with_metadata({
+        META_FINGERPRINT: fingerprint.encode(), META_PLAN: plan.encode(),
+        META_ERRORS: json.dumps(errors, sort_keys=True).encode(),
+    })
+    metas = [r.meta() for r in rows]
+    columns = [pa.array([m["key"] for m in metas], pa.string()),
+               pa.array([m["source"] for m in metas], pa.string())]
+    columns += [pa.array([m[c] for m in metas], pa.int32()) for c in INT_COLUMNS]
+    flat = [np.ascontiguousarray(r.tokens, dtype=index_dtype).reshape(-1) for r in rows]
+    offsets = np.zeros(len(flat) + 1, dtype=np.int32)
+    np.cumsum([f.size for f in flat], out=offsets[1:])
+    values = np.concatenate(flat) if flat else np.zeros(0, dtype=index_dtype)
+    columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
+    table = pa.Table.from_arrays(columns, schema=sch)
+    _fsync_write(final, lambda tmp: pq.write_table(table, tmp, compression="zstd",
+                                                   row_group_size=max(1, len(rows))))
+
+
+def _tar_add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+def wds_member_base(key: str) -> str:
+    """WebDataset splits a member name at the first dot of its file name, so dots in a key's
+    last component become ``_`` in member names (the true key is in the ``.json`` member)."""
+    d, _, base = key.rpartition("/")
+    base = base.replace(".", "_")
+    return f"{d}/{base}" if d else base
+
+
+def write_webdataset_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str, fingerprint: str,
+                           plan: str, errors: list[dict]) -> None:
+    """A tar of ``KEY.tokens.npy`` + ``KEY.json`` per image, plus ``__vqserve__.json``."""
+    def write(tmp: Path) -> None:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+            for r in rows:
+                base = wds_member_base(r.key)
+                buf = io.BytesIO()
+                np.save(buf, np.ascontiguousarray(r.tokens, dtype=index_dtype), allow_pickle=False)
+                _tar_add(tar, f"{base}.tokens.npy", buf.getvalue())
+                _tar_add(tar, f"{base}.json", json.dumps(r.meta(), sort_keys=True).encode())
+            meta = {"fingerprint": fingerprint, "plan": plan, "errors": errors}
+            _tar_add(tar, "__vqserve__.json", json.dumps(meta, sort_keys=True).encode())
+    _fsync_write(final, write)
+
+
+WRITERS = {"parquet": write_parquet_shard, "webdataset": write_webdataset_shard}
+
+
+@dataclass
+class ShardInfo:
+    fingerprint: str
+    plan: str
+    errors: list[dict]
+    rows: int
+
+
+def read_shard_info(path: Path) -> ShardInfo:
+    """The metadata of a committed shard (no token data read). Raises on a damaged file."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        md = pq.read_metadata(path)
+        kv = md.metadata or {}
+        return ShardInfo(kv.get(META_FINGERPRINT, b"").decode(), kv.get(META_PLAN, b"").decode(),
+                         json.loads(kv.get(META_ERRORS, b"[]")), md.num_rows)
+    with tarfile.open(path, "r:") as tar:
+        names = tar.getnames()
+        member = tar.extractfile("__vqserve__.json")
+        meta = json.loads(member.read()) if member else {}
+    rows = sum(1 for n in names if n.endswith(".tokens.npy"))
+    return ShardInfo(meta.get("fingerprint", ""), meta.get("plan", ""), meta.get("errors", []), rows)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """All rows of a shard as dicts with ``tokens`` reshaped to ``[grid_h, grid_w(, Q)]``."""
+    rows: list[dict] = []
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        for rec in table.to_pylist():
+            rec["tokens"] = _grid(np.asarray(rec["tokens"], dtype=table.schema.field("tokens").type
+                                             .value_type.to_pandas_dtype()), rec)
+            rows.append(rec)
+        return rows
+    with tarfile.open(path, "r:") as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        for name, m in members.items():
+            if not name.endswith(".json") or name == "__vqserve__.json":
+                continue
+            rec = json.loads(tar.extractfile(m).read())
+            npy = tar.extractfile(members[name[: -len(".json")] + ".tokens.npy"]).read()
+            rec["tokens"] = np.load(io.BytesIO(npy), allow_pickle=False)
+            rows.append(rec)
+    return rows
+
+
+def _grid(flat: np.ndarray, rec: dict) -> np.ndarray:
+    h, w = rec["grid_height"], rec["grid_width"]
+    depth = flat.size // max(1, h * w)
+    return flat.reshape(h, w) if depth == 1 else flat.reshape(h, w, depth)

@@ -1,0 +1,273 @@
+"""Dataset inputs -> an ordered list of :class:`Record` (what to tokenize, in what order).
+
+``vqserve tokenize INPUT...`` accepts any mix of:
+
+* a **folder** of images, recursive (``.jpg .jpeg .png .webp .bmp .tif .tiff``), sorted by
+  relative path; the key is the relative path without its extension;
+* a **list file** (``.txt`` / ``.lst``): one image path per line (relative paths are taken
+  from the list file's folder; blank lines and ``#`` comments skipped); the key is the line (normalised);
+* **WebDataset shards** (``.tar``; globs and brace ranges such as ``data-{000..099}.tar``):
+  members grouped by the WebDataset key (the path up to the first dot of the file name);
+  the image is the sample's first ``jpg/jpeg/png/webp/...`` member;
+* **Parquet** files with an image-bytes column (``--image-column``, raw bytes or a
+  ``{bytes, path}`` struct as Hugging Face ``datasets`` writes it) and an optional
+  ``--key-column`` (else the key is ``<file stem>/<row>``);
+* a single image file (key: its file name without the extension).
+
+Planning only lists: no image bytes are read. Bytes are read later, in decode worker
+processes, by :func:`read_image_source` (tar members by offset, Parquet by row group), so
+the main process never holds a dataset in memory. A problem found while listing (a
+sample without an image, a duplicate key) becomes a Record with ``error`` set, at its
+place in the order, so it lands in errors.jsonl deterministically.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tarfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+LIST_EXTENSIONS = (".txt", ".lst")
+_WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "image")
+
+
+class Record(NamedTuple):
+    """One image to tokenize. ``source`` is what errors.jsonl and the shards show and what
+    ``vqserve verify`` reopens: a path, ``TAR::MEMBER`` or ``PARQUET::row=N``."""
+
+    key: str
+    source: str
+    kind: str        # file | tar | parquet
+    path: str        # the image file, tar or parquet file (absolute)
+    offset: int = 0  # tar: byte offset of the member's data; parquet: row number
+    size: int = 0    # tar: member size in bytes
+    error: str = ""  # set when listing already found the problem
+
+
+class InputError(ValueError):
+    """An INPUT argument cannot be used at all (missing, unknown kind): a usage error."""
+
+
+def _expand(arg: str) -> list[str]:
+    """Brace ranges then globs; a plain path passes through unchanged."""
+    from braceexpand import braceexpand
+
+    out: list[str] = []
+    for pattern in braceexpand(arg) if "{" in arg else [arg]:
+        if any(ch in pattern for ch in "*?["):
+            matches = sorted(glob.glob(pattern, recursive=True))
+            if not matches:
+                raise InputError(f"{pattern}: no files match")
+            out.extend(matches)
+        else:
+            out.append(pattern)
+    return out
+
+
+def _folder_records(folder: Path) -> Iterator[Record]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith("."):
+                files.append(Path(dirpath, name))
+    rels = sorted((p.relative_to(folder).as_posix(), p) for p in files)
+    for rel, p in rels:
+        key = rel.rsplit(".", 1)[0]
+        yield Record(key=key, source=str(p.resolve()), kind="file", path=str(p.resolve()))
+
+
+def _list_records(list_file: Path) -> Iterator[Record]:
+    base = list_file.resolve().parent
+    with open(list_file, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            p = Path(line) if Path(line).is_absolute() else base / line
+            yield Record(key=os.path.normpath(line), source=str(p.resolve()), kind="file",
+                         path=str(p.resolve()))
+
+
+def wds_key(member_name: str) -> tuple[str, str]:
+    """WebDataset's convention: ``dir/name.ext.ext2`` -> key ``dir/name``, ext ``ext.ext2``."""
+    d, _, base = member_name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{d}/{stem}" if d else stem), ext.lower()
+
+
+def _tar_records(tar_path: Path) -> Iterator[Record]:
+    path = str(tar_path.resolve())
+    samples: dict[str, dict[str, tarfile.TarInfo]] = {}
+    order: list[str] = []
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, ext = wds_key(member.name)
+                if key not in samples:
+                    samples[key] = {}
+                    order.append(key)
+                samples[key][ext] = member
+    except (tarfile.TarError, OSError) as exc:
+        # a truncated or corrupt shard: keep what was listed, record the rest as one error
+        for key in order:
+            yield from _tar_sample(path, key, samples[key])
+        yield Record(key=f"{tar_path.name}#unreadable", source=path, kind="tar", path=path,
+                     error=f"tar shard cannot be read past {len(order)} samples ({type(exc).__name__}: {exc})")
+        return
+    for key in order:
+        yield from _tar_sample(path, key, samples[key])
+
+
+def _tar_sample(path: str, key: str, members: dict[str, tarfile.TarInfo]) -> Iterator[Record]:
+    for ext in _WDS_IMAGE_EXTS:
+        if ext in members:
+            m = members[ext]
+            yield Record(key=key, source=f"{path}::{m.name}", kind="tar", path=path,
+                         offset=m.offset_data, size=m.size)
+            return
+    yield Record(key=key, source=f"{path}::{key}", kind="tar", path=path,
+                 error=f"sample has no image member (has: {', '.join(sorted(members)) or 'nothing'})")
+
+
+def _parquet_records(pq_path: Path, image_column: str, key_column: str | None) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    path = str(pq_path.resolve())
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:
+        raise InputError(f"{pq_path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+    names = pf.schema_arrow.names
+    if image_column not in names:
+        raise InputError(f"{pq_path}: no column {image_column!r} (columns: {', '.join(names)}); "
+                         "name the image-bytes column with --image-column")
+    if key_column and key_column not in names:
+        raise InputError(f"{pq_path}: no column {key_column!r} for --key-column (columns: {', '.join(names)})")
+    row = 0
+    if key_column:
+        for batch in pf.iter_batches(columns=[key_column], batch_size=65536):
+            for value in batch.column(0).to_pylist():
+                key = str(value) if value is not None else f"{pq_path.stem}/{row}"
+                yield Record(key=key, source=f"{path}::row={row}", kind="parquet", path=path, offset=row)
+                row += 1
+    else:
+        for row in range(pf.metadata.num_rows):
+            yield Record(key=f"{pq_path.stem}/{row}", source=f"{path}::row={row}", kind="parquet",
+                         path=path, offset=row)
+
+
+def expand_inputs(inputs: Iterable[str]) -> list[str]:
+    """The INPUT arguments with braces and globs expanded; each must exist."""
+    out = []
+    for arg in inputs:
+        for p in _expand(arg):
+            if not os.path.exists(p):
+                raise InputError(f"{p}: no such file or folder")
+            out.append(p)
+    if not out:
+        raise InputError("no INPUT given")
+    return out
+
+
+def list_records(inputs: Iterable[str], image_column: str = "image",
+                 key_column: str | None = None) -> list[Record]:
+    """Every INPUT (already expanded) -> records in input order; duplicate keys become errors."""
+    records: list[Record] = []
+    seen: dict[str, str] = {}
+    for arg in inputs:
+        p = Path(arg)
+        name = p.name.lower()
+        if p.is_dir():
+            it: Iterable[Record] = _folder_records(p)
+        elif name.endswith(".tar"):
+            it = _tar_records(p)
+        elif name.endswith((".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")):
+            raise InputError(f"{arg}: compressed tar shards cannot be read by offset; "
+                             "WebDataset shards are plain .tar (images inside are already compressed)")
+        elif name.endswith(".parquet"):
+            it = _parquet_records(p, image_column, key_column)
+        elif name.endswith(LIST_EXTENSIONS):
+            it = _list_records(p)
+        elif name.endswith(IMAGE_EXTENSIONS):
+            it = [Record(key=p.name.rsplit(".", 1)[0], source=str(p.resolve()), kind="file",
+                         path=str(p.resolve()))]
+        else:
+            raise InputError(f"{arg}: not a folder, image, list file (.txt/.lst), WebDataset .tar "
+                             "or .parquet file")
+        for rec in it:
+            if not rec.error:
+                if rec.key in seen:
+                    rec = rec._replace(error=f"duplicate key (first seen at {seen[rec.key]})")
+                else:
+                    seen[rec.key] = rec.source
+            records.append(rec)
+    return records
+
+
+# ---- reading bytes (runs in decode workers) ------------------------------------------------
+_parquet_cache: dict = {"key": None, "values": None}
+
+
+def _parquet_value(path: str, row: int, image_column: str):
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    start = 0
+    for rg in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(rg).num_rows
+        if row < start + n:
+            cache_key = (path, rg, image_column)
+            if _parquet_cache["key"] != cache_key:
+                _parquet_cache["values"] = pf.read_row_group(rg, columns=[image_column]).column(0)
+                _parquet_cache["key"] = cache_key
+            return _parquet_cache["values"][row - start].as_py()
+        start += n
+    raise ValueError(f"row {row} is past the end of {path}")
+
+
+def read_image_source(rec: Record, image_column: str = "image") -> bytes | str:
+    """A record -> encoded image bytes (or a file path Pillow opens). Raises OSError/ValueError."""
+    if rec.kind == "file":
+        return rec.path
+    if rec.kind == "tar":
+        with open(rec.path, "rb") as fh:
+            fh.seek(rec.offset)
+            data = fh.read(rec.size)
+        if len(data) != rec.size:
+            raise ValueError(f"tar member is truncated ({len(data)} of {rec.size} bytes)")
+        return data
+    if rec.kind == "parquet":
+        value = _parquet_value(rec.path, rec.offset, image_column)
+        if isinstance(value, dict):  # Hugging Face datasets' Image feature: {bytes, path}
+            if value.get("bytes"):
+                value = value["bytes"]
+            elif value.get("path"):
+                return str(Path(rec.path).parent / value["path"])
+        if value is None:
+            raise ValueError(f"column {image_column!r} is null in this row")
+        if isinstance(value, str):
+            return str(Path(rec.path).parent / value)
+        return bytes(value)
+    raise ValueError(f"unknown record kind {rec.kind!r}")
+
+
+def parse_source(source: str) -> Record:
+    """A ``source`` string as stored in shards -> a Record that :func:`read_image_source` reads
+    (used by ``vqserve verify`` to reopen a sample)."""
+    if "::" in source:
+        container, _, locator = source.rpartition("::")
+        if container.lower().endswith(".parquet") and locator.startswith("row="):
+            return Record(key="", source=source, kind="parquet", path=container, offset=int(locator[4:]))
+        if container.lower().endswith(".tar"):
+            with tarfile.open(container, "r:") as tar:
+                m = tar.getmember(locator)
+                return Record(key="", source=source, kind="tar", path=container,
+                              offset=m.offset_data, size=m.size)
+    return Record(key="", source=source, kind="file", path=source)

@@ -1,0 +1,150 @@
+"""Batch tokenization benchmark (``vqserve bench tokenize``): how close does the whole
+pipeline come to the model alone?
+
+Measured side by side, interleaved, in one process with one loaded runtime:
+
+* **raw**: the runtime's ``encode`` on the same images already decoded and resized, in the
+  same batches ``vqserve tokenize`` forms (``--batch-size`` per task, one shard);
+* **end-to-end**: ``vqserve tokenize``'s local engine on the image files: listing, decode
+  and resize in worker processes, inference, Parquet writes, manifest and sha256.
+
+It prints images/s for both and the ratio end-to-end / raw (target >= 0.9 at 256x256),
+plus the single-process decode cost per image, which is what the workers must hide.
+
+    vqserve bench tokenize                       # 96 whole photographs, --size 256, default model
+    vqserve bench tokenize --images DIR --size 256 --batch-size 16 --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry",
+          "retina", "stereo_motorcycle", "camera", "moon")
+
+
+def write_photo_folder(folder: Path, count: int) -> list[Path]:
+    """``count`` JPEG files (quality 90) of whole scikit-image photographs, cycled."""
+    from PIL import Image
+    from skimage import data
+
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = []
+    for name in PHOTOS:
+        img = getattr(data, name)()
+        img = img[0] if isinstance(img, tuple) else img
+        arrays.append(Image.fromarray(np.asarray(img)).convert("RGB"))
+    paths = []
+    for i in range(count):
+        p = folder / f"{i:05d}-{PHOTOS[i % len(PHOTOS)]}.jpg"
+        arrays[i % len(arrays)].save(p, quality=90)
+        paths.append(p)
+    return paths
+
+
+def _raw_pass(runtime, batches: list[np.ndarray]) -> float:
+    t0 = time.perf_counter()
+    for b in batches:
+        runtime.encode(b)
+    return time.perf_counter() - t0
+
+
+def _e2e_pass(job_factory, runtime, workers: int) -> float:
+    from vqserve.serve.offline import run_local
+
+    job = job_factory()
+    t0 = time.perf_counter()
+    job.prepare()
+    run_local(job, runtime, workers=workers, progress=False)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vqserve.export.runtime import load_runtime
+    from vqserve.serve import images, offline
+
+    ap = argparse.ArgumentParser(prog="vqserve bench tokenize", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--images", help="a folder of images (default: whole scikit-image photographs)")
+    ap.add_argument("--count", type=int, default=96, help="images when --images is not given")
+    ap.add_argument("--size", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--workers", type=int, default=None, help="decode processes (default as tokenize)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
+    info = runtime.info.to_dict()
+    workers = offline.default_workers(info["device"]) if args.workers is None else args.workers
+    pre = images.Preprocess(mode="size", size=args.size, factor=info["factor"])
+    scratch = Path(tempfile.mkdtemp(prefix="vqserve-bench-tokenize-"))
+    try:
+        folder = Path(args.images) if args.images else scratch / "photos"
+        if not args.images:
+            write_photo_folder(folder, args.count)
+        settings = offline.Settings(preprocess=pre, shard_size=1_000_000, batch_size=args.batch_size)
+
+        def job_factory(counter=[0]):  # noqa: B006 - a fresh output folder per pass
+            counter[0] += 1
+            return offline.Job(inputs=[str(folder.resolve())], out=scratch / f"out{counter[0]}",
+                               settings=settings, runtime_info=info, model_ref=args.model)
+
+        plan = job_factory()
+        plan.prepare()
+        t0 = time.perf_counter()
+        decoded = [offline.decode_task(t, pre, "image") for t in plan.tasks(0)]
+        decode_s = time.perf_counter() - t0
+        batches = []
+        for d in decoded:
+            groups: dict = {}
+            for item in d.items:
+                if not isinstance(item, str):
+                    groups.setdefault(item.pixels.shape, []).append(item.pixels)
+            batches += [np.stack(g) for g in groups.values()]
+        n = sum(len(b) for b in batches)
+        runtime.encode(batches[0])  # warm-up
+        raw, e2e = [], []
+        for r in range(args.rounds):
+            raw.append(n / _raw_pass(runtime, batches))
+            e2e.append(n / _e2e_pass(job_factory, runtime, workers))
+            print(f"round {r + 1}: raw {raw[-1]:.2f} img/s, end-to-end {e2e[-1]:.2f} img/s, "
+                  f"ratio {e2e[-1] / raw[-1]:.3f}", flush=True)
+        ratios = [e / r for e, r in zip(e2e, raw, strict=True)]
+        result = {
+            "images": n, "size": args.size, "batch_size": args.batch_size, "workers": workers,
+            "backend": info["backend"], "dtype": info["dtype"], "device": info["device"],
+            "torch_threads": __import__("torch").get_num_threads(),
+            "raw_images_per_s": statistics.median(raw), "end_to_end_images_per_s": statistics.median(e2e),
+            "ratio_median": statistics.median(ratios), "ratios": ratios,
+            "decode_ms_per_image_one_process": 1000 * decode_s / max(1, len(plan.records)),
+        }
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(f"{n} images at {args.size}x{args.size}, batch {args.batch_size}, {workers} decode "
+                  f"workers, {info['backend']} {info['dtype']} on {info['device']}, "
+                  f"{result['torch_threads']} torch threads")
+            print(f"raw runtime      {result['raw_images_per_s']:8.2f} img/s (median of {args.rounds})")
+            print(f"end-to-end       {result['end_to_end_images_per_s']:8.2f} img/s")
+            print(f"ratio e2e / raw  {result['ratio_median']:8.3f}   (target >= 0.9)")
+            print(f"decode + resize  {result['decode_ms_per_image_one_process']:8.1f} ms/image in one process")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

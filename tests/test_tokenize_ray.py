@@ -1,0 +1,85 @@
+"""`vqserve tokenize --engine ray`: a real local Ray (no mocks) writes byte-identical shards,
+manifest and errors.jsonl to the local engine's, and resumes shard by shard."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vqserve.cli import main
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.filterwarnings(r"ignore::DeprecationWarning:ray\..*")]
+
+SIZES = ((40, 48), (48, 40), (32, 32), (56, 64), (64, 56), (33, 47), (48, 48), (40, 64))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def photos_dir(tmp_path_factory) -> Path:
+    """8 crops of the scikit-image photos (PNG and JPEG, 32-64 px) and one corrupt file."""
+    from skimage import data
+
+    folder = tmp_path_factory.mktemp("photos")
+    srcs = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
+    for i, (h, w) in enumerate(SIZES):
+        src = srcs[i % len(srcs)]
+        px = np.ascontiguousarray(src[10 * i:10 * i + h, 20 * i:20 * i + w, :3])
+        buf = io.BytesIO()
+        Image.fromarray(px).save(buf, format="PNG" if i % 3 else "JPEG")
+        (folder / f"img{i}.{'png' if i % 3 else 'jpg'}").write_bytes(buf.getvalue())
+    (folder / "img3x.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")  # sorts 5th
+    return folder
+
+
+def tokenize(photos: Path, out: Path, model: str, engine: str, *extra: str) -> int:
+    return main(["tokenize", str(photos), "--out", str(out), "--model", model, "--device", "cpu",
+                 "--shard-size", "3", "--batch-size", "2", "--engine", engine, "--workers", "0",
+                 "--ray-actors", "1", "--no-progress", *extra])
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.mark.parametrize("size", [["--size", "32"], ["--keep-size"]], ids=["size32", "keep"])
+def test_ray_equals_local_and_resumes(ray_local, photos_dir, tiny_checkpoint, tmp_path, size):
+    local, dist = tmp_path / "local", tmp_path / "ray"
+    assert tokenize(photos_dir, local, tiny_checkpoint, "local", *size) == 0
+    assert tokenize(photos_dir, dist, tiny_checkpoint, "ray", *size) == 0
+    want = files(local)
+    # 9 images in shards of 3, tasks of 2 + 1: several shards, a partial last task, one error
+    assert sorted(want) == ["errors.jsonl", "manifest.json", "shard-000000.parquet",
+                            "shard-000001.parquet", "shard-000002.parquet"]
+    assert want["errors.jsonl"].count(b"\n") == 1 and b"img3x" in want["errors.jsonl"]
+    assert files(dist) == want
+
+    # resume on Ray: only the missing shard is redone, and the folder is byte-identical again
+    (dist / "shard-000001.parquet").unlink()
+    kept = {n: (dist / n).stat().st_mtime_ns for n in ("shard-000000.parquet", "shard-000002.parquet")}
+    assert tokenize(photos_dir, dist, tiny_checkpoint, "ray", *size) == 0
+    assert {n: (dist / n).stat().st_mtime_ns for n in kept} == kept
+    assert files(dist) == want
+
+
+def test_ray_fail_fast_and_actor_refusal(ray_local, photos_dir, tiny_checkpoint, tmp_path, capsys):
+    # every CPU of the cluster (2) held by an actor would leave none to decode: refused up front
+    assert tokenize(photos_dir, tmp_path / "a", tiny_checkpoint, "ray", "--size", "32",
+                    "--ray-actors", "2") == 2
+    assert "leave none for decoding" in capsys.readouterr().err
+    assert tokenize(photos_dir, tmp_path / "b", tiny_checkpoint, "ray", "--size", "32",
+                    "--fail-fast") == 1
+    err = capsys.readouterr().err
+    assert "img3x.png" in err and "(--fail-fast)" in err
+    assert not (tmp_path / "b" / "errors.jsonl").exists()

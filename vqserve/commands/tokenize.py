@@ -1,0 +1,147 @@
+"""Offline: tokenize whole datasets into Parquet (or WebDataset) shards, resumably.
+
+INPUT is any mix of: folders of images (recursive; jpg, png, webp, ...), list files (.txt /
+.lst, one path per line), WebDataset .tar shards (globs and brace ranges such as
+'data-{000..099}.tar'; the key is the WebDataset key) and Parquet files with an image-bytes
+column. Every image is preprocessed by the same function the server uses (EXIF
+orientation, 16-bit, alpha over white, palette, grayscale, CMYK), then resized or cropped:
+
+  --size N      shorter side to N, centre crop N x N (N a multiple of the model's factor)
+  --keep-size   centre-crop down to multiples of the factor (the crop is recorded)
+  (neither)     images must already be multiples of the factor; others go to errors.jsonl
+
+Output in --out: shard-000000.parquet ... (zstd; one row per image: key, source, original
+size, crop box, token grid, tokens), manifest.json (model hash, settings, shards with rows
+and sha256) and errors.jsonl (images that failed, with the reason; the run goes on).
+
+Resume: run the same command again after a crash, kill -9 or Ctrl-C. Complete shards are
+kept, the rest is redone, and the result is byte-identical to an uninterrupted run. A run
+with other settings into the same folder is refused.
+
+Examples:
+  vqserve tokenize photos/ --out tokens/ --size 256
+  vqserve tokenize 'shards/data-{000..099}.tar' --out tokens/ --size 256 --device cuda --dtype bf16
+  vqserve tokenize train.parquet --image-column image --key-column id --out tokens/ --keep-size
+  vqserve tokenize photos/ --out tokens/ --size 256 --engine ray --ray-address auto
+Read the shards without vqserve: docs/TOKENIZE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from vqserve.commands.common import add_model_args, model_ref
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="folders, list files, WebDataset .tar shards, .parquet files, images")
+    parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier run's)")
+    add_model_args(parser)
+    p = parser.add_argument_group("preprocessing (recorded in the manifest)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--size", type=int, default=0,
+                      help="resize the shorter side to N and centre-crop N x N")
+    size.add_argument("--keep-size", action="store_true",
+                      help="keep the size, centre-cropping down to multiples of the factor")
+    p.add_argument("--resample", default="bicubic", choices=["bicubic", "bilinear", "lanczos", "area", "nearest"],
+                   help="filter for --size (default bicubic)")
+    p.add_argument("--max-pixels", type=int, default=0,
+                   help="skip (as an error) images with more pixels than this (default: no limit)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--shard-size", type=int, default=1000, help="images per shard (default 1000)")
+    o.add_argument("--format", default="parquet", choices=["parquet", "webdataset"],
+                   help="parquet (default) or webdataset tar shards of .tokens.npy + .json")
+    o.add_argument("--image-column", default="image", help="Parquet inputs: the image-bytes column")
+    o.add_argument("--key-column", default=None, help="Parquet inputs: the key column (default: row number)")
+    r = parser.add_argument_group("execution")
+    r.add_argument("--batch-size", type=int, default=16, help="images per runtime call (default 16)")
+    r.add_argument("--workers", type=int, default=None,
+                   help="decode processes (default: all cores but one on GPU; 0 on CPU, where "
+                        "the model needs the cores; 0 decodes in this process)")
+    r.add_argument("--threads", type=int, default=0, help="torch threads for the model (default: torch's)")
+    r.add_argument("--engine", default="local", choices=["local", "ray"],
+                   help="local processes (default) or Ray Data (pip install 'vqserve[ray]')")
+    r.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local Ray)")
+    r.add_argument("--ray-actors", type=int, default=0,
+                   help="tokenizer actors (default: one per GPU on CUDA, 2 on CPU)")
+    r.add_argument("--fail-fast", action="store_true", help="stop at the first bad image instead of "
+                   "recording it in errors.jsonl")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_job(args: argparse.Namespace, runtime_info: dict):
+    from vqserve.serve import images, offline, sources
+
+    pre = images.Preprocess(mode="size" if args.size else "keep" if args.keep_size else "exact",
+                            factor=runtime_info["factor"], size=args.size, resample=args.resample,
+                            max_pixels=args.max_pixels)
+    settings = offline.Settings(preprocess=pre, shard_size=args.shard_size, batch_size=args.batch_size,
+                                shard_format=args.format, image_column=args.image_column,
+                                key_column=args.key_column)
+    from pathlib import Path
+
+    inputs = [str(Path(p).resolve()) for p in sources.expand_inputs(args.inputs)]
+    return offline.Job(inputs=inputs, out=Path(args.out), settings=settings,
+                       runtime_info=runtime_info, model_ref=model_ref(args.model))
+
+
+def run(args: argparse.Namespace) -> int:
+    from vqserve.serve import offline, sources
+
+    if args.workers is not None and args.workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {args.workers}")
+    if args.size < 0:
+        raise ValueError(f"--size must be positive, got {args.size}")
+    sources.expand_inputs(args.inputs)  # a missing INPUT is a usage error before the model loads
+    import torch
+
+    from vqserve.export.runtime import load_runtime
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.engine == "ray":
+        # the driver only plans and writes: it reads the model's description on the CPU and
+        # leaves the GPUs to the actors (the device may exist only on the cluster's workers)
+        runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device="cpu")
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        info = {**runtime.info.to_dict(), "device": device}
+        del runtime
+    else:
+        runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
+        info = runtime.info.to_dict()
+    try:
+        job = build_job(args, info)
+        job.prepare()
+        left = len(job.records) - job.done_records
+        print(f"tokenize: {len(job.records)} images in {job.shard_count} shards -> {job.out} "
+              f"({info['backend']} {info['dtype']} on {info['device']}); "
+              f"{job.shard_count - len(job.pending)} shards already complete, {left} images to go",
+              file=sys.stderr)
+        if args.engine == "ray":
+            from vqserve.serve.offline_ray import run_ray
+
+            result = run_ray(job, model=args.model, backend=args.backend, dtype=args.dtype,
+                             device=info["device"], address=args.ray_address, actors=args.ray_actors,
+                             fail_fast=args.fail_fast, progress=not args.no_progress)
+        else:
+            workers = offline.default_workers(info["device"]) if args.workers is None else args.workers
+            if workers and info["device"] == "cpu" and not args.threads:
+                # decode processes and torch threads share the cores: don't oversubscribe
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) - workers))
+            result = offline.run_local(job, runtime, workers=workers, fail_fast=args.fail_fast,
+                                       progress=False if args.no_progress else None)
+    except offline.Interrupted as exc:
+        print(f"vqserve tokenize: {exc}", file=sys.stderr)
+        return 130
+    except (offline.TokenizeError, sources.InputError) as exc:
+        print(f"vqserve tokenize: error: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, offline.FailFast) else 2
+    totals = result["manifest"]["totals"]
+    print(f"tokenize: done: {totals['rows']} images tokenized, {totals['errors']} errors "
+          f"(see {job.out / offline.ERRORS}), {totals['shards']} shards; this run "
+          f"{result['new_images']} images in {result['seconds']:.1f} s "
+          f"({result['images_per_second']:.1f} img/s)", file=sys.stderr)
+    return 0
