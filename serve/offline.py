@@ -312,6 +312,16 @@ def default_workers(device: str) -> int:
     return max(1, min(32, cores - 1)) if device.startswith("cuda") else 0
 
 
+def share_cores_with_workers(device: str, workers: int) -> None:
+    """On a CPU, decode processes and torch's threads share the cores: lower torch's threads
+    to the cores the workers leave (oversubscribed OpenMP threads stall each other)."""
+    if workers and device == "cpu":
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores - workers))
+
+
 def _decoded_stream(job: Job, workers: int, prefetch: int) -> Iterator[DecodedTask]:
     """Decoded tasks in plan order; at most ``prefetch`` in flight (bounded memory)."""
     tasks = (t for shard in job.pending for t in job.tasks(shard))
@@ -347,8 +357,10 @@ class Committer:
         from tqdm import tqdm
 
         self.job, self.fail_fast = job, fail_fast
+        # on a terminal a live bar; in a log file (not a TTY) one update every 30 s
+        tty = sys.stderr.isatty()
         self.bar = tqdm(total=len(job.records), initial=job.done_records, unit="img", desc="tokenize",
-                        dynamic_ncols=True, disable=(not progress) if progress is not None else None,
+                        dynamic_ncols=True, disable=progress is False, mininterval=0.1 if tty else 30,
                         file=sys.stderr)
         self.t0, self.new_images, self.new_errors = time.perf_counter(), 0, 0
         self.committed = job.shard_count - len(job.pending)

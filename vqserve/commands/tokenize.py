@@ -29,7 +29,6 @@ Read the shards without vqserve: docs/TOKENIZE.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from vqserve.commands.common import add_model_args, model_ref
@@ -128,9 +127,8 @@ def run(args: argparse.Namespace) -> int:
                              fail_fast=args.fail_fast, progress=not args.no_progress)
         else:
             workers = offline.default_workers(info["device"]) if args.workers is None else args.workers
-            if workers and info["device"] == "cpu" and not args.threads:
-                # decode processes and torch threads share the cores: don't oversubscribe
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) - workers))
+            if not args.threads:
+                offline.share_cores_with_workers(info["device"], workers)
             result = offline.run_local(job, runtime, workers=workers, fail_fast=args.fail_fast,
                                        progress=False if args.no_progress else None)
     except offline.Interrupted as exc:
