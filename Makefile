@@ -6,16 +6,20 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
-METRICS_PORT ?= 9090
+METRICS_PORT ?= 50052
 PYTEST_ARGS ?=
 
-.PHONY: help venv test lint importlint pytest serve protos bench clean
+IMAGE  ?= vqserve:latest
+
+.PHONY: help venv test lint importlint pytest serve protos bench bench-tokenize docker docker-cpu clean
 
 help:
 	@echo "make test    - create .venv (CPU torch), lint, import contracts, run the test suite"
 	@echo "make serve   - serve the embedded default tokenizer on :$(PORT) (metrics :$(METRICS_PORT))"
 	@echo "make protos  - regenerate the gRPC stubs from protos/"
 	@echo "make bench   - quantizer benchmarks (see docs/ for runtime and serving benchmarks)"
+	@echo "make bench-tokenize - vqserve tokenize end-to-end vs the raw runtime (docs/TOKENIZE.md)"
+	@echo "make docker  - build the GPU image (needs a Docker engine); make docker-cpu for the CPU one"
 	@echo "make clean   - remove .venv and caches"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -29,6 +33,7 @@ venv: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/hadolint Dockerfile
 
 importlint: $(STAMP)
 	VENV=$(VENV) scripts/lint_imports.sh
@@ -46,6 +51,15 @@ protos: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/vqserve bench quantizers
+
+bench-tokenize: $(STAMP)
+	$(BIN)/vqserve bench tokenize
+
+docker:
+	docker build -t $(IMAGE) .
+
+docker-cpu:
+	docker build -t $(IMAGE)-cpu --build-arg VARIANT=cpu .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

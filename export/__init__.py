@@ -12,5 +12,7 @@ One job per module:
 * ``checks``: numpy input validation shared by the runtimes;
 * ``runtime``: the Runtime interface, ``EagerRuntime`` and ``load_runtime``;
 * ``runtimes``: TorchScript, ONNX Runtime and torch.export runtimes;
-* ``bench``: ``vqserve bench runtimes``.
+* ``bench``: ``vqserve bench runtimes``;
+* ``torchserve`` / ``torchserve_handler``: TorchServe ``.mar`` archives and the handler
+  that runs a vqserve runtime inside TorchServe's worker.
 """

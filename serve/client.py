@@ -63,6 +63,21 @@ def _metadata(token: str | None):
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
+def check_health(target: str, service: str = "", timeout: float = 5.0, tls_ca=None,
+                 tls: bool = False) -> str:
+    """Ask ``grpc.health.v1.Health/Check``; returns the status name (``SERVING``,
+    ``NOT_SERVING``, ``SERVICE_UNKNOWN``...). Raises ``grpc.RpcError`` when unreachable.
+    Health needs no token (the server leaves it open for probes)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    creds = _credentials(tls_ca, tls)
+    channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+    with channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def chunks(array: np.ndarray, size: int) -> list[np.ndarray]:
     """Split along axis 0 into pieces of at most ``size``."""
     return [array[i: i + size] for i in range(0, len(array), size)]

@@ -6,7 +6,7 @@ The pieces, each used by both engines (local processes here, Ray Data in ``offli
   ``shard_size`` records in input order; shard *i* is always the same records, so its name
   (``shard-00000i.parquet``) is deterministic and a re-run knows what each file must hold;
 * **decode** — :func:`decode_task` turns a task (≤ ``batch_size`` records of one shard) into
-  model-ready pixels with the shared preprocessing (``serve/images.py``), in worker processes;
+  model-ready pixels with the shared preprocessing (``vqserve/images.py``), in worker processes;
 * **encode** — :func:`encode_task` runs one runtime call per image shape of a task, so the
   batches an image lands in depend only on the plan, never on timing or the engine;
 * **commit** — a shard is written atomically with its fingerprint, plan hash and errors; a
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve import __version__
-from vqserve.serve import images, shards, sources
+from vqserve import __version__, images
+from vqserve.serve import shards, sources
 
 MANIFEST = "manifest.json"
 ERRORS = "errors.jsonl"

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.serve import images, offline, shards, sources
+from vqserve import images
+from vqserve.serve import offline, shards, sources
 
 _RAY_BARS_LOG = logging.getLogger("ray.data._internal.progress")  # "Progress bars disabled"
 

@@ -47,7 +47,7 @@ class ServerConfig:
     device: str = "auto"
     host: str = "[::]"
     port: int = 50051                # 0 = ephemeral (the bound port is logged)
-    metrics_port: int = 9090         # 0 = ephemeral, negative = no metrics endpoint
+    metrics_port: int = 50052        # 0 = ephemeral, negative = no metrics endpoint
     metrics_host: str = "0.0.0.0"
     max_batch_size: int = 32
     max_delay_ms: float = 5.0

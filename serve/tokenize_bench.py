@@ -68,8 +68,9 @@ def _e2e_pass(job_factory, runtime, workers: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vqserve import images
     from vqserve.export.runtime import load_runtime
-    from vqserve.serve import images, offline
+    from vqserve.serve import offline
 
     ap = argparse.ArgumentParser(prog="vqserve bench tokenize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

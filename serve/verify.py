@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.serve import images, shards, sources
+from vqserve import images
+from vqserve.serve import shards, sources
 
 MANIFEST = "manifest.json"   # the names offline.py writes; not imported so verify stays light
 LAYOUT = "vqserve-tokens/1"

@@ -21,9 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from vqserve import images
 from vqserve.cli import main
 from vqserve.export.runtime import EagerRuntime
-from vqserve.serve import images, shards
+from vqserve.serve import shards
 
 pytestmark = pytest.mark.timeout(300)
 

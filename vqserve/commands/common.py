@@ -23,3 +23,42 @@ def add_model_args(parser: argparse.ArgumentParser, default_device: str = "auto"
 def model_ref(model: str) -> str:
     """How a model is recorded in output manifests: ``default`` or an absolute path."""
     return model if model == "default" else str(Path(model).resolve())
+
+
+# ---- settings from VQSERVE_* environment variables (containers) --------------------------------
+def add_env_fallbacks(parser: argparse.ArgumentParser, env_names: dict[str, str]) -> None:
+    """Let each flag in ``env_names`` (argparse dest -> variable) also come from the
+    environment: command line first, then the variable, then the built-in default.
+
+    The parser's default becomes ``None`` and the built-in one is kept on the action, so
+    :func:`resolve_env_fallbacks` can tell "not given" from "given the default value"; a
+    bad value is reported at run time, naming the variable, never while other commands
+    build their parsers.
+    """
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public iterator
+        env = env_names.get(action.dest)
+        if env is None:
+            continue
+        action.builtin_default = action.default
+        shown = "none" if action.default is None else action.default
+        action.help = f"{action.help} [default {shown}; env {env}]"
+        action.default = None
+
+
+def resolve_env_fallbacks(parser_actions, args: argparse.Namespace, env_names: dict[str, str]) -> None:
+    import os
+
+    for action in parser_actions:
+        env = env_names.get(action.dest)
+        if env is None or getattr(args, action.dest) is not None:
+            continue
+        raw = os.environ.get(env, "")
+        value = action.builtin_default
+        if raw != "":
+            try:
+                value = action.type(raw) if action.type else raw
+            except (TypeError, ValueError):
+                raise ValueError(f"{env}={raw!r} is not a valid {action.option_strings[0]} value") from None
+            if action.choices and value not in action.choices:
+                raise ValueError(f"{env}={raw!r} must be one of {', '.join(map(str, action.choices))}")
+        setattr(args, action.dest, value)

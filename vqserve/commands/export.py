@@ -15,6 +15,12 @@ Examples:
 What runs where: onnx supports fp32 and fp16 (bf16 is refused: no onnxruntime kernels);
 onnxruntime's CPU provider runs fp16 graphs in fp32, so fp16 parity measured on CPU is not
 fp16 parity. torchscript and pt2 support fp32, bf16 and fp16 (fp16 is slow on CPUs).
+
+--format torchserve writes TorchServe model archives instead (vqserve-encode.mar,
+vqserve-decode.mar, an example config.properties, manifest.json; docs/TORCHSERVE.md):
+  vqserve export --model default --format torchserve --batch-size 8 --max-batch-delay-ms 5 --out ts/
+  vqserve export --model artifacts/onnx-fp32 --format torchserve --out ts-onnx/
+--model may then also be an artifact directory; --backend picks the runtime inside the archive.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ import sys
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="'default' (the shipped tokenizer) or a checkpoint directory")
-    parser.add_argument("--format", required=True, choices=["torchscript", "onnx", "pt2"], dest="fmt",
-                        help="artifact format")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                        help="dtype of the encoder/decoder networks (the quantizer is always fp32)")
+    parser.add_argument("--format", required=True, choices=["torchscript", "onnx", "pt2", "torchserve"],
+                        dest="fmt", help="artifact format (torchserve: TorchServe model archives)")
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                        help="dtype of the encoder/decoder networks (the quantizer is always fp32; "
+                             "default fp32, or an artifact's own dtype for --format torchserve)")
     parser.add_argument("--out", required=True, help="artifact directory to write (replaced only on success)")
     parser.add_argument("--min-agreement", type=float, default=None,
                         help="fail when index agreement with fp32 eager is below this fraction "
@@ -37,7 +44,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-decode-psnr", type=float, default=30.0,
                         help="fail when the decode of eager's tokens is further than this PSNR (dB) "
                              "from eager fp32's decode (default 30; catches fp16 overflow)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto: where to export and measure parity")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda[:N] or auto: where to export and measure parity (default cpu); "
+                             "for torchserve, where the handler runs (default auto: the GPU "
+                             "TorchServe assigns to the worker, else cpu)")
     parser.add_argument("--parity-size", type=int, default=128, help="side of the validation tiles (default 128)")
     parser.add_argument("--parity-count", type=int, default=0,
                         help="number of validation tiles (default 0: all of them, 18 at 128px)")
@@ -50,6 +60,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--no-fp32-stream", dest="fp32_stream", action="store_false",
                         help="cast the whole encoder to --dtype")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
+    ts = parser.add_argument_group("torchserve (--format torchserve only)")
+    ts.add_argument("--backend", default="auto", choices=["auto", "eager", "torchscript", "onnx", "pt2"],
+                    help="runtime inside the archive: auto (eager for a checkpoint, the artifact's "
+                         "format for an artifact directory), eager, or an export format (the "
+                         "checkpoint is exported first, parity-checked)")
+    ts.add_argument("--batch-size", type=int, default=8,
+                    help="TorchServe batch size the archives default to (default 8)")
+    ts.add_argument("--max-batch-delay-ms", type=int, default=5,
+                    help="TorchServe max batch delay the archives default to (default 5 ms)")
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -61,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"[export] {msg}", file=sys.stderr, flush=True)
 
+    if args.fmt == "torchserve":
+        return _run_torchserve(args, log)
     try:
-        manifest = export_model(args.model, args.fmt, args.dtype, args.out,
-                                min_agreement=args.min_agreement, device=args.device,
+        manifest = export_model(args.model, args.fmt, args.dtype or "fp32", args.out,
+                                min_agreement=args.min_agreement, device=args.device or "cpu",
                                 parity_size=args.parity_size, parity_count=args.parity_count,
                                 opset=args.opset, fp32_stream=args.fp32_stream,
                                 min_decode_psnr=args.min_decode_psnr, log=log)
@@ -81,4 +102,31 @@ def run(args: argparse.Namespace) -> int:
           f"PSNR {p['psnr_db']} dB (eager fp32 {p['reference_psnr_db']} dB)")
     if "note" in p:
         print(f"note: {p['note']}")
+    return 0
+
+
+def _run_torchserve(args: argparse.Namespace, log) -> int:
+    """``--format torchserve``: two TorchServe archives around the same runtime."""
+    from vqserve.export.torchserve import build_archives
+
+    try:
+        manifest = build_archives(args.model, args.out, backend=args.backend, dtype=args.dtype,
+                                  batch_size=args.batch_size,
+                                  max_batch_delay_ms=args.max_batch_delay_ms,
+                                  device=args.device or "auto", log=log,
+                                  export_options=dict(
+                                      min_agreement=args.min_agreement, parity_size=args.parity_size,
+                                      parity_count=args.parity_count, opset=args.opset,
+                                      fp32_stream=args.fp32_stream,
+                                      min_decode_psnr=args.min_decode_psnr))
+    except (ImportError, RuntimeError) as exc:  # torch-model-archiver missing or failing
+        print(f"vqserve export: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+        return 0
+    names = ", ".join(a["file"] for a in manifest["archives"].values())
+    print(f"wrote {args.out}: {names}, config.properties, manifest.json "
+          f"({manifest['backend']} {manifest['dtype']}, model sha256 {manifest['model_hash'][:16]}..., "
+          f"batch size {args.batch_size}, max batch delay {args.max_batch_delay_ms} ms)")
     return 0

@@ -72,7 +72,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def build_job(args: argparse.Namespace, runtime_info: dict):
-    from vqserve.serve import images, offline, sources
+    from vqserve import images
+    from vqserve.serve import offline, sources
 
     pre = images.Preprocess(mode="size" if args.size else "keep" if args.keep_size else "exact",
                             factor=runtime_info["factor"], size=args.size, resample=args.resample,

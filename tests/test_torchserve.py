@@ -1,0 +1,511 @@
+"""TorchServe archives: the handler in-process, the archive builder, and REAL TorchServe.
+
+The slow tests start ``torchserve`` (Java frontend + Python workers) on 127.0.0.1 ports in
+18080-18099 with its pid file, worker sockets and logs in private temporary directories,
+register both archives over the management API with batching, and call them over REST and
+over TorchServe's own gRPC inference API (``inference.proto``, extracted from
+``model-server.jar`` and compiled here; the gRPC client runs in a subprocess so its
+generated ``google.rpc`` protos never enter this interpreter's descriptor pool). Every
+result is compared with vqserve's ``load_runtime(...)`` on the same pixels.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vqserve.cli import main as cli_main
+from vqserve.export import torchserve_handler as th
+from vqserve.export.runtime import EagerRuntime
+from vqserve.export.torchserve import build_archives
+
+PORT_RANGE = (18080, 18099)
+BATCH_SIZE, MAX_DELAY_MS = 4, 200   # registration values (the archives default to 8 / 5)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def png(pixels: np.ndarray, mode: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels, mode).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def from_npy(blob: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(blob), allow_pickle=False)
+
+
+def from_png(blob: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_checkpoint, one_thread):
+    """The reference, on one thread like the TorchServe worker (OMP_NUM_THREADS=1): decoded
+    pixels are float sums rounded to uint8, and a different thread count may move one by 1."""
+    return EagerRuntime(tiny_checkpoint, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def archives(tiny_checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ts") / "archives"
+    build_archives(tiny_checkpoint, out, batch_size=8, max_batch_delay_ms=5)
+    return out
+
+
+def reply_json(reply: th.Reply) -> dict:
+    assert reply.content_type == "application/json"
+    return json.loads(reply.body)
+
+
+# ---- the handler, in-process ---------------------------------------------------------------
+def _modes() -> dict[str, bytes]:
+    """One image per Pillow mode the wire rules touch (alpha, palette, 16-bit, EXIF, CMYK)."""
+    from skimage import data
+
+    rgb = np.ascontiguousarray(data.astronaut()[100:148, 150:214])   # 48x64
+    rgba = np.dstack([rgb, np.tile(np.arange(64, dtype=np.uint8) * 4, (48, 1))])
+    out = {"rgb": png(rgb), "rgba": png(rgba, "RGBA"),
+           "la": png(np.dstack([rgb[..., 0], rgba[..., 3]]), "LA"),
+           "gray16": png(rgb[..., 1].astype(np.uint16) * 256 + 7),
+           "palette": None, "exif_jpeg": None, "cmyk_jpeg": None}
+    buf = io.BytesIO()
+    Image.fromarray(rgb).quantize(16).save(buf, format="PNG", transparency=0)
+    out["palette"] = buf.getvalue()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="JPEG", exif=exif, quality=90)
+    out["exif_jpeg"] = buf.getvalue()
+    buf = io.BytesIO()
+    Image.fromarray(rgb).convert("CMYK").save(buf, format="JPEG", quality=90)
+    out["cmyk_jpeg"] = buf.getvalue()
+    return out
+
+
+@pytest.mark.parametrize("name", ["rgb", "rgba", "la", "gray16", "palette", "exif_jpeg", "cmyk_jpeg"])
+def test_handler_pixels_match_vqserve_preprocessing(name):
+    """The handler cannot import vqserve.serve (import contract); its Pillow decoding must
+    still give exactly the pixels ``vqserve serve`` gives."""
+    from vqserve.images import load_rgb
+
+    blob = _modes()[name]
+    np.testing.assert_array_equal(th.load_image(blob, 0), load_rgb(blob, formats=("PNG", "JPEG")))
+
+
+def test_service_groups_by_shape_and_isolates_bad_requests(runtime, photos):
+    svc = th.TokenizerService(runtime, "encode")
+    small = np.ascontiguousarray(photos[:, :32, :32])
+    requests = [
+        {"body": png(photos[0])},
+        {"body": bytearray(npy(small[1]))},                       # REST hands us a bytearray
+        {"body": png(photos[2][:60])},                            # 60x64: not a multiple of 8
+        {"data": npy(photos[3])},                                 # gRPC's input['data']
+        {"body": b"not an image"},
+        {"body": npy(photos[0].astype(np.float32))},
+        {"body": png(photos[1]), "output": b"json"},
+        {"body": png(photos[0])},
+    ]
+    headers = [{}] * 7 + [{"X-Vqserve-Output": "json"}]
+    replies = svc.handle_batch(requests, headers)
+    assert [r.status for r in replies] == [200, 200, 400, 200, 400, 400, 200, 200]
+    assert all(r.headers[th.BATCH_HEADER] == "8" for r in replies)
+    # the four 64x64 images ran in one runtime call, the 32x32 one alone
+    assert [replies[i].headers[th.GROUP_HEADER] for i in (0, 1, 3, 6, 7)] == ["4", "1", "4", "4", "4"]
+    ref = runtime.encode(photos)
+    np.testing.assert_array_equal(from_npy(replies[0].body), ref[0])
+    assert from_npy(replies[0].body).dtype == np.uint16
+    np.testing.assert_array_equal(from_npy(replies[1].body), runtime.encode(small[1:2])[0])
+    np.testing.assert_array_equal(from_npy(replies[3].body), ref[3])
+    assert reply_json(replies[6])["indices"] == ref[1].tolist()
+    assert reply_json(replies[7])["indices"] == ref[0].tolist()
+    assert "multiples of the downsampling factor 8, got 60x64" in reply_json(replies[2])["message"]
+    assert "PNG or JPEG" in reply_json(replies[4])["message"]
+    assert "must be uint8, got float32" in reply_json(replies[5])["message"]
+
+
+def test_decode_service_rules(runtime):
+    svc = th.TokenizerService(runtime, "decode", max_pixels=64 * 64)
+    idx = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 13) % 1000
+    requests = [
+        {"body": npy(idx)},
+        {"body": npy(idx), "output": "npy"},
+        {"body": npy(np.full((8, 8), 1000, np.uint16))},
+        {"body": npy(idx[None])},
+        {"body": npy(idx.astype(np.float64))},
+        {"body": npy(np.zeros((16, 16), np.int32))},
+        {"body": png(np.zeros((8, 8, 3), np.uint8))},
+        {"body": npy(idx), "output": "jpeg"},
+    ]
+    replies = svc.handle_batch(requests)
+    assert [r.status for r in replies] == [200, 200, 400, 400, 400, 400, 400, 400]
+    expect = runtime.decode(idx[None])[0]
+    assert replies[0].content_type == "image/png"
+    np.testing.assert_array_equal(from_png(replies[0].body), expect)
+    np.testing.assert_array_equal(from_npy(replies[1].body), expect)
+    messages = [reply_json(r)["message"] for r in replies[2:]]
+    assert "every index must lie in [0, 999] (codebook size 1000), got values in [1000, 1000]" in messages[0]
+    assert "indices must be [h,w], got [1, 8, 8]" in messages[1]
+    assert "integer type" in messages[2]
+    assert "more than the limit 4096" in messages[3]
+    assert "not .npy" in messages[4]
+    assert "output must be one of png, npy" in messages[5]
+
+
+def test_npy_header_must_match_its_bytes():
+    """np.load preallocates what a header claims: a short body must not ask for gigabytes."""
+    blob = npy(np.zeros((8, 8), np.uint16))
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<u2", "fortran_order": False, "shape": (100_000, 100_000)})
+    huge = header.getvalue() + b"\0" * 16
+    for bad, rule in ((blob[:-3], "128 bytes) but 125 bytes follow"),
+                      (huge, "20000000000 bytes) but 16 bytes follow")):
+        with pytest.raises(th.BadRequest, match=rule.replace("(", r"\(").replace(")", r"\)")):
+            th.load_npy(bad, "body")
+    with pytest.raises(th.BadRequest, match="pickles"):
+        th.load_npy(npy(np.array([{"a": 1}], dtype=object)), "body")
+
+
+# ---- the archive builder ---------------------------------------------------------------------
+def test_build_archives_layout_manifest_and_refusals(archives, tiny_checkpoint, tmp_path, runtime):
+    manifest = json.loads((archives / "manifest.json").read_text())
+    assert manifest["manifest_format"] == "vqserve-torchserve"
+    assert manifest["model_hash"] == runtime.info.model_hash
+    assert (manifest["backend"], manifest["dtype"], manifest["factor"]) == ("eager", "fp32", 8)
+    assert manifest["settings"]["batch_size"] == 8
+    assert sorted(p.name for p in archives.iterdir()) == [
+        "README.md", "config.properties", "manifest.json", "vqserve-decode.mar", "vqserve-encode.mar"]
+    for mode in ("encode", "decode"):
+        with zipfile.ZipFile(archives / f"vqserve-{mode}.mar") as z:
+            names = set(z.namelist())
+            assert {"torchserve_handler.py", "vqserve_handler.json", "model-config.yaml",
+                    "model/config.json", "model/model.safetensors", "MAR-INF/MANIFEST.json"} <= names
+            cfg = json.loads(z.read("vqserve_handler.json"))
+            assert (cfg["mode"], cfg["backend"], cfg["dtype"]) == (mode, "eager", "fp32")
+            assert "batchSize: 8" in z.read("model-config.yaml").decode()
+    props = (archives / "config.properties").read_text()
+    assert "load_models=vqserve-encode.mar,vqserve-decode.mar" in props and '"batchSize": 8' in props
+    with pytest.raises(ValueError, match="--batch-size must be at least 1"):
+        build_archives(tiny_checkpoint, tmp_path / "x", batch_size=0)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a vqserve TorchServe build"):
+        build_archives(tiny_checkpoint, tmp_path / "foreign")
+    assert (tmp_path / "foreign" / "keep.txt").read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_artifact_archive_runs_the_artifact(tiny_checkpoint, tmp_path, photos, runtime):
+    """An exported artifact inside the archive: the handler opens its format, same tokens."""
+    from vqserve.export.exporter import export_model
+
+    art = tmp_path / "ts-fp32"
+    export_model(tiny_checkpoint, "torchscript", "fp32", art, parity_size=32, parity_count=2)
+    out = tmp_path / "archives"
+    rc = cli_main(["export", "--model", str(art), "--format", "torchserve", "--out", str(out),
+                   "--batch-size", "2", "--json", "--quiet"])
+    assert rc == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["backend"], manifest["settings"]["batch_size"]) == ("torchscript", 2)
+    assert manifest["source_model_sha256"] == runtime.info.model_hash
+    unpacked = tmp_path / "unpacked"
+    with zipfile.ZipFile(out / "vqserve-encode.mar") as z:
+        z.extractall(unpacked)
+    svc = th.service_from_model_dir(unpacked)
+    assert svc.info.backend == "torchscript"
+    replies = svc.handle_batch([{"body": png(p)} for p in photos])
+    np.testing.assert_array_equal(np.stack([from_npy(r.body) for r in replies]),
+                                  runtime.encode(photos))
+
+
+# ---- REAL TorchServe ---------------------------------------------------------------------------
+def free_ports(n: int) -> list[int]:
+    ports = []
+    for port in range(PORT_RANGE[0], PORT_RANGE[1] + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    pytest.fail(f"fewer than {n} free ports in {PORT_RANGE}")
+
+
+class TorchServe:
+    """``torchserve --foreground`` in its own process group; ``stop`` kills the group."""
+
+    def __init__(self, store: Path, run_dir: Path):
+        self.inference, self.management, self.metrics, self.grpc, self.grpc_mgmt = free_ports(5)
+        self.run_dir = run_dir
+        self.tmp = Path(tempfile.mkdtemp(prefix="vqts-"))  # short: worker socket paths live here
+        self.config = run_dir / "config.properties"
+        self.config.write_text("\n".join([
+            f"inference_address=http://127.0.0.1:{self.inference}",
+            f"management_address=http://127.0.0.1:{self.management}",
+            f"metrics_address=http://127.0.0.1:{self.metrics}",
+            "grpc_inference_address=127.0.0.1", f"grpc_inference_port={self.grpc}",
+            "grpc_management_address=127.0.0.1", f"grpc_management_port={self.grpc_mgmt}",
+            f"initial_worker_port={self.grpc_mgmt + 1}",   # names worker sockets in self.tmp
+            "disable_token_authorization=true",            # test only
+            "enable_model_api=true", "install_py_dep_per_model=false",
+            "default_workers_per_model=1", "disable_system_metrics=true",
+            f"model_store={store}",
+            "vmargs=-Xmx512m -XX:+UseSerialGC -XX:TieredStopAtLevel=1",
+        ]) + "\n")
+        self.log = run_dir / "torchserve.out"
+        script = Path(sys.executable).with_name("torchserve")
+        env = {**os.environ, "TMPDIR": str(self.tmp), "TEMP": str(self.tmp),
+               "LOG_LOCATION": str(run_dir / "logs"), "METRICS_LOCATION": str(run_dir / "logs"),
+               "OMP_NUM_THREADS": "1"}
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [str(script), "--start", "--ncs", "--foreground", "--model-store", str(store),
+                 "--ts-config", str(self.config)],
+                cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def url(self, path: str, management: bool = False) -> str:
+        return f"http://127.0.0.1:{self.management if management else self.inference}{path}"
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"torchserve exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/ping"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        pytest.fail(f"torchserve not ready after {timeout}s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return text[-4000:]
+
+    def stop(self) -> None:
+        """SIGTERM the whole group (launcher, Java frontend, Python workers), then SIGKILL."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # workers may outlive the launcher briefly
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def http(url: str, body: bytes | None = None, headers: dict | None = None, method: str | None = None,
+         timeout: float = 60) -> tuple[int, dict, bytes]:
+    h = {"Content-Type": "application/octet-stream", **(headers or {})}
+    req = urllib.request.Request(url, data=body, headers=h, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+@pytest.fixture(scope="module")
+def server(archives, tmp_path_factory):
+    if shutil.which("java") is None:
+        pytest.skip("java is not on PATH: TorchServe's frontend is a Java program")
+    run_dir = tmp_path_factory.mktemp("torchserve-run")
+    ts = TorchServe(archives, run_dir)
+    try:
+        ts.wait_ready()
+        for name in ("vqserve-encode", "vqserve-decode"):
+            status, _, body = http(ts.url(
+                f"/models?url={name}.mar&batch_size={BATCH_SIZE}&max_batch_delay={MAX_DELAY_MS}"
+                "&initial_workers=1&synchronous=true", management=True), method="POST", timeout=120)
+            assert status == 200, f"registering {name}: {status} {body!r}\n{ts.tail()}"
+        yield ts
+    finally:
+        ts.stop()
+
+
+@pytest.mark.slow
+def test_registration_overrides_the_archive_defaults(server):
+    status, _, body = http(server.url("/models/vqserve-encode", management=True), method="GET")
+    described = json.loads(body)[0]
+    assert status == 200 and described["batchSize"] == BATCH_SIZE
+    assert described["maxBatchDelay"] == MAX_DELAY_MS
+    assert described["workers"][0]["status"] == "READY"
+
+
+@pytest.mark.slow
+def test_rest_encode_and_decode_match_the_runtime(server, runtime, photos):
+    enc = server.url("/predictions/vqserve-encode")
+    for image in (photos[0], np.ascontiguousarray(photos[1, :32, :32])):
+        expect = runtime.encode(image[None])[0]
+        for body in (png(image), npy(image)):
+            status, headers, out = http(enc, body)
+            assert status == 200, out
+            assert headers["content-type"] == th.NPY_TYPE
+            got = from_npy(out)
+            assert got.dtype == np.uint16
+            np.testing.assert_array_equal(got, expect)
+    status, _, out = http(enc, png(photos[2]), {"X-Vqserve-Output": "json"})
+    assert json.loads(out)["indices"] == runtime.encode(photos[2:3])[0].tolist()
+
+    idx = runtime.encode(photos[3:4])[0]
+    expect = runtime.decode(idx[None])[0]
+    status, headers, out = http(server.url("/predictions/vqserve-decode"), npy(idx))
+    assert status == 200 and headers["content-type"] == "image/png"
+    np.testing.assert_array_equal(from_png(out), expect)
+    status, _, out = http(server.url("/predictions/vqserve-decode"), npy(idx), {"X-Vqserve-Output": "npy"})
+    np.testing.assert_array_equal(from_npy(out), expect)
+
+
+def _concurrently(calls: list) -> list:
+    """Fire ``calls`` together (a barrier), so TorchServe's batcher sees them in one window."""
+    barrier = threading.Barrier(len(calls))
+
+    def run(call):
+        barrier.wait()
+        return call()
+
+    with cf.ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(run, calls))
+
+
+@pytest.mark.slow
+def test_concurrent_requests_are_batched_and_a_bad_one_fails_alone(server, runtime, photos):
+    enc = server.url("/predictions/vqserve-encode")
+    bodies = [png(photos[0]), png(photos[1][:60]), npy(photos[2]), png(photos[3])]
+    results = _concurrently([lambda b=b: http(enc, b) for b in bodies])
+    statuses = [r[0] for r in results]
+    assert statuses == [200, 400, 200, 200], [r[2][:200] for r in results]
+    error = json.loads(results[1][2])
+    assert error["code"] == 400
+    assert "H and W must be positive multiples of the downsampling factor 8, got 60x64" in error["message"]
+    batch_sizes = [int(r[1][th.BATCH_HEADER]) for r in results]
+    groups = [int(results[i][1][th.GROUP_HEADER]) for i in (0, 2, 3)]
+    assert max(batch_sizes) >= 2, batch_sizes          # TorchServe batched them
+    assert max(groups) >= 2, groups                    # same-shape requests shared a call
+    ref = runtime.encode(photos)
+    for i in (0, 2, 3):
+        np.testing.assert_array_equal(from_npy(results[i][2]), ref[i])
+
+    dec = server.url("/predictions/vqserve-decode")
+    good = ref[0]
+    bad = good.astype(np.int32)
+    bad[0, 0] = 1000
+    results = _concurrently([lambda: http(dec, npy(good)), lambda: http(dec, npy(bad))])
+    assert [r[0] for r in results] == [200, 400]
+    assert "every index must lie in [0, 999]" in json.loads(results[1][2])["message"]
+    np.testing.assert_allclose(from_png(results[0][2]), runtime.decode(good[None])[0], atol=1)
+
+
+GRPC_CLIENT = r'''
+"""TorchServe gRPC client: argv = stubs_dir target calls.json; one output file per call."""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from google.protobuf import empty_pb2
+import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
+
+calls = json.load(open(sys.argv[3]))
+with grpc.insecure_channel(sys.argv[2]) as channel:
+    stub = pb_grpc.InferenceAPIsServiceStub(channel)
+    print(json.dumps({"ping": stub.Ping(empty_pb2.Empty(), timeout=30).health}))
+    for call in calls:
+        inputs = {k: open(v, "rb").read() if k == "data" else v.encode() for k, v in call["input"].items()}
+        reply = stub.Predictions(pb.PredictionsRequest(model_name=call["model"], input=inputs), timeout=60)
+        open(call["out"], "wb").write(reply.prediction)
+'''
+
+
+def compile_torchserve_protos(dest: Path) -> Path:
+    """``inference.proto`` (and the ``google/rpc/status.proto`` it imports) ship only inside
+    TorchServe's ``model-server.jar``: extract them and run grpc_tools.protoc."""
+    import importlib.resources
+
+    import ts
+    from grpc_tools import protoc
+
+    jar = Path(ts.__file__).parent / "frontend" / "model-server.jar"
+    src, out = dest / "proto", dest / "stubs"
+    out.mkdir(parents=True)
+    with zipfile.ZipFile(jar) as z:
+        for name in ("inference.proto", "google/rpc/status.proto"):
+            z.extract(name, src)
+    include = str(importlib.resources.files("grpc_tools") / "_proto")
+    rc = protoc.main(["protoc", f"-I{src}", f"-I{include}", f"--python_out={out}",
+                      f"--grpc_python_out={out}", "inference.proto", "google/rpc/status.proto"])
+    assert rc == 0, "grpc_tools.protoc failed on TorchServe's inference.proto"
+    return out
+
+
+@pytest.mark.slow
+def test_grpc_inference_api(server, runtime, photos, tmp_path):
+    stubs = compile_torchserve_protos(tmp_path)
+    idx = runtime.encode(photos[:1])[0]
+    files = {"img": png(photos[0]), "img_npy": npy(photos[1]), "idx": npy(idx),
+             "bad": png(photos[2][:60])}
+    for name, blob in files.items():
+        (tmp_path / name).write_bytes(blob)
+    calls = [
+        {"model": "vqserve-encode", "input": {"data": str(tmp_path / "img")}},
+        {"model": "vqserve-encode", "input": {"data": str(tmp_path / "img_npy")}},
+        {"model": "vqserve-decode", "input": {"data": str(tmp_path / "idx"), "output": "npy"}},
+        {"model": "vqserve-encode", "input": {"data": str(tmp_path / "bad")}},
+    ]
+    for i, call in enumerate(calls):
+        call["out"] = str(tmp_path / f"out{i}")
+    (tmp_path / "calls.json").write_text(json.dumps(calls))
+    (tmp_path / "client.py").write_text(GRPC_CLIENT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "client.py"), str(stubs),
+                           f"127.0.0.1:{server.grpc}", str(tmp_path / "calls.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[0])["ping"]
+    out = [Path(c["out"]).read_bytes() for c in calls]
+    np.testing.assert_array_equal(from_npy(out[0]), idx)
+    np.testing.assert_array_equal(from_npy(out[1]), runtime.encode(photos[1:2])[0])
+    np.testing.assert_array_equal(from_npy(out[2]), runtime.decode(idx[None])[0])
+    # TorchServe 0.12's gRPC Predictions drops per-request status: the error is the body
+    error = json.loads(out[3])
+    assert error["code"] == 400 and "downsampling factor 8" in error["message"]
