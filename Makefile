@@ -7,6 +7,12 @@ PIP    := $(BIN)/python -m pip
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
 METRICS_PORT ?= 50052
+# `make serve HOST=127.0.0.1 MODEL=runs/mine PORT=50061 SERVE_ARGS="--max-pixels 4096x3072"`.
+# HOST and MODEL are plain `=` so that shell variables of the same common names (zsh sets
+# HOST to the machine name) do not leak in; command-line assignments still override them.
+HOST   = [::]
+MODEL  = default
+SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
 IMAGE  ?= vqserve:latest
@@ -15,7 +21,8 @@ IMAGE  ?= vqserve:latest
 
 help:
 	@echo "make test    - create .venv (CPU torch), lint, import contracts, run the test suite"
-	@echo "make serve   - serve the embedded default tokenizer on :$(PORT) (metrics :$(METRICS_PORT))"
+	@echo "make serve   - serve MODEL=$(MODEL) on $(HOST):$(PORT) (metrics :$(METRICS_PORT));"
+	@echo "               override with make serve HOST= MODEL= PORT= METRICS_PORT= SERVE_ARGS="
 	@echo "make protos  - regenerate the gRPC stubs from protos/"
 	@echo "make bench   - quantizer benchmarks (see docs/ for runtime and serving benchmarks)"
 	@echo "make bench-tokenize - vqserve tokenize end-to-end vs the raw runtime (docs/TOKENIZE.md)"
@@ -44,7 +51,8 @@ pytest: $(STAMP)
 test: lint importlint pytest
 
 serve: $(STAMP)
-	$(BIN)/vqserve serve --model default --port $(PORT) --metrics-port $(METRICS_PORT)
+	$(BIN)/vqserve serve --model '$(MODEL)' --host '$(HOST)' --port '$(PORT)' \
+		--metrics-port '$(METRICS_PORT)' $(SERVE_ARGS)
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

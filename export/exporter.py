@@ -39,9 +39,9 @@ def required_agreement(dtype: str, min_agreement: float | None) -> float:
     return 1.0 if dtype == "fp32" else DEFAULT_MIN_AGREEMENT
 
 
-def check_combination(fmt: str, dtype: str, device: str) -> None:
-    """Refuse format/dtype/device combinations that cannot work, before any work."""
-    from vqserve.export.onnx_export import check_onnx_dtype
+def check_combination(fmt: str, dtype: str, device: str, opset: int | None = None) -> None:
+    """Refuse format/dtype/device/opset combinations that cannot work, before any work."""
+    from vqserve.export.onnx_export import check_onnx_dtype, check_opset
 
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -49,6 +49,10 @@ def check_combination(fmt: str, dtype: str, device: str) -> None:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if fmt == "onnx":
         check_onnx_dtype(dtype)
+        if opset is not None:
+            check_opset(opset)
+    elif opset is not None:
+        raise ValueError(f"--opset applies to --format onnx only, not {fmt}; drop it")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device} requested but no CUDA GPU is available here")
 
@@ -114,7 +118,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
 
     say = log or (lambda msg: None)
     device = resolve_device(device)
-    check_combination(fmt, dtype, device)
+    check_combination(fmt, dtype, device, opset)
     required = required_agreement(dtype, min_agreement)
     out = Path(out)
     _prepare_out(out)
@@ -140,7 +144,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
         else:
             from vqserve.export.onnx_export import DEFAULT_OPSET, export_onnx
             files = export_onnx(enc, dec, images, indices, tmp, cfg.factor, dtype,
-                                opset or DEFAULT_OPSET)
+                                DEFAULT_OPSET if opset is None else opset)
         del enc, dec
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
         manifest = {

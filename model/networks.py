@@ -1,7 +1,7 @@
 """Convolutional encoder/decoder: residual blocks, GroupNorm, SiLU, optional attention.
 
 Every block casts its input to its own parameter dtype at the door (failure 5 in
-shared/design.md): a model cast wholesale to fp16 still meets fp32 tensors from outside.
+docs/DESIGN.md): a model cast wholesale to fp16 still meets fp32 tensors from outside.
 """
 
 from __future__ import annotations

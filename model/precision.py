@@ -1,6 +1,6 @@
 """The one place that decides precision: networks in the compute dtype, quantizers in fp32.
 
-Why a module of its own: every mixed-precision failure in shared/design.md came from a
+Why a module of its own: every mixed-precision failure in docs/DESIGN.md came from a
 boundary where code relied on a default dtype. Training, export and serving all ask this
 module instead of deciding locally:
 

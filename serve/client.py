@@ -4,24 +4,60 @@
     with TokenizerClient("127.0.0.1:50051") as client:
         indices = client.encode(images)          # uint8 [N,H,W,3], any N: split and pipelined
         images2 = client.decode(indices)
+        tokens = client.encode_files(["a.png", "b.jpg"], size=256)
 
-Large arrays are split into chunks of at most the server's ``max_batch_size`` and sent
-over one bidirectional stream, so many chunks are in flight at once and the server can
-batch them. ``AsyncTokenizerClient`` is the same for asyncio code.
+Large arrays are split into calls of at most the server's ``max_batch_size`` images (asked
+once with GetModelInfo) and at most :data:`CALL_BYTES` of pixels, and sent over one
+bidirectional stream, so many calls are in flight at once and the server can batch them.
+``AsyncTokenizerClient`` does the same for asyncio code: both clients share the planning
+helpers below and differ only in how they wait for the network.
+
+Files (:meth:`TokenizerClient.iter_encode_files`) are read and preprocessed here by the
+one shared function (``vqserve.images.prepare``) and sent as raw uint8 pixels, so the
+server sees exactly the pixels ``vqserve tokenize`` would encode: same file, same tokens.
+
+Deadlines: ``timeout="auto"`` (the default) gives each call :func:`scaled_timeout` of its
+pixels, so a call with 32 one-megapixel photos is not held to a deadline meant for one
+thumbnail; a number is a fixed deadline per call; ``None`` waits forever.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 
+from vqserve import images as imagelib
 from vqserve.serve import codec
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
+
+AUTO = "auto"
+TIMEOUT_BASE_S = 30.0            # connection, queueing and a first batch on a cold server
+TIMEOUT_PER_MEGAPIXEL_S = 15.0   # ~5x a CPU encode of the default model (2.8 s per megapixel)
+INFO_TIMEOUT_S = 30.0            # GetModelInfo: tiny, but the server may still be loading
+CALL_BYTES = 16 << 20            # pixel bytes per call (well under the 64 MiB message limit)
+
+# Failures that no other call can get past: stop the whole job rather than list every file.
+FATAL_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED,
+                         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
+                         grpc.StatusCode.CANCELLED})
+# Failures that may belong to one item of a batch: resend the batch's items one by one, so
+# one bad item (say, indices outside the codebook) does not take its batch-mates with it.
+SPLIT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+
+Timeout = float | str | None
 
 
 class ServerError(Exception):
@@ -34,6 +70,14 @@ class ServerError(Exception):
             self.code = grpc.StatusCode.UNKNOWN
         self.details = message
         super().__init__(f"{self.code.name}: {message}")
+
+
+class FileError(ValueError):
+    """A file :meth:`TokenizerClient.encode_files` could not encode; says which and why."""
+
+    def __init__(self, path: str, reason: str, code: grpc.StatusCode | None = None):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason, self.code = path, reason, code
 
 
 def tensor_msg(array: np.ndarray) -> pb.Tensor:
@@ -85,11 +129,19 @@ def chunks(array: np.ndarray, size: int) -> list[np.ndarray]:
 
 def _info_dict(info: pb.ModelInfo) -> dict:
     return {
-        "quantizer": info.quantizer, "codebook_size": info.codebook_size, "levels": list(info.levels),
-        "factor": info.factor, "codes_per_position": info.codes_per_position,
-        "index_dtype": info.index_dtype, "accepted_sizes": info.accepted_sizes,
-        "max_pixels": info.max_pixels, "max_batch_size": info.max_batch_size, "dtype": info.dtype,
-        "backend": info.backend, "device": info.device, "model_hash": info.model_hash,
+        "quantizer": info.quantizer,
+        "codebook_size": info.codebook_size,
+        "levels": list(info.levels),
+        "factor": info.factor,
+        "codes_per_position": info.codes_per_position,
+        "index_dtype": info.index_dtype,
+        "accepted_sizes": info.accepted_sizes,
+        "max_pixels": info.max_pixels,
+        "max_batch_size": info.max_batch_size,
+        "dtype": info.dtype,
+        "backend": info.backend,
+        "device": info.device,
+        "model_hash": info.model_hash,
         "server_version": info.server_version,
     }
 
@@ -102,19 +154,328 @@ def _unwrap(response, field: str) -> np.ndarray:
     return tensor_array(getattr(response, field))
 
 
+# ---- deadlines ---------------------------------------------------------------------------
+def scaled_timeout(pixels: int) -> float:
+    """The automatic deadline for one call moving ``pixels`` image pixels (sent or received):
+    a fixed base plus a share per megapixel, so the deadline grows with the work."""
+    return TIMEOUT_BASE_S + TIMEOUT_PER_MEGAPIXEL_S * pixels / 1e6
+
+
+def _check_timeout(timeout: Timeout) -> Timeout:
+    if timeout is None or timeout == AUTO:
+        return timeout
+    if isinstance(timeout, str) or timeout <= 0:
+        raise ValueError(
+            f"timeout must be 'auto', None or a positive number of seconds, got {timeout!r}"
+        )
+    return float(timeout)
+
+
+def _deadline(timeout: Timeout, pixels: int, calls: int = 1) -> float | None:
+    """Seconds for a call (or a stream of ``calls`` calls) moving ``pixels`` pixels."""
+    if timeout == AUTO:
+        return scaled_timeout(pixels) + TIMEOUT_BASE_S * (calls - 1)
+    return None if timeout is None else float(timeout) * calls
+
+
+def _deadline_message(timeout: Timeout, seconds: float | None, n: int, pixels: int) -> str:
+    """DEADLINE_EXCEEDED, said so that the reader knows what to change."""
+    if timeout == AUTO:
+        how = (f"the automatic deadline: {TIMEOUT_BASE_S:.0f} s + "
+               f"{TIMEOUT_PER_MEGAPIXEL_S:.0f} s per megapixel")
+    else:
+        how = "--timeout"
+    suggest = max(60.0, 2 * (seconds or 0))
+    return (f"DEADLINE_EXCEEDED: no answer within {seconds or 0:.0f} s for {n} image(s), "
+            f"{pixels / 1e6:.1f} megapixels ({how}); the server is slower than that: raise "
+            f"--timeout (e.g. --timeout {suggest:.0f}) or lower --batch-size")
+
+
+# ---- planning shared by both clients -----------------------------------------------------
+@dataclass(frozen=True)
+class Limits:
+    """What one call may carry, from the server's GetModelInfo (asked once per client)."""
+
+    max_items: int
+    max_pixels: int
+    factor: int
+    call_bytes: int = CALL_BYTES
+
+    @classmethod
+    def from_info(cls, info: dict, batch_size: int | None, max_message_mb: int) -> Limits:
+        server_max = int(info.get("max_batch_size") or 32)
+        items = min(batch_size, server_max) if batch_size else server_max
+        call_bytes = min(CALL_BYTES, max_message_mb * (1 << 20) // 2)
+        return cls(
+            max_items=max(1, items),
+            max_pixels=int(info.get("max_pixels") or 0),
+            factor=int(info.get("factor") or 1),
+            call_bytes=call_bytes,
+        )
+
+
+@dataclass
+class Item:
+    """One image (encode, ``[H,W,3]`` uint8) or one token grid (decode, ``[h,w]``) to send.
+    ``tag`` is the caller's label for it and comes back on its :class:`Outcome`. Items with
+    a ``group`` never share a call with another group's (decode sends each token file on
+    its own, so its pixels do not depend on what else was decoded with it)."""
+
+    tag: Any
+    array: np.ndarray
+    group: Any = None
+
+
+@dataclass
+class Outcome:
+    """What became of one item: ``result`` (indices or pixels) or ``error`` (one line)."""
+
+    tag: Any
+    result: np.ndarray | None = None
+    error: str = ""
+    code: grpc.StatusCode | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None
+
+
+@dataclass(frozen=True)
+class FileTag:
+    """Where an encoded image came from: its position in the input list, its path, its size
+    as displayed and the crop box (top, left, height, width) the preprocessing took."""
+
+    index: int
+    path: str
+    original_size: tuple[int, int] = (0, 0)
+    crop: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+
+def encode_pixels(item: Item) -> int:
+    """Pixels an encode call sends for this image."""
+    return int(item.array.shape[0] * item.array.shape[1])
+
+
+def decode_pixels(factor: int) -> Callable[[Item], int]:
+    """Pixels a decode call gets back for a token grid (the response is the big side)."""
+    return lambda item: int(item.array.shape[0] * item.array.shape[1] * factor * factor)
+
+
+class Buckets:
+    """Groups items of one shape and dtype into calls of at most ``max_items`` items and
+    ``max_bytes`` bytes (3 bytes per pixel; one item alone may be larger).
+
+    Memory stays bounded when images come in many sizes: once more than ``max_pending``
+    bytes wait in part-filled buckets, the fullest one is sent early.
+    """
+
+    def __init__(
+        self,
+        max_items: int,
+        max_bytes: int,
+        pixels: Callable[[Item], int],
+        max_pending: int = 8 * CALL_BYTES,
+    ):
+        self.max_items, self.max_bytes, self.pixels = max_items, max_bytes, pixels
+        self.max_pending = max_pending
+        self.groups: dict[tuple, list[Item]] = {}
+        self.bytes: dict[tuple, int] = {}
+        self.last_group: Any = None
+
+    def add(self, item: Item) -> list[list[Item]]:
+        """Queue ``item``; returns the batches that are now ready to send. A new ``group``
+        sends what the previous group left part-filled."""
+        ready = []
+        if item.group != self.last_group:
+            ready += [self._take(k) for k in list(self.groups) if k[0] == self.last_group]
+            self.last_group = item.group
+        key = (item.group, item.array.shape, item.array.dtype.str)
+        size = 3 * self.pixels(item)
+        if key in self.groups and self.bytes[key] + size > self.max_bytes:
+            ready.append(self._take(key))
+        self.groups.setdefault(key, []).append(item)
+        self.bytes[key] = self.bytes.get(key, 0) + size
+        if len(self.groups[key]) >= self.max_items or self.bytes[key] >= self.max_bytes:
+            ready.append(self._take(key))
+        if sum(self.bytes.values()) > self.max_pending:
+            ready.append(self._take(max(self.bytes, key=self.bytes.__getitem__)))
+        return ready
+
+    def flush(self) -> list[list[Item]]:
+        """Every part-filled batch, in the order its shape first appeared."""
+        return [self._take(key) for key in list(self.groups)]
+
+    def _take(self, key: tuple) -> list[Item]:
+        self.bytes.pop(key)
+        return self.groups.pop(key)
+
+
+def batch_pixels(batch: Sequence[Item], pixels: Callable[[Item], int]) -> int:
+    return sum(pixels(it) for it in batch)
+
+
+def after_failure(
+    batch: list[Item], exc: grpc.RpcError, timeout: Timeout, seconds: float | None, pixels: int
+) -> tuple[list[list[Item]], list[Outcome]]:
+    """A failed call -> (batches to resend, outcomes to report). Raises ``exc`` again when
+    no further call can succeed (server down, wrong token)."""
+    code = exc.code()
+    if code in FATAL_CODES:
+        raise exc
+    if len(batch) > 1 and code in SPLIT_CODES:
+        return [[it] for it in batch], []
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        message = _deadline_message(timeout, seconds, len(batch), pixels)
+    else:
+        message = f"{code.name}: {' '.join((exc.details() or '').split())}"
+    return [], [Outcome(it.tag, error=message, code=code) for it in batch]
+
+
+def succeeded(batch: list[Item], out: np.ndarray) -> list[Outcome]:
+    return [Outcome(it.tag, result=np.asarray(r)) for it, r in zip(batch, out, strict=True)]
+
+
+def prepared_items(
+    paths: Iterable[str | os.PathLike], pre: imagelib.Preprocess, max_pixels: int = 0
+) -> Iterator[Item | Outcome]:
+    """Image files -> model-ready pixels (:func:`vqserve.images.prepare`), one at a time; a
+    file that cannot be used becomes an :class:`Outcome` with the reason, not an exception."""
+    for i, p in enumerate(paths):
+        tag = FileTag(i, str(p))
+        try:
+            prep = imagelib.prepare(p, pre)
+        except imagelib.ImageError as exc:
+            yield Outcome(tag, error=str(exc))
+            continue
+        h, w = prep.pixels.shape[:2]
+        tag = FileTag(i, str(p), (prep.orig_height, prep.orig_width), tuple(prep.crop))
+        if max_pixels and h * w > max_pixels:
+            yield Outcome(
+                tag,
+                error=f"is {h}x{w} = {h * w} pixels after preprocessing, more than the "
+                f"server's limit of {max_pixels}; use --size to shrink it",
+            )
+            continue
+        yield Item(tag, prep.pixels)
+
+
+def file_results(outcomes: Iterable[Outcome], n: int) -> list[np.ndarray]:
+    """Outcomes of :func:`prepared_items` -> indices in input order; the first failure raises."""
+    results: list[np.ndarray | None] = [None] * n
+    for o in outcomes:
+        if not o.ok:
+            raise FileError(o.tag.path, o.error, o.code)
+        results[o.tag.index] = o.result
+    return results  # type: ignore[return-value]
+
+
+def preprocess_for(
+    info: dict, size: int = 0, keep_size: bool = False, resample: str = "bicubic"
+) -> imagelib.Preprocess:
+    """The preprocessing ``vqserve tokenize --size/--keep-size`` would use with this model."""
+    if size and keep_size:
+        raise ValueError("give --size or --keep-size, not both")
+    mode = "size" if size else "keep" if keep_size else "exact"
+    return imagelib.Preprocess(mode=mode, factor=int(info["factor"]), size=size, resample=resample)
+
+
+def array_parts(
+    array: np.ndarray, limits: Limits, per_item_pixels: int, batch_size: int | None = None
+) -> list[np.ndarray]:
+    """An array batch -> pieces that each fit in one call (items and bytes)."""
+    items = min(batch_size, limits.max_items) if batch_size else limits.max_items
+    by_bytes = max(1, limits.call_bytes // max(1, 3 * per_item_pixels))
+    return chunks(np.asarray(array), max(1, min(items, by_bytes)))
+
+
+def _header_pixels(blob: bytes) -> int:
+    """Pixels of an encoded image, from its header (no decoding); 1 MP when unreadable."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(blob)) as img:
+            return img.size[0] * img.size[1]
+    except Exception:  # noqa: BLE001 - the server reports the real problem
+        return 1_000_000
+
+
+def _grid_pixels(shape: Sequence[int], factor: int) -> int:
+    return int(shape[1] * shape[2] * factor * factor) if len(shape) >= 3 else 0
+
+
+_END = object()
+
+
+class _Raised:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def prefetch(items: Iterable, depth: int) -> Iterator:
+    """Run ``items`` (reading and preprocessing files) in a thread, ``depth`` ahead, so the
+    next batch is being prepared while the server works on this one."""
+    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def put(x) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for x in items:
+                if not put(x):
+                    return
+            put(_END)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            put(_Raised(exc))
+
+    threading.Thread(target=work, daemon=True, name="vqserve-prefetch").start()
+    try:
+        while True:
+            x = q.get()
+            if x is _END:
+                return
+            if isinstance(x, _Raised):
+                raise x.exc
+            yield x
+    finally:
+        stop.set()
+
+
+def _setup_client(client, channels, target: str, token, tls_ca, tls: bool, timeout,
+                  max_message_mb: int, batch_size: int | None) -> None:
+    """What both clients hold: a channel from ``channels`` (``grpc`` or ``grpc.aio``), the
+    stub, the auth metadata, the deadline rule and the (lazily asked) server limits."""
+    creds = _credentials(tls_ca, tls)
+    options = _channel_args(max_message_mb)
+    client.channel = (channels.secure_channel(target, creds, options) if creds
+                      else channels.insecure_channel(target, options))
+    client.stub = pb_grpc.TokenizerStub(client.channel)
+    client.metadata = _metadata(token)
+    client.timeout = _check_timeout(timeout)
+    client.max_message_mb = max_message_mb
+    client._batch_size = batch_size
+    client._limits = None
+    client._info = None
+
+
+# ---- the blocking client -----------------------------------------------------------------
 class TokenizerClient:
-    """Blocking client. ``token``: bearer token; ``tls_ca``: CA/cert file (turns TLS on)."""
+    """Blocking client. ``token``: bearer token; ``tls_ca``: CA/cert file (turns TLS on);
+    ``timeout``: ``"auto"`` (scaled by pixels), seconds per call, or None (no deadline);
+    ``batch_size``: most images per call (default and ceiling: the server's max_batch_size)."""
 
     def __init__(self, target: str, token: str | None = None, tls_ca=None, tls: bool = False,
-                 timeout: float | None = 60.0, max_message_mb: int = 64, batch_size: int | None = None):
-        creds = _credentials(tls_ca, tls)
-        options = _channel_args(max_message_mb)
-        self.channel = (grpc.secure_channel(target, creds, options) if creds
-                        else grpc.insecure_channel(target, options))
-        self.stub = pb_grpc.TokenizerStub(self.channel)
-        self.metadata = _metadata(token)
-        self.timeout = timeout
-        self._batch_size = batch_size
+                 timeout: Timeout = AUTO, max_message_mb: int = 64, batch_size: int | None = None):
+        _setup_client(self, grpc, target, token, tls_ca, tls, timeout, max_message_mb, batch_size)
 
     def close(self) -> None:
         self.channel.close()
@@ -127,107 +488,211 @@ class TokenizerClient:
 
     # ---- info ---------------------------------------------------------------------------
     def model_info(self) -> dict:
-        return _info_dict(self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout,
-                                                 metadata=self.metadata))
+        timeout = INFO_TIMEOUT_S if self.timeout == AUTO else self.timeout
+        info = _info_dict(
+            self.stub.GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata
+            )
+        )
+        self._info = info
+        return info
+
+    def limits(self) -> Limits:
+        """The server's limits, asked once (GetModelInfo) and kept."""
+        if self._limits is None:
+            self._limits = Limits.from_info(
+                self._info or self.model_info(), self._batch_size, self.max_message_mb
+            )
+        return self._limits
 
     @property
     def batch_size(self) -> int:
-        if self._batch_size is None:
-            self._batch_size = int(self.model_info()["max_batch_size"]) or 32
-        return self._batch_size
+        return self.limits().max_items
+
+    def preprocess(
+        self, size: int = 0, keep_size: bool = False, resample: str = "bicubic"
+    ) -> imagelib.Preprocess:
+        """The preprocessing for this server's model (its factor), as ``vqserve tokenize``."""
+        self.limits()
+        return preprocess_for(self._info, size, keep_size, resample)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
 
     # ---- one request ----------------------------------------------------------------------
-    def encode_batch(self, images: np.ndarray) -> np.ndarray:
+    def encode_batch(self, images: np.ndarray, timeout: float | None = None) -> np.ndarray:
         """One Encode call: uint8 ``[B,H,W,3]`` -> indices ``[B,h,w]``."""
-        response = self.stub.Encode(pb.EncodeRequest(images=tensor_msg(images)),
-                                    timeout=self.timeout, metadata=self.metadata)
+        images = np.asarray(images)
+        seconds = timeout or _deadline(self.timeout, int(np.prod(images.shape[:3])))
+        response = self.stub.Encode(
+            pb.EncodeRequest(images=tensor_msg(images)), timeout=seconds, metadata=self.metadata
+        )
         return tensor_array(response.indices)
 
     def encode_encoded(self, blobs: Sequence[bytes]) -> np.ndarray:
-        """One Encode call with PNG/JPEG bytes (all of one size) -> indices ``[B,h,w]``."""
-        response = self.stub.Encode(pb.EncodeRequest(encoded=pb.EncodedImages(images=list(blobs))),
-                                    timeout=self.timeout, metadata=self.metadata)
+        """One Encode call with PNG/JPEG bytes (all of one size) -> indices ``[B,h,w]``.
+        The server decodes them (no resizing): prefer :meth:`encode_files`."""
+        seconds = _deadline(self.timeout, sum(_header_pixels(b) for b in blobs))
+        response = self.stub.Encode(
+            pb.EncodeRequest(encoded=pb.EncodedImages(images=list(blobs))),
+            timeout=seconds,
+            metadata=self.metadata,
+        )
         return tensor_array(response.indices)
 
-    def decode_batch(self, indices: np.ndarray, png: bool = False) -> np.ndarray:
+    def decode_batch(
+        self, indices: np.ndarray, png: bool = False, timeout: float | None = None
+    ) -> np.ndarray:
         """One Decode call: indices ``[B,h,w]`` -> uint8 ``[B,H,W,3]``."""
+        indices = np.asarray(indices)
         fmt = pb.IMAGE_FORMAT_PNG if png else pb.IMAGE_FORMAT_RAW
-        response = self.stub.Decode(pb.DecodeRequest(indices=tensor_msg(indices), output_format=fmt),
-                                    timeout=self.timeout, metadata=self.metadata)
+        seconds = timeout or self._decode_deadline(indices.shape)
+        response = self.stub.Decode(
+            pb.DecodeRequest(indices=tensor_msg(indices), output_format=fmt),
+            timeout=seconds,
+            metadata=self.metadata,
+        )
         return _unwrap(response, "images")
+
+    def _decode_deadline(self, shape: Sequence[int], calls: int = 1) -> float | None:
+        if self.timeout != AUTO:
+            return _deadline(self.timeout, 0, calls)
+        return _deadline(
+            self.timeout, len(shape) and shape[0] * _grid_pixels(shape, self.limits().factor), calls
+        )
 
     # ---- any size: split and pipelined over a stream -----------------------------------------
     def encode(self, images: np.ndarray, batch_size: int | None = None) -> np.ndarray:
-        parts = chunks(np.asarray(images), batch_size or self.batch_size)
+        images = np.asarray(images)
+        parts = array_parts(images, self.limits(), int(np.prod(images.shape[1:3])), batch_size)
         if len(parts) == 1:
             return self.encode_batch(parts[0])
-        return np.concatenate(list(self.encode_stream(parts)))
+        seconds = _deadline(self.timeout, int(np.prod(images.shape[:3])), len(parts))
+        return np.concatenate(list(self.encode_stream(parts, timeout=seconds)))
 
     def decode(self, indices: np.ndarray, batch_size: int | None = None) -> np.ndarray:
-        parts = chunks(np.asarray(indices), batch_size or self.batch_size)
+        indices = np.asarray(indices)
+        per_item = _grid_pixels(indices.shape, self.limits().factor)
+        parts = array_parts(indices, self.limits(), per_item, batch_size)
         if len(parts) == 1:
             return self.decode_batch(parts[0])
-        return np.concatenate(list(self.decode_stream(parts)))
+        seconds = self._decode_deadline(indices.shape, len(parts))
+        return np.concatenate(list(self.decode_stream(parts, timeout=seconds)))
 
-    def encode_stream(self, batches: Iterable[np.ndarray], timeout: float | None = None) -> Iterator[np.ndarray]:
+    def encode_stream(
+        self, batches: Iterable[np.ndarray], timeout: float | None = None
+    ) -> Iterator[np.ndarray]:
         """Each uint8 batch -> its indices, in order, over one EncodeStream."""
-        requests = (pb.EncodeRequest(images=tensor_msg(b), request_id=str(i)) for i, b in enumerate(batches))
+        requests = (
+            pb.EncodeRequest(images=tensor_msg(b), request_id=str(i)) for i, b in enumerate(batches)
+        )
         for response in self.stub.EncodeStream(requests, timeout=timeout, metadata=self.metadata):
             yield _unwrap(response, "indices")
 
-    def decode_stream(self, batches: Iterable[np.ndarray], timeout: float | None = None) -> Iterator[np.ndarray]:
-        requests = (pb.DecodeRequest(indices=tensor_msg(b), request_id=str(i)) for i, b in enumerate(batches))
+    def decode_stream(
+        self, batches: Iterable[np.ndarray], timeout: float | None = None
+    ) -> Iterator[np.ndarray]:
+        requests = (
+            pb.DecodeRequest(indices=tensor_msg(b), request_id=str(i))
+            for i, b in enumerate(batches)
+        )
         for response in self.stub.DecodeStream(requests, timeout=timeout, metadata=self.metadata):
             yield _unwrap(response, "images")
 
-    def encode_files(self, paths: Sequence[str | os.PathLike], batch_size: int | None = None) -> list[np.ndarray]:
-        """Image files -> one ``[h,w]`` index array per file. Files are sent as their own
-        PNG/JPEG bytes (other formats are converted to PNG first), batched by size."""
-        size = batch_size or self.batch_size
-        blobs, shapes = [], []
-        for p in paths:
-            data = Path(p).read_bytes()
-            if not (data.startswith(b"\x89PNG") or data.startswith(b"\xff\xd8")):
-                data = codec.encode_png(codec.read_image_file(p)[None])[0]
-            blobs.append(data)
-            shapes.append(_image_size(data))
-        results: list[np.ndarray | None] = [None] * len(blobs)
-        groups: dict[tuple, list[int]] = {}
-        for i, s in enumerate(shapes):
-            groups.setdefault(s, []).append(i)
-        for members in groups.values():
-            for start in range(0, len(members), size):
-                idx = members[start: start + size]
-                out = self.encode_encoded([blobs[i] for i in idx])
-                for j, i in enumerate(idx):
-                    results[i] = out[j]
-        return results
+    # ---- tagged items of any sizes: grouped, batched, failures per item ---------------------
+    def encode_items(
+        self, items: Iterable[Item | Outcome], batch_size: int | None = None
+    ) -> Iterator[Outcome]:
+        """Images of any sizes -> one :class:`Outcome` per item, in completion order. Items
+        are grouped by size into calls within the server's limits; a failed call becomes
+        failed outcomes (a multi-image call that fails is retried image by image).
+        Outcomes passed in (already failed) pass through. Raises ``grpc.RpcError`` only
+        when no call can succeed (UNAVAILABLE, UNAUTHENTICATED, ...)."""
+        yield from self._run(items, self.encode_batch, encode_pixels, batch_size)
+
+    def decode_items(
+        self, items: Iterable[Item | Outcome], batch_size: int | None = None
+    ) -> Iterator[Outcome]:
+        """Token grids of any sizes -> one :class:`Outcome` (uint8 pixels) per item; as
+        :meth:`encode_items`."""
+        yield from self._run(
+            items, self.decode_batch, decode_pixels(self.limits().factor), batch_size
+        )
+
+    def _run(self, items, call, pixels, batch_size) -> Iterator[Outcome]:
+        lim = self.limits()
+        buckets = Buckets(
+            min(batch_size, lim.max_items) if batch_size else lim.max_items, lim.call_bytes, pixels
+        )
+        for x in prefetch(items, lim.max_items):
+            if isinstance(x, Outcome):
+                yield x
+                continue
+            for batch in buckets.add(x):
+                yield from self._send(batch, call, pixels)
+        for batch in buckets.flush():
+            yield from self._send(batch, call, pixels)
+
+    def _send(self, batch: list[Item], call, pixels) -> Iterator[Outcome]:
+        todo = deque([batch])
+        while todo:
+            b = todo.popleft()
+            n_px = batch_pixels(b, pixels)
+            seconds = _deadline(self.timeout, n_px)
+            try:
+                out = call(np.stack([it.array for it in b]), timeout=seconds)
+            except grpc.RpcError as exc:
+                retry, failed = after_failure(b, exc, self.timeout, seconds, n_px)
+                todo.extendleft(reversed(retry))
+                yield from failed
+            else:
+                yield from succeeded(b, out)
+
+    # ---- files -------------------------------------------------------------------------------
+    def iter_encode_files(
+        self,
+        paths: Sequence[str | os.PathLike],
+        preprocess: imagelib.Preprocess | None = None,
+        *,
+        size: int = 0,
+        keep_size: bool = False,
+        batch_size: int | None = None,
+    ) -> Iterator[Outcome]:
+        """Image files -> one :class:`Outcome` per file (``tag`` a :class:`FileTag`), in
+        completion order; a bad file is a failed outcome and the rest go on. Files are
+        preprocessed here as ``vqserve tokenize`` does (``size``/``keep_size`` or a
+        ``preprocess``) and sent as raw pixels."""
+        pre = preprocess or self.preprocess(size, keep_size)
+        yield from self.encode_items(
+            prepared_items(paths, pre, self.limits().max_pixels), batch_size
+        )
+
+    def encode_files(
+        self,
+        paths: Sequence[str | os.PathLike],
+        batch_size: int | None = None,
+        *,
+        size: int = 0,
+        keep_size: bool = False,
+    ) -> list[np.ndarray]:
+        """Image files -> one ``[h,w]`` index array per file, in order. Raises
+        :class:`FileError` naming the first file that failed."""
+        outcomes = self.iter_encode_files(
+            paths, size=size, keep_size=keep_size, batch_size=batch_size
+        )
+        return file_results(outcomes, len(paths))
 
 
-def _image_size(blob: bytes) -> tuple[int, int]:
-    import io
-
-    from PIL import Image
-
-    with Image.open(io.BytesIO(blob)) as img:
-        return img.size
-
-
+# ---- the asyncio client ------------------------------------------------------------------
 class AsyncTokenizerClient:
-    """asyncio client over ``grpc.aio`` (same calls, awaitable)."""
+    """asyncio client over ``grpc.aio``: the same calls and helpers as :class:`TokenizerClient`
+    (splitting by the server's limits, files, tagged items), awaitable."""
 
     def __init__(self, target: str, token: str | None = None, tls_ca=None, tls: bool = False,
-                 timeout: float | None = 60.0, max_message_mb: int = 64):
-        creds = _credentials(tls_ca, tls)
-        options = _channel_args(max_message_mb)
-        self.channel = (grpc.aio.secure_channel(target, creds, options) if creds
-                        else grpc.aio.insecure_channel(target, options))
-        self.stub = pb_grpc.TokenizerStub(self.channel)
-        self.metadata = _metadata(token)
-        self.timeout = timeout
+                 timeout: Timeout = AUTO, max_message_mb: int = 64, batch_size: int | None = None):
+        _setup_client(self, grpc.aio, target, token, tls_ca, tls, timeout, max_message_mb,
+                      batch_size)
+        self._asking: asyncio.Future | None = None
 
     async def close(self) -> None:
         await self.channel.close()
@@ -238,21 +703,194 @@ class AsyncTokenizerClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    # ---- info ---------------------------------------------------------------------------
     async def model_info(self) -> dict:
-        return _info_dict(await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout,
-                                                       metadata=self.metadata))
+        timeout = INFO_TIMEOUT_S if self.timeout == AUTO else self.timeout
+        info = _info_dict(
+            await self.stub.GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata
+            )
+        )
+        self._info = info
+        return info
 
-    async def encode(self, images: np.ndarray) -> np.ndarray:
-        response = await self.stub.Encode(pb.EncodeRequest(images=tensor_msg(images)),
-                                          timeout=self.timeout, metadata=self.metadata)
+    async def limits(self) -> Limits:
+        """The server's limits, asked once: concurrent first calls share one GetModelInfo."""
+        if self._limits is None:
+            if self._asking is None:
+                self._asking = asyncio.ensure_future(self.model_info())
+            try:
+                info = await asyncio.shield(self._asking)
+            except BaseException:
+                self._asking = None
+                raise
+            self._limits = Limits.from_info(info, self._batch_size, self.max_message_mb)
+        return self._limits
+
+    async def batch_size(self) -> int:
+        return (await self.limits()).max_items
+
+    async def preprocess(
+        self, size: int = 0, keep_size: bool = False, resample: str = "bicubic"
+    ) -> imagelib.Preprocess:
+        await self.limits()
+        return preprocess_for(self._info, size, keep_size, resample)
+
+    # ---- one request ----------------------------------------------------------------------
+    async def encode_batch(self, images: np.ndarray, timeout: float | None = None) -> np.ndarray:
+        images = np.asarray(images)
+        seconds = timeout or _deadline(self.timeout, int(np.prod(images.shape[:3])))
+        response = await self.stub.Encode(
+            pb.EncodeRequest(images=tensor_msg(images)), timeout=seconds, metadata=self.metadata
+        )
         return tensor_array(response.indices)
 
-    async def decode(self, indices: np.ndarray) -> np.ndarray:
-        response = await self.stub.Decode(pb.DecodeRequest(indices=tensor_msg(indices)),
-                                          timeout=self.timeout, metadata=self.metadata)
-        return tensor_array(response.images)
+    async def decode_batch(
+        self, indices: np.ndarray, png: bool = False, timeout: float | None = None
+    ) -> np.ndarray:
+        indices = np.asarray(indices)
+        fmt = pb.IMAGE_FORMAT_PNG if png else pb.IMAGE_FORMAT_RAW
+        seconds = timeout or await self._decode_deadline(indices.shape)
+        response = await self.stub.Decode(
+            pb.DecodeRequest(indices=tensor_msg(indices), output_format=fmt),
+            timeout=seconds,
+            metadata=self.metadata,
+        )
+        return _unwrap(response, "images")
 
-    async def encode_stream(self, batches: Iterable[np.ndarray]) -> AsyncIterator[np.ndarray]:
-        requests = [pb.EncodeRequest(images=tensor_msg(b), request_id=str(i)) for i, b in enumerate(batches)]
-        async for response in self.stub.EncodeStream(iter(requests), metadata=self.metadata):
+    async def _decode_deadline(self, shape: Sequence[int], calls: int = 1) -> float | None:
+        if self.timeout != AUTO:
+            return _deadline(self.timeout, 0, calls)
+        factor = (await self.limits()).factor
+        return _deadline(self.timeout, len(shape) and shape[0] * _grid_pixels(shape, factor), calls)
+
+    # ---- any size ------------------------------------------------------------------------------
+    async def encode(self, images: np.ndarray, batch_size: int | None = None) -> np.ndarray:
+        """uint8 ``[N,H,W,3]``, any N -> indices; split like :meth:`TokenizerClient.encode`."""
+        images = np.asarray(images)
+        if len(images) <= 1 and not batch_size:  # fits any server: skip asking for its limits
+            return await self.encode_batch(images)
+        parts = array_parts(
+            images, await self.limits(), int(np.prod(images.shape[1:3])), batch_size
+        )
+        if len(parts) == 1:
+            return await self.encode_batch(parts[0])
+        seconds = _deadline(self.timeout, int(np.prod(images.shape[:3])), len(parts))
+        return np.concatenate([r async for r in self.encode_stream(parts, timeout=seconds)])
+
+    async def decode(self, indices: np.ndarray, batch_size: int | None = None) -> np.ndarray:
+        """Indices ``[N,h,w]``, any N -> uint8 pixels; split like :meth:`TokenizerClient.decode`."""
+        indices = np.asarray(indices)
+        lim = await self.limits()
+        parts = array_parts(indices, lim, _grid_pixels(indices.shape, lim.factor), batch_size)
+        if len(parts) == 1:
+            return await self.decode_batch(parts[0])
+        seconds = await self._decode_deadline(indices.shape, len(parts))
+        return np.concatenate([r async for r in self.decode_stream(parts, timeout=seconds)])
+
+    async def encode_stream(
+        self, batches: Iterable[np.ndarray], timeout: float | None = None
+    ) -> AsyncIterator[np.ndarray]:
+        requests = [
+            pb.EncodeRequest(images=tensor_msg(b), request_id=str(i)) for i, b in enumerate(batches)
+        ]
+        async for response in self.stub.EncodeStream(
+            iter(requests), timeout=timeout, metadata=self.metadata
+        ):
             yield _unwrap(response, "indices")
+
+    async def decode_stream(
+        self, batches: Iterable[np.ndarray], timeout: float | None = None
+    ) -> AsyncIterator[np.ndarray]:
+        requests = [
+            pb.DecodeRequest(indices=tensor_msg(b), request_id=str(i))
+            for i, b in enumerate(batches)
+        ]
+        async for response in self.stub.DecodeStream(
+            iter(requests), timeout=timeout, metadata=self.metadata
+        ):
+            yield _unwrap(response, "images")
+
+    # ---- tagged items and files ------------------------------------------------------------------
+    async def encode_items(
+        self, items: Iterable[Item | Outcome], batch_size: int | None = None
+    ) -> AsyncIterator[Outcome]:
+        """As :meth:`TokenizerClient.encode_items`; ``items`` is produced in a thread."""
+        async for o in self._run(items, self.encode_batch, encode_pixels, batch_size):
+            yield o
+
+    async def decode_items(
+        self, items: Iterable[Item | Outcome], batch_size: int | None = None
+    ) -> AsyncIterator[Outcome]:
+        factor = (await self.limits()).factor
+        async for o in self._run(items, self.decode_batch, decode_pixels(factor), batch_size):
+            yield o
+
+    async def _run(self, items, call, pixels, batch_size) -> AsyncIterator[Outcome]:
+        lim = await self.limits()
+        buckets = Buckets(
+            min(batch_size, lim.max_items) if batch_size else lim.max_items, lim.call_bytes, pixels
+        )
+        ahead = prefetch(items, lim.max_items)
+        try:
+            while (x := await asyncio.to_thread(next, ahead, _END)) is not _END:
+                if isinstance(x, Outcome):
+                    yield x
+                    continue
+                for batch in buckets.add(x):
+                    for o in await self._send(batch, call, pixels):
+                        yield o
+            for batch in buckets.flush():
+                for o in await self._send(batch, call, pixels):
+                    yield o
+        finally:
+            with contextlib.suppress(ValueError):  # still running in its thread when cancelled
+                ahead.close()
+
+    async def _send(self, batch: list[Item], call, pixels) -> list[Outcome]:
+        todo, done = deque([batch]), []
+        while todo:
+            b = todo.popleft()
+            n_px = batch_pixels(b, pixels)
+            seconds = _deadline(self.timeout, n_px)
+            try:
+                out = await call(np.stack([it.array for it in b]), timeout=seconds)
+            except grpc.RpcError as exc:
+                retry, failed = after_failure(b, exc, self.timeout, seconds, n_px)
+                todo.extendleft(reversed(retry))
+                done.extend(failed)
+            else:
+                done.extend(succeeded(b, out))
+        return done
+
+    async def iter_encode_files(
+        self,
+        paths: Sequence[str | os.PathLike],
+        preprocess: imagelib.Preprocess | None = None,
+        *,
+        size: int = 0,
+        keep_size: bool = False,
+        batch_size: int | None = None,
+    ) -> AsyncIterator[Outcome]:
+        """As :meth:`TokenizerClient.iter_encode_files`."""
+        pre = preprocess or await self.preprocess(size, keep_size)
+        lim = await self.limits()
+        async for o in self.encode_items(prepared_items(paths, pre, lim.max_pixels), batch_size):
+            yield o
+
+    async def encode_files(
+        self,
+        paths: Sequence[str | os.PathLike],
+        batch_size: int | None = None,
+        *,
+        size: int = 0,
+        keep_size: bool = False,
+    ) -> list[np.ndarray]:
+        """As :meth:`TokenizerClient.encode_files`."""
+        outcomes = [
+            o
+            async for o in self.iter_encode_files(
+                paths, size=size, keep_size=keep_size, batch_size=batch_size
+            )
+        ]
+        return file_results(outcomes, len(paths))

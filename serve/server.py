@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import errno
 import hmac
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -57,6 +60,53 @@ class ServerConfig:
     tls_key: str | None = None
     auth_token: str | None = None
     grace_s: float = 30.0            # drain time on SIGTERM
+    max_pixels: int | None = None    # per image (H*W); None: the runtime's own (1024*1024)
+
+
+class PortInUseError(OSError):
+    """A port the server must bind is taken (``in_use``) or cannot be bound at all; ``role``
+    says which ("gRPC" or "metrics") so the caller can name the setting that moves it."""
+
+    IN_USE = "is already in use"
+
+    def __init__(self, role: str, host: str, port: int, detail: str = IN_USE):
+        shown = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6
+        super().__init__(errno.EADDRINUSE, f"{role} port {port} on {shown} {detail}")
+        self.role, self.host, self.port = role, host, port
+        self.in_use = detail == self.IN_USE
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def check_port_free(role: str, host: str, port: int) -> None:
+    """Raise :class:`PortInUseError` if ``host:port`` is already bound by a listener, or
+    ``host`` is not an address of this machine.
+
+    Binding first with a throwaway socket (SO_REUSEADDR, as gRPC and the metrics server
+    use) turns the common mistake into one clear error before gRPC logs its own bind
+    failure; a port taken between this check and the real bind is still reported, by
+    :meth:`TokenizerServer.start`. Other errors (a family turned off, no permission) are
+    left to the real bind.
+    """
+    if port == 0:
+        return
+    bare = host.strip("[]") or None
+    try:
+        addresses = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # an unresolvable host: the real bind names it
+    for family, kind, proto, _name, address in addresses:
+        try:  # socket() itself fails where the family is off (IPv6 disabled): not our call
+            with contextlib.closing(socket.socket(family, kind, proto)) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(role, host, port) from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise PortInUseError(role, host, port, "cannot be bound: the address is not "
+                                                       "one of this machine's") from None
 
 
 # ---- structured logs ----------------------------------------------------------------------
@@ -174,7 +224,31 @@ class TokenizerServer:
         self._stopped = False
 
     async def start(self) -> int:
-        """Bind and start serving (health NOT_SERVING); the model loads in the background."""
+        """Bind and start serving (health NOT_SERVING); the model loads in the background.
+
+        A port in use raises :class:`PortInUseError` and leaves nothing running, so the
+        event loop can close without a half-started gRPC server to clean up after."""
+        cfg = self.config
+        check_port_free("gRPC", cfg.host, cfg.port)
+        if cfg.metrics_port > 0:
+            check_port_free("metrics", cfg.metrics_host, cfg.metrics_port)
+        try:
+            return await self._start()
+        except BaseException:
+            await self._abort_start()
+            raise
+
+    async def _abort_start(self) -> None:
+        """Undo a partial :meth:`_start`: stop gRPC and the metrics endpoint if they are up."""
+        if self.server is not None:
+            await self.server.stop(None)
+            self.server = None
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+
+    async def _start(self) -> int:
         cfg = self.config
         limit = cfg.max_message_mb * 1024 * 1024
         interceptors = []
@@ -200,19 +274,35 @@ class TokenizerServer:
                 raise ValueError("TLS needs both --tls-cert and --tls-key")
             creds = grpc.ssl_server_credentials(
                 [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-            self.port = self.server.add_secure_port(address, creds)
+            self.port = self._bind(lambda: self.server.add_secure_port(address, creds))
         else:
-            self.port = self.server.add_insecure_port(address)
-        if not self.port:
-            raise OSError(f"could not bind {address}")
+            self.port = self._bind(lambda: self.server.add_insecure_port(address))
         await self.server.start()
         if cfg.metrics_port >= 0:
-            self._metrics_http, self.metrics_port = self.metrics.start_http(cfg.metrics_port, cfg.metrics_host)
+            try:
+                self._metrics_http, self.metrics_port = self.metrics.start_http(cfg.metrics_port,
+                                                                                cfg.metrics_host)
+            except OSError as exc:
+                detail = (PortInUseError.IN_USE if exc.errno == errno.EADDRINUSE
+                          else f"could not be bound ({exc.strerror or exc})")
+                raise PortInUseError("metrics", cfg.metrics_host, cfg.metrics_port, detail) from None
         _event("listening", f"gRPC listening on {cfg.host}:{self.port}", port=self.port,
                metrics_port=self.metrics_port, tls=bool(cfg.tls_cert), auth=bool(cfg.auth_token),
                version=__version__)
         self._load_task = asyncio.get_running_loop().create_task(self._load())
         return self.port
+
+    def _bind(self, add_port) -> int:
+        """Run gRPC's ``add_*_port``, which returns 0 or raises RuntimeError on failure."""
+        cfg = self.config
+        try:
+            port = add_port()
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise PortInUseError("gRPC", cfg.host, cfg.port,
+                                 "could not be bound (in use, or the address is not local)")
+        return port
 
     async def _load(self) -> None:
         cfg = self.config
@@ -227,6 +317,8 @@ class TokenizerServer:
             runtime = await asyncio.get_running_loop().run_in_executor(None, runtime)
         engine = Engine(runtime, self.metrics, max_batch_size=cfg.max_batch_size,
                         max_delay_s=cfg.max_delay_ms / 1000.0, max_queue=cfg.max_queue)
+        if cfg.max_pixels:  # both APIs and GetModelInfo read the limit from engine.info
+            engine.info = dataclasses.replace(engine.info, max_pixels=cfg.max_pixels)
         engine.batcher.start()
         self.state.engine = engine
         self.state.ready = True
@@ -238,7 +330,8 @@ class TokenizerServer:
                port=self.port, metrics_port=self.metrics_port, backend=info.backend, dtype=info.dtype,
                device=info.device, codebook_size=info.codebook_size, factor=info.factor,
                model_hash=info.model_hash, load_s=round(time.perf_counter() - t0, 3),
-               max_batch_size=cfg.max_batch_size, max_delay_ms=cfg.max_delay_ms, max_queue=cfg.max_queue)
+               max_batch_size=cfg.max_batch_size, max_delay_ms=cfg.max_delay_ms, max_queue=cfg.max_queue,
+               max_pixels=engine.info.max_pixels)
 
     async def wait_loaded(self) -> None:
         """Wait for the model; re-raises a load failure."""

@@ -69,3 +69,137 @@ def test_wheel_installs_only_under_vqserve(tmp_path):
     if default.exists():
         assert "vqserve/model/default/model.safetensors" in names
         assert "vqserve/model/default/config.json" in names
+
+
+# ---- --help everywhere: every option explained, every default shown -----------------------
+def _options(parser):
+    """(command, action) for every option of every registered command."""
+    import argparse
+
+    from vqserve.cli import subcommands
+
+    for name, sub in subcommands(parser).items():
+        for action in sub._actions:  # noqa: SLF001 - argparse has no public iterator
+            if action.option_strings and not isinstance(action, argparse._HelpAction):  # noqa: SLF001
+                yield name, sub, action
+
+
+def test_every_option_of_every_command_has_help_text():
+    missing = [f"{name} {action.option_strings[0]}" for name, _, action in _options(build_parser())
+               if not (action.help or "").strip()]
+    assert not missing, f"options without help text: {missing}"
+
+
+def test_help_shows_every_default():
+    """An option that takes a value and has a default states it in --help (the formatter
+    appends "(default: X)" unless the text already says)."""
+    import argparse
+
+    silent = []
+    for name, sub, action in _options(build_parser()):
+        if action.nargs == 0 or action.required or action.default in (None, argparse.SUPPRESS):
+            continue
+        text = sub._get_formatter()._expand_help(action)  # noqa: SLF001 - what --help prints
+        if "default" not in text.lower():
+            silent.append(f"{name} {action.option_strings[0]}")
+    assert not silent, f"--help hides these defaults: {silent}"
+    # env-backed serve flags keep their own "[default X; env VAR]" and get nothing appended
+    from vqserve.cli import subcommands
+
+    serve = subcommands(build_parser())["serve"]
+    port = next(a for a in serve._actions if a.dest == "port")  # noqa: SLF001
+    text = serve._get_formatter()._expand_help(port)  # noqa: SLF001
+    assert text.count("default") == 1 and "[default 50051; env VQSERVE_PORT]" in text
+
+
+def test_help_runs_for_every_command_and_benchmark(capsys):
+    from vqserve.cli import subcommands
+    from vqserve.commands.bench import TARGETS
+
+    runs = [[name, "--help"] for name in subcommands(build_parser())]
+    runs += [["bench", target, "--help"] for target in TARGETS]
+    for argv in runs:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0, argv
+        assert "usage: vqserve " + " ".join(argv[:-1]) in capsys.readouterr().out
+
+
+def test_debug_is_offered_globally_and_per_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--debug" in capsys.readouterr().out and "Exit status" in build_parser().epilog
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "VQSERVE_DEBUG=1" in capsys.readouterr().out
+
+
+# ---- vqserve info: bf16/fp16 measured, not assumed -----------------------------------------
+def test_info_probes_low_precision_on_each_device():
+    from vqserve.commands.info import collect
+
+    facts = collect()
+    assert "bf16_cpu" not in facts  # the old hard-coded "yes"
+    low = facts["low_precision"]
+    assert set(low) == {"cpu", *(f"cuda:{i}" for i in range(len(facts["cuda_devices"])))}
+    for device, found in low.items():
+        for dtype in ("bf16", "fp16"):
+            result = found[dtype]
+            assert isinstance(result["runs"], bool), (device, dtype)
+            if result["runs"]:
+                assert result["speed_vs_fp32"] > 0
+            else:
+                assert result["error"]
+    assert set(low["cpu"]["native_flags"]) == {"bf16", "fp16"}
+    assert "bf16" not in collect(probe=False)["low_precision"]["cpu"]
+
+
+def test_info_reads_cpu_flags_on_x86_and_arm(tmp_path):
+    from vqserve.commands.info import cpu_flags, describe_dtype
+
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 f16c\n\n"
+                   "processor\t: 1\nflags\t\t: fpu\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd fphp asimdhp bf16\n")
+    assert {"avx512_bf16", "amx_bf16", "f16c"} <= cpu_flags(str(x86))
+    assert {"fphp", "bf16"} <= cpu_flags(str(arm))
+    assert cpu_flags(str(tmp_path / "missing")) == set()
+    assert describe_dtype({"runs": True, "speed_vs_fp32": 2.5}, ["amx_bf16"]).startswith(
+        "yes, faster than fp32 (2.50x")
+    assert "slower than fp32" in describe_dtype({"runs": True, "speed_vs_fp32": 0.2}, [])
+    assert "none found" in describe_dtype({"runs": True, "speed_vs_fp32": 0.2}, [])
+    assert describe_dtype({"runs": False, "error": "no kernel"}, None) == "no (no kernel)"
+
+
+def test_info_table_reports_the_measurement(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 cpu" in out and "fp16 cpu" in out and "fp32 (" in out
+
+
+# ---- make serve HOST= MODEL= PORT= ----------------------------------------------------------
+def test_make_serve_passes_its_variables_to_vqserve_serve(tmp_path):
+    import shlex
+    import shutil
+
+    from vqserve.commands.serve import config_from_args
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+
+    def dry_run(*assignments: str) -> list[str]:
+        out = subprocess.run(["make", "-s", "-n", "serve", *assignments], cwd=ROOT, check=True,
+                             capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/usr/bin:/bin", "HOST": "leaked-from-the-shell"}).stdout
+        line = next(ln for ln in out.replace("\\\n", " ").splitlines() if "vqserve serve" in ln)
+        return shlex.split(line)[2:]  # drop the binary and "serve"
+
+    args = dry_run()
+    cfg = config_from_args(build_parser().parse_args(["serve", *args]))
+    assert (cfg.model, cfg.host, cfg.port, cfg.metrics_port) == ("default", "[::]", 50051, 50052)
+    args = dry_run("HOST=127.0.0.1", "MODEL=runs/my model", "PORT=18313", "METRICS_PORT=18314",
+                   "SERVE_ARGS=--max-pixels 4096x3072")
+    cfg = config_from_args(build_parser().parse_args(["serve", *args]))
+    assert (cfg.model, cfg.host, cfg.port, cfg.metrics_port, cfg.max_pixels) == (
+        "runs/my model", "127.0.0.1", 18313, 18314, 4096 * 3072)

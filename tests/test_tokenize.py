@@ -210,6 +210,13 @@ def test_refusals_and_fail_fast(tiny_checkpoint, tmp_path, capsys, one_thread):
     assert tok([str(tmp_path / "in"), "--out", str(tmp_path / "o4"), "--size", "32", "--fail-fast"],
                tiny_checkpoint) == 1
     assert "fail-fast" in capsys.readouterr().err
+    # a run in which every image failed is a failure (exit 1), with the reasons on disk
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x.png").write_bytes(b"nope")
+    assert tok([str(bad), "--out", str(tmp_path / "o5"), "--size", "32"], tiny_checkpoint) == 1
+    assert "every one of the 1 images failed" in capsys.readouterr().err
+    assert "x" in (tmp_path / "o5" / "errors.jsonl").read_text()
     # the inputs changed under a finished run: refused, not silently mixed
     Image.fromarray(photo_set(1)[0]).save(tmp_path / "in" / "a" / "aaa-new.png")
     assert tok([str(tmp_path / "in"), "--out", str(out), "--size", "32"], tiny_checkpoint) == 2

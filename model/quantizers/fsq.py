@@ -3,7 +3,7 @@
 Each channel d is bounded with tanh to ``levels[d]`` values and rounded; the index is the
 mixed-radix number with the first level as the least significant digit. Everything from
 the bound to the index runs in fp32/int64: in bf16 an index such as 1001 cannot even be
-represented (failure 2 in shared/design.md).
+represented (failure 2 in docs/DESIGN.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,26 @@
-"""Flags shared by every command that loads a model (serve, tokenize, detokenize, verify)."""
+"""Flags shared by every command that loads a model (serve, tokenize, detokenize, verify),
+and the two exceptions any command raises for a failure the user can fix."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+
+class CliError(Exception):
+    """A failure the user can fix, already worded as one line naming the problem and the fix.
+
+    ``vqserve.cli.main`` prints it as ``vqserve CMD: error: MESSAGE`` (no traceback unless
+    ``--debug``) and exits with ``exit_code``: 1 for failures, :class:`UsageError` for 2.
+    """
+
+    exit_code = 1
+
+
+class UsageError(CliError):
+    """The command line (or a ``VQSERVE_*`` variable) asks for something impossible: exit 2."""
+
+    exit_code = 2
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_device: str = "auto",
@@ -18,6 +35,16 @@ def add_model_args(parser: argparse.ArgumentParser, default_device: str = "auto"
                         "checkpoints, the exported dtype for artifacts")
     m.add_argument("--device", default=default_device, help="auto | cpu | cuda | cuda:N")
     return m
+
+
+def check_model_exists(model: str | None, env: str | None = None) -> None:
+    """Refuse a ``--model`` path that is not there before any port is bound or file written,
+    so the user gets one line instead of a failed background load."""
+    if model in (None, "default") or Path(model).expanduser().exists():
+        return
+    via = f" (or {env})" if env else ""
+    raise UsageError(f"--model {model}: no such file or directory; pass `default` (the shipped "
+                     f"tokenizer), a checkpoint directory or an exported artifact directory{via}")
 
 
 def model_ref(model: str) -> str:

@@ -35,7 +35,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="centre-crop images to at most this many pixels per side (0: whole image)")
     parser.add_argument("--no-channels-last", action="store_true",
                         help="run convolutions in contiguous (NCHW) layout instead of channels_last")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 

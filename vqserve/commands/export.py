@@ -59,7 +59,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                              "~98%% to ~99.6%%)")
     stream.add_argument("--no-fp32-stream", dest="fp32_stream", action="store_false",
                         help="cast the whole encoder to --dtype")
-    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
+    parser.add_argument("--opset", type=int, default=None,
+                        help="ONNX opset for --format onnx (default 18); one the exporter cannot "
+                             "write faithfully (here below 18 or above onnxscript's converter "
+                             "range) is refused before export, and the written files are checked")
     ts = parser.add_argument_group("torchserve (--format torchserve only)")
     ts.add_argument("--backend", default="auto", choices=["auto", "eager", "torchscript", "onnx", "pt2"],
                     help="runtime inside the archive: auto (eager for a checkpoint, the artifact's "

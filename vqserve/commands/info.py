@@ -1,8 +1,16 @@
 """Print the vqserve version, torch build, devices and the runtimes available here.
 
+bf16 and fp16 support is measured, not assumed: a small matmul and convolution run in each
+dtype and in fp32 on every device (under 0.1 s on a CPU), and the CPU's own flags for
+native low-precision arithmetic (amx_bf16, avx512_bf16, avx512_fp16, ...) are read from
+/proc/cpuinfo where it exists. A dtype that runs much slower than fp32 is likely emulated.
+The ratio is a quick probe (it moves by ~0.2 between runs on a busy 2-core machine); for
+the tokenizer's own speed per dtype and runtime use `vqserve bench runtimes`.
+
 Example:
   vqserve info
   vqserve info --json
+  vqserve info --no-probe     # skip the bf16/fp16 measurements
 """
 
 from __future__ import annotations
@@ -11,13 +19,111 @@ import argparse
 import importlib.util
 import json
 import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+LOW_PRECISION = ("bf16", "fp16")
+# CPU flags for native arithmetic in each dtype: x86 lists them under "flags", Arm under
+# "Features" (bf16; fphp/asimdhp for half precision). f16c (conversion only) is not one.
+NATIVE_FLAGS = {
+    "bf16": ("amx_bf16", "avx512_bf16", "avx_vnni_bf16", "bf16"),
+    "fp16": ("amx_fp16", "avx512_fp16", "avx_vnni_fp16", "fphp", "asimdhp"),
+}
+# Workload sizes: big enough that arithmetic, not call overhead, dominates the timing.
+PROBE_SIZES = {"cpu": (512, 64, 64), "cuda": (2048, 256, 128)}  # matmul n, conv channels, side
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--no-probe", dest="probe", action="store_false",
+                        help="skip running bf16/fp16 on each device (report CPU flags only)")
 
 
-def collect() -> dict:
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU feature flags of the first processor, or an empty set where not readable."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def _time_median(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 5) -> float:
+    """Median seconds of ``fn`` after one warm-up call (which also triggers lazy kernels)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _workload(device: str, dtype) -> Callable[[], object]:
+    """A matmul and a 3x3 convolution in ``dtype``: the two op kinds a tokenizer spends on."""
+    import torch
+
+    n, channels, side = PROBE_SIZES["cuda" if device.startswith("cuda") else "cpu"]
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
+    x = torch.randn(1, channels, side, side, generator=gen).to(device, dtype)
+    w = torch.randn(channels, channels, 3, 3, generator=gen).to(device, dtype)
+
+    def run():
+        with torch.no_grad():
+            return a @ b, torch.nn.functional.conv2d(x, w, padding=1)
+
+    return run
+
+
+def probe_device(device: str) -> dict:
+    """For each low-precision dtype: does it run on ``device``, and at what speed vs fp32."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
+    fp32 = _time_median(_workload(device, dtypes["fp32"]), sync)
+    results = {}
+    for name in LOW_PRECISION:
+        try:
+            seconds = _time_median(_workload(device, dtypes[name]), sync)
+        except (RuntimeError, NotImplementedError) as exc:  # no kernel for this dtype here
+            results[name] = {"runs": False, "error": str(exc).splitlines()[0][:160]}
+            continue
+        results[name] = {"runs": True, "speed_vs_fp32": round(fp32 / seconds, 2)}
+    return results
+
+
+def low_precision_facts(probe: bool = True) -> dict:
+    """Per device (cpu, cuda:N): measured bf16/fp16 support; for the CPU also its flags."""
+    import torch
+
+    flags = cpu_flags()
+    cpu: dict = {"native_flags": {name: sorted(f for f in NATIVE_FLAGS[name] if f in flags)
+                                  for name in LOW_PRECISION}}
+    facts = {"cpu": cpu}
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    for device in ("cpu", *devices):
+        found = facts.setdefault(device, {})
+        if not probe:
+            continue
+        try:
+            found.update(probe_device(device))
+        except RuntimeError as exc:  # even fp32 fails: a broken driver, out of memory
+            reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+            found.update({name: {"runs": False, "error": f"fp32 failed too: {reason}"}
+                          for name in LOW_PRECISION})
+    return facts
+
+
+def collect(probe: bool = True) -> dict:
     """Gather facts cheaply: import only what is needed to report it."""
     import torch
 
@@ -29,7 +135,6 @@ def collect() -> dict:
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "bf16_cpu": True,
         "cpu_threads": torch.get_num_threads(),
     }
     runtimes = {"eager": True, "torchscript": True, "pt2": hasattr(torch, "export")}
@@ -42,6 +147,7 @@ def collect() -> dict:
     else:
         runtimes["onnx"] = False
     facts["runtimes"] = runtimes
+    facts["low_precision"] = low_precision_facts(probe)
     try:
         from vqserve.model import default_tokenizer_available
 
@@ -51,18 +157,49 @@ def collect() -> dict:
     return facts
 
 
-def run(args: argparse.Namespace) -> int:
-    facts = collect()
-    if args.json:
-        print(json.dumps(facts, indent=2))
-        return 0
-    width = max(len(k) for k in facts)
+def describe_dtype(result: dict | None, flags: list[str] | None) -> str:
+    """One table cell: whether the dtype ran, its speed relative to fp32, the CPU flags."""
+    if result is None:
+        text = "not measured (--no-probe)"
+    elif not result["runs"]:
+        text = f"no ({result['error']})"
+    else:
+        ratio = result["speed_vs_fp32"]
+        verdict = "faster than" if ratio >= 1.2 else "about as fast as" if ratio > 0.8 else \
+            "slower than"
+        text = f"yes, {verdict} fp32 ({ratio:.2f}x its speed on a matmul + conv)"
+    if flags is not None:
+        text += f"; native CPU support: {', '.join(flags) if flags else 'none found'}"
+    return text
+
+
+def _rows(facts: dict) -> list[tuple[str, str]]:
+    rows = []
     for key, value in facts.items():
+        if key == "low_precision":
+            for device, found in value.items():
+                flags = found.get("native_flags", {})
+                for name in LOW_PRECISION:
+                    rows.append((f"{name} {device}", describe_dtype(
+                        found.get(name), flags.get(name) if device == "cpu" else None)))
+            continue
         if isinstance(value, dict):
             value = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in value.items())
         elif isinstance(value, list):
             value = ", ".join(map(str, value)) or "none"
         elif isinstance(value, bool):
             value = "yes" if value else "no"
+        rows.append((key, str(value)))
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    facts = collect(probe=args.probe)
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    rows = _rows(facts)
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return 0

@@ -18,7 +18,14 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from vqserve.commands.common import add_env_fallbacks, add_model_args, resolve_env_fallbacks
+from vqserve.commands.common import (
+    CliError,
+    UsageError,
+    add_env_fallbacks,
+    add_model_args,
+    check_model_exists,
+    resolve_env_fallbacks,
+)
 
 # Every serve setting can come from the environment (the container's entrypoint is plain
 # `vqserve serve`); docs/DEPLOY.md lists them and a test keeps the three in step.
@@ -30,7 +37,23 @@ ENV_VARS = {
     "tls_key": "VQSERVE_TLS_KEY", "auth_token_file": "VQSERVE_AUTH_TOKEN_FILE",
     "max_batch_size": "VQSERVE_MAX_BATCH_SIZE", "max_delay_ms": "VQSERVE_MAX_DELAY_MS",
     "max_queue": "VQSERVE_MAX_QUEUE", "grace": "VQSERVE_GRACE", "log_level": "VQSERVE_LOG_LEVEL",
+    "max_pixels": "VQSERVE_MAX_PIXELS",
 }
+# The flag that moves each port, for the one-line "port in use" error.
+PORT_FLAGS = {"gRPC": "port", "metrics": "metrics_port"}
+DEFAULT_MAX_PIXELS = 1024 * 1024
+
+
+def pixel_count(text: str) -> int:
+    """``--max-pixels`` value: a pixel count (``12000000``) or ``WxH`` (``4096x3072``)."""
+    parts = text.lower().replace("*", "x").split("x")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a pixel count or WxH, got {text!r}") from None
+    if len(values) > 2 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive pixel count or WxH, got {text!r}")
+    return values[0] * (values[1] if len(values) == 2 else 1)
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +70,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--tls-key", help="PEM private key")
     n.add_argument("--auth-token-file",
                    help="file holding a bearer token every call must send (health stays open)")
+    n.add_argument("--max-pixels", type=pixel_count, default=DEFAULT_MAX_PIXELS,
+                   help="largest image accepted, in pixels per image (H*W): a count or WxH, "
+                        "e.g. 4096x3072 for 12-megapixel photos; a raw image also needs "
+                        "--max-message-mb of at least 3 bytes per pixel")
     b = parser.add_argument_group("batching")
     b.add_argument("--max-batch-size", type=int, default=32, help="images per model call")
     b.add_argument("--max-delay-ms", type=float, default=5.0,
@@ -76,6 +103,7 @@ def config_from_args(args: argparse.Namespace):
                              ("--max-delay-ms", args.max_delay_ms, 0), ("--port", args.port, 0)):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    _check_message_fits(args.max_pixels, args.max_message_mb)
     if args.max_queue < args.max_batch_size:
         raise ValueError(f"--max-queue ({args.max_queue}) must be >= --max-batch-size ({args.max_batch_size}), "
                          "or full-size requests could never be queued")
@@ -85,13 +113,40 @@ def config_from_args(args: argparse.Namespace):
         metrics_host=(args.metrics_host or args.host).strip("[]"), max_batch_size=args.max_batch_size,
         max_delay_ms=args.max_delay_ms, max_queue=args.max_queue, max_message_mb=args.max_message_mb,
         tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=token, grace_s=args.grace,
+        max_pixels=args.max_pixels,
     )
 
 
+def _check_message_fits(max_pixels: int, max_message_mb: int) -> None:
+    """A limit the server could never reach is a configuration error, not a runtime one:
+    one raw uint8 RGB image of ``max_pixels`` must fit in a gRPC message."""
+    need_mb = -(-(max_pixels * 3 + 4096) // (1024 * 1024))  # ceil, with room for the envelope
+    if need_mb > max_message_mb:
+        raise UsageError(f"--max-pixels {max_pixels} needs gRPC messages of at least {need_mb} MB "
+                         f"(3 bytes per pixel), more than --max-message-mb {max_message_mb}; raise "
+                         f"--max-message-mb (or VQSERVE_MAX_MESSAGE_MB) to {need_mb}")
+
+
+def port_in_use_message(exc) -> str:
+    """``PortInUseError`` worded for the command line: which flag and variable fix it."""
+    dest = PORT_FLAGS.get(exc.role, "port")
+    flag = "--" + dest.replace("_", "-")
+    if not exc.in_use:  # a bad address as likely as a taken port
+        host = "--metrics-host" if dest == "metrics_port" else "--host"
+        return f"{exc}; check {host} and {flag} (or {ENV_VARS[dest]})"
+    extra = " or turn metrics off with --metrics-port -1" if dest == "metrics_port" else ""
+    return f"{exc}; pick another with {flag} (or {ENV_VARS[dest]}){extra}"
+
+
 def run(args: argparse.Namespace) -> int:
-    from vqserve.serve.server import serve_until_signal, setup_logging
+    from vqserve.serve.server import PortInUseError, serve_until_signal, setup_logging
 
     resolve_env_fallbacks(args._actions, args, ENV_VARS)  # noqa: SLF001
-    setup_logging(args.log_level)
+    # before any log line or bound port, so a usage error is the only output
     config = config_from_args(args)
-    return asyncio.run(serve_until_signal(config))
+    check_model_exists(config.model, ENV_VARS["model"])
+    setup_logging(args.log_level)
+    try:
+        return asyncio.run(serve_until_signal(config))
+    except PortInUseError as exc:
+        raise CliError(port_in_use_message(exc)) from exc

@@ -143,4 +143,8 @@ def run(args: argparse.Namespace) -> int:
           f"(see {job.out / offline.ERRORS}), {totals['shards']} shards; this run "
           f"{result['new_images']} images in {result['seconds']:.1f} s "
           f"({result['images_per_second']:.1f} img/s)", file=sys.stderr)
+    if totals["errors"] and not totals["rows"]:
+        print(f"vqserve tokenize: error: every one of the {totals['errors']} images failed; the "
+              f"reasons are in {job.out / offline.ERRORS}", file=sys.stderr)
+        return 1
     return 0

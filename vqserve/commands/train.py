@@ -25,27 +25,31 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML or JSON training config (CLI flags override it)")
+    parser.add_argument("--config", help="YAML or JSON training config (CLI flags override it; "
+                                          "flags left out keep its values, else the built-in "
+                                          "defaults of TrainConfig in vqserve.model.training)")
     g = parser.add_argument_group("data")
     g.add_argument("--data", help="'builtin' (skimage.data train split) or an image folder (recursive)")
     g.add_argument("--val-data", help="'builtin:val', an image folder, or '' for no validation")
     g.add_argument("--crop-size", type=int, help="training crop size (multiple of the factor)")
-    g.add_argument("--batch-size", type=int)
+    g.add_argument("--batch-size", type=int, help="training crops per step")
     g.add_argument("--sampling", choices=["uniform", "area"],
                    help="draw training images in proportion to their area (default) or equally often")
     g = parser.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int)
+    g.add_argument("--steps", type=int, help="optimiser steps to train for")
     g.add_argument("--lr", type=float, help="peak learning rate (AdamW)")
-    g.add_argument("--lr-schedule", choices=["cosine", "constant", "linear"])
-    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--lr-schedule", choices=["cosine", "constant", "linear"],
+                   help="learning-rate decay after warm-up")
+    g.add_argument("--warmup-steps", type=int, help="steps of linear learning-rate warm-up")
     g = parser.add_argument_group("model")
-    g.add_argument("--quantizer", choices=["fsq", "lfq", "vq", "rfsq"])
+    g.add_argument("--quantizer", choices=["fsq", "lfq", "vq", "rfsq"],
+                   help="finite scalar, lookup-free, vector or residual FSQ quantization")
     g.add_argument("--levels", type=_int_list, help="FSQ levels, e.g. 8,8,8,5,5,5")
     g.add_argument("--channels", type=_int_list,
                    help="encoder/decoder widths per stage, e.g. 64,128,256 (factor = patch_size * 2**stages)")
     g.add_argument("--factor", type=int, choices=[4, 8, 16],
                    help="downsampling factor; trims or extends --channels to log2(factor) stages")
-    g.add_argument("--num-res-blocks", type=int)
+    g.add_argument("--num-res-blocks", type=int, help="residual blocks per encoder/decoder stage")
     g.add_argument("--patch-size", type=int, choices=[1, 2, 4],
                    help="pixel-unshuffle stem: factor = patch_size * 2**len(channels)")
     g = parser.add_argument_group("low-precision robustness (FSQ)")
@@ -57,15 +61,17 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--margin-ramp", type=float, help="fraction of training to ramp its weight up")
     g.add_argument("--quant-noise", type=float, help="uniform noise half-width before rounding")
     g = parser.add_argument_group("runtime")
-    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
+    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                   help="training precision (autocast; the quantizer always runs in fp32)")
     g.add_argument("--device", help="cpu or cuda")
     g.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="random seed (weights, crops, order)")
     g.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, plots)")
-    g.add_argument("--val-every", type=int)
-    g.add_argument("--ckpt-every", type=int)
-    g.add_argument("--ckpt-minutes", type=float)
-    g.add_argument("--log-every", type=int)
+    g.add_argument("--val-every", type=int, help="validate every N steps")
+    g.add_argument("--ckpt-every", type=int, help="checkpoint to OUT/last every N steps")
+    g.add_argument("--ckpt-minutes", type=float,
+                   help="also checkpoint when this many minutes have passed")
+    g.add_argument("--log-every", type=int, help="append to metrics.jsonl every N steps")
     g.add_argument("--resume", action="store_true", help="continue from OUT/last if it exists")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--json", action="store_true", help="print the final summary as JSON")
