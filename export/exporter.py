@@ -12,12 +12,13 @@ temporary directory; an existing export at ``out`` is replaced only on success.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 from pathlib import Path
 
 import torch
 
-from vqserve.export.manifest import MANIFEST_NAME, file_entries, write_manifest
+from vqserve.export.manifest import MANIFEST_FORMAT, MANIFEST_NAME, file_entries, write_manifest
 from vqserve.model.atomic import atomic_directory
 
 FORMATS = ("torchscript", "onnx", "pt2")
@@ -83,15 +84,46 @@ def decode_message(fmt: str, dtype: str, parity: dict, required: float) -> str:
     )
 
 
+def _manifest_problem(manifest: Path) -> str | None:
+    """Why ``manifest`` is not a vqserve export manifest (None when it is one).
+
+    Only the ``manifest_format`` tag counts: many tools write a ``manifest.json``, and a
+    folder is deleted on replace, so a name match alone must never be enough."""
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"it cannot be read as JSON ({type(exc).__name__})"
+    found = data.get("manifest_format") if isinstance(data, dict) else None
+    if found != MANIFEST_FORMAT:
+        return f"its manifest_format is {found!r}, not {MANIFEST_FORMAT!r}"
+    return None
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse (ValueError, one line) unless ``out`` is new, empty or an earlier vqserve export.
+
+    Runs before the export and again just before the rename (``atomic_directory``), since
+    replacing ``out`` deletes everything in it."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if not any(out.iterdir()):
+        return
+    manifest = out / MANIFEST_NAME
+    if not manifest.is_file():
+        raise ValueError(f"--out {out} is a non-empty directory with no {MANIFEST_NAME}, so not a "
+                         "vqserve export; nothing was changed; choose a new or empty directory")
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise ValueError(f"--out {out} holds {MANIFEST_NAME} but it is not a vqserve export "
+                         f"manifest ({problem}); nothing was changed; choose a new or empty "
+                         "directory")
+
+
 def _prepare_out(out: Path) -> None:
-    if out.exists():
-        if not out.is_dir():
-            raise ValueError(f"--out {out} exists and is not a directory")
-        if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
-            raise ValueError(
-                f"--out {out} is a non-empty directory that is not a vqserve export; "
-                "choose a new or empty directory"
-            )
+    check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
@@ -129,7 +161,8 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
     if parity_size % cfg.factor:
         raise ValueError(f"parity image size {parity_size} must be a multiple of the factor {cfg.factor}")
 
-    with atomic_directory(out) as tmp:  # renamed into place only if every check passes
+    # renamed into place only if every check passes, and out is (still) replaceable
+    with atomic_directory(out, check_replaceable) as tmp:
         say(f"building {dtype} graphs (quantizer in fp32) on {device}")
         enc, dec = wrappers.build_graphs(tok, dtype, device, fp32_stream)
         fp32_layers = enc.fp32_layers

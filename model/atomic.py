@@ -10,7 +10,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -21,10 +21,18 @@ def _normal_permissions(path: Path) -> None:
     os.chmod(path, 0o777 & ~umask)
 
 
-def replace_dir(staged: Path, final: Path) -> None:
-    """Move ``staged`` to ``final``, replacing an existing ``final`` with two renames."""
+def replace_dir(staged: Path, final: Path,
+                check_replace: Callable[[Path], None] | None = None) -> None:
+    """Move ``staged`` to ``final``, replacing an existing ``final`` with two renames.
+
+    ``check_replace(final)`` runs right before an existing ``final`` is moved aside and may
+    raise to keep it: a caller's earlier check can be stale after a long export, and what
+    gets replaced here is deleted.
+    """
     old = None
     if final.exists():
+        if check_replace is not None:
+            check_replace(final)
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -34,15 +42,19 @@ def replace_dir(staged: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a staging directory; on success it becomes ``final``, on any error it is removed."""
+def atomic_directory(final: str | os.PathLike,
+                     check_replace: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """Yield a staging directory; on success it becomes ``final``, on any error it is removed.
+
+    ``check_replace``: see :func:`replace_dir` (an existing ``final`` is deleted otherwise).
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     _normal_permissions(staged)
     try:
         yield staged
-        replace_dir(staged, final)
+        replace_dir(staged, final, check_replace)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise

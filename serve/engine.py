@@ -2,7 +2,8 @@
 
 ``Engine`` validates arrays against the runtime's ``RuntimeInfo`` (every rule named in
 its error), submits them to the :class:`Batcher`, and feeds the codebook-usage metrics.
-It never runs a decode with an index outside the codebook.
+It never runs a decode with an index outside the codebook, nor a batch whose answer could
+not fit the gRPC message limit (``max_message_bytes``): that is known from the shapes alone.
 """
 
 from __future__ import annotations
@@ -11,16 +12,22 @@ import numpy as np
 
 from vqserve.serve.batcher import Batcher
 from vqserve.serve.codec import BadInput
+from vqserve.serve.errors import ReplyTooLarge
+
+# Bytes a response adds around a tensor's data: field tags, lengths, shape, dtype, names.
+REPLY_OVERHEAD = 1024
 
 
 class Engine:
     def __init__(self, runtime, metrics, max_batch_size: int = 32, max_delay_s: float = 0.005,
-                 max_queue: int = 1024):
+                 max_queue: int = 1024, max_message_bytes: int | None = None):
+        """``max_message_bytes``: the gRPC send limit; None or <= 0 checks no reply size."""
         self.runtime = runtime
         self.info = runtime.info
         self.metrics = metrics
         self.index_dtype = np.dtype(self.info.index_dtype)
         self.max_batch_size = max_batch_size
+        self.max_message_bytes = max_message_bytes if max_message_bytes and max_message_bytes > 0 else None
         self.batcher = Batcher(runtime, max_batch_size=max_batch_size, max_delay_s=max_delay_s,
                                max_queue=max_queue, observer=metrics.observe_batch)
         metrics.set_codebook(self.info.codebook_size)
@@ -78,18 +85,50 @@ class Engine:
                                             f"(codebook size {self.info.codebook_size}), got values in [{lo}, {hi}]")
         return indices.astype(self.index_dtype, copy=False)
 
+    def check_reply(self, nbytes: int, what: str) -> None:
+        """Refuse an answer of ``nbytes`` that gRPC could not send: it would drop the reply
+        after the work was done (and the request would be counted as OK)."""
+        limit = self.max_message_bytes
+        if limit is None or nbytes <= limit:
+            return
+        raise ReplyTooLarge(
+            f"the response would be about {nbytes} bytes ({what}), more than the message limit "
+            f"of {limit} bytes (--max-message-mb {limit / (1 << 20):g}); send fewer images per "
+            "request (the Python client splits by --batch-size), or raise --max-message-mb on "
+            "the server and the client")
+
+    def check_encode_reply(self, images: np.ndarray, overhead: int = 0) -> None:
+        b, h, w, _ = images.shape
+        f, q = self.info.factor, self.info.codes_per_position
+        payload = b * (h // f) * (w // f) * q * self.index_dtype.itemsize
+        self.check_reply(payload + REPLY_OVERHEAD + overhead,
+                         f"{b} x {h // f}x{w // f}x{q} {self.index_dtype.name} indices")
+
+    def check_decode_reply(self, indices: np.ndarray, overhead: int = 0) -> None:
+        b, h, w = indices.shape[:3]
+        f = self.info.factor
+        self.check_reply(b * h * f * w * f * 3 + REPLY_OVERHEAD + overhead,
+                         f"{b} x {h * f}x{w * f} RGB uint8 images, raw")
+
     # ---- the serving path -------------------------------------------------------------
     async def encode(self, images: np.ndarray, deadline: float | None = None,
-                     field: str = "images") -> np.ndarray:
+                     field: str = "images", reply_overhead: int = 0) -> np.ndarray:
+        """``reply_overhead``: bytes the caller's response adds beyond the indices (an echoed
+        request id), counted against the message limit before the model runs."""
         images = np.require(self.check_images(images, field), requirements=["C", "W"])
+        self.check_encode_reply(images, reply_overhead)
         out = await self.batcher.submit("encode", images, deadline)
         out = np.asarray(out).astype(self.index_dtype, copy=False)
         self.metrics.record_codes("encode", out)
         return out
 
     async def decode(self, indices: np.ndarray, deadline: float | None = None,
-                     field: str = "indices") -> np.ndarray:
+                     field: str = "indices", reply_overhead: int | None = 0) -> np.ndarray:
+        """``reply_overhead``: as for :meth:`encode`, for a raw-pixel answer; None when the
+        answer is not raw pixels (PNG: its size is known only once encoded)."""
         indices = np.require(self.check_indices(indices, field), requirements=["C", "W"])
+        if reply_overhead is not None:
+            self.check_decode_reply(indices, reply_overhead)
         self.metrics.record_codes("decode", indices)
         out = await self.batcher.submit("decode", indices, deadline)
         return np.asarray(out, dtype=np.uint8)

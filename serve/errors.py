@@ -1,6 +1,7 @@
 """Map failures to gRPC status codes, and record each request in the metrics.
 
-One table for both protocol adapters: bad input -> INVALID_ARGUMENT, full queue ->
+One table for both protocol adapters: bad input (unparseable protobuf bytes included) ->
+INVALID_ARGUMENT, full queue or an answer too big for the message limit ->
 RESOURCE_EXHAUSTED, passed deadline -> DEADLINE_EXCEEDED, loading or draining ->
 UNAVAILABLE, anything else -> INTERNAL (logged with its traceback, never sent).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -27,10 +29,55 @@ class NotFound(Exception):
     """An unknown model or tensor name (NOT_FOUND)."""
 
 
+class ReplyTooLarge(Exception):
+    """The answer could not fit the gRPC message limit (RESOURCE_EXHAUSTED).
+
+    Raised before the model runs wherever the size follows from the request's shapes, so
+    the work is not done only for gRPC to drop the answer (and count it as OK)."""
+
+
+class BadMessage:
+    """Stands in for a request whose bytes are not a valid protobuf message.
+
+    gRPC turns an exception in a request deserializer into UNKNOWN, outside every handler:
+    it is not counted, and in a stream it ends the whole call. Returning this instead lets
+    the handler answer INVALID_ARGUMENT (in a stream: for that message alone) and count it.
+    """
+
+    request_id = ""  # streams echo the request id; a message that did not parse has none
+
+    def __init__(self, type_name: str):
+        self.type_name = type_name
+
+    def error(self) -> BadInput:
+        return BadInput("request", f"is not a valid {self.type_name} protobuf message "
+                                   "(the bytes do not parse); send a serialized "
+                                   f"{self.type_name}")
+
+
+def safe_deserializer(message_cls) -> Callable[[bytes], object]:
+    """``message_cls.FromString`` that returns a :class:`BadMessage` instead of raising."""
+    type_name = message_cls.DESCRIPTOR.full_name
+
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception:  # noqa: BLE001 - DecodeError, or the parser's recursion limit
+            return BadMessage(type_name)
+
+    return parse
+
+
+def reject_unparsed(request) -> None:
+    """Raise INVALID_ARGUMENT for a request that did not parse (see :class:`BadMessage`)."""
+    if isinstance(request, BadMessage):
+        raise request.error()
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, BadInput | ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, QueueFull):
+    if isinstance(exc, QueueFull | ReplyTooLarge):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, DeadlineExpired):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)

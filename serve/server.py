@@ -316,7 +316,8 @@ class TokenizerServer:
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
             runtime = await asyncio.get_running_loop().run_in_executor(None, runtime)
         engine = Engine(runtime, self.metrics, max_batch_size=cfg.max_batch_size,
-                        max_delay_s=cfg.max_delay_ms / 1000.0, max_queue=cfg.max_queue)
+                        max_delay_s=cfg.max_delay_ms / 1000.0, max_queue=cfg.max_queue,
+                        max_message_bytes=cfg.max_message_mb * 1024 * 1024)
         if cfg.max_pixels:  # both APIs and GetModelInfo read the limit from engine.info
             engine.info = dataclasses.replace(engine.info, max_pixels=cfg.max_pixels)
         engine.batcher.start()

@@ -48,10 +48,27 @@ def input_array(request: pb.ModelInferRequest, index: int) -> np.ndarray:
                        f"must be one of {sorted(codec.OIP_TO_NUMPY)}, got {tensor.datatype!r}")
     dtype = np.dtype(name).newbyteorder("<")
     if request.raw_input_contents:
+        _refuse_mixed(request)
         if len(request.raw_input_contents) != len(request.inputs):
             raise BadInput("raw_input_contents", f"must have one entry per input ({len(request.inputs)}), "
                                                  f"got {len(request.raw_input_contents)}")
         return codec.array_from_bytes(tensor.shape, dtype, request.raw_input_contents[index], field)
+    return _typed_array(tensor, dtype, field)
+
+
+def _refuse_mixed(request: pb.ModelInferRequest) -> None:
+    """The protocol forbids typed ``contents`` next to ``raw_input_contents``; accepting both
+    would silently ignore the typed values (an out-of-range index there went unchecked)."""
+    for i, tensor in enumerate(request.inputs):
+        if tensor.HasField("contents") and tensor.contents.ListFields():
+            raise BadInput(f"inputs[{i}]({tensor.name}).contents",
+                           "a request uses either raw_input_contents or typed contents, not both "
+                           "(Open Inference Protocol); drop one")
+
+
+def _typed_array(tensor, dtype: np.dtype, field: str) -> np.ndarray:
+    """Typed ``contents`` as ``dtype``; integers go through a 64-bit type of the same
+    signedness, so UINT64 values >= 2**63 reach the range check as sent, not as an overflow."""
     shape = codec.check_shape(tensor.shape, field)
     values = getattr(tensor.contents, _CONTENTS_FIELD.get(tensor.datatype, ""), None) \
         if tensor.datatype in _CONTENTS_FIELD else None
@@ -62,10 +79,11 @@ def input_array(request: pb.ModelInferRequest, index: int) -> np.ndarray:
     if len(values) != count:
         raise BadInput(f"{field}.contents", f"must hold prod(shape) = {count} values for shape "
                                             f"{list(shape)}, got {len(values)}")
-    raw = np.asarray(values, dtype=np.int64 if dtype.kind in "iu" else dtype)
+    wide = {"i": np.int64, "u": np.uint64}.get(dtype.kind, dtype)
+    raw = np.asarray(values, dtype=wide)
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
-        if raw.size and (raw.min() < info.min or raw.max() > info.max):
+        if raw.size and (int(raw.min()) < info.min or int(raw.max()) > info.max):
             raise BadInput(f"{field}.contents", f"values must fit {tensor.datatype}")
     return raw.astype(dtype).reshape(shape)
 

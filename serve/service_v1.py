@@ -12,7 +12,14 @@ from vqserve import __version__
 from vqserve.serve import codec
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
-from vqserve.serve.errors import NotReady, abort_for, deadline_of, status_for
+from vqserve.serve.errors import (
+    NotReady,
+    abort_for,
+    deadline_of,
+    reject_unparsed,
+    safe_deserializer,
+    status_for,
+)
 
 STREAM_WINDOW = 32  # requests a stream may have in flight before the server stops reading
 
@@ -41,6 +48,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):
 
     # ---- request -> array -> response ---------------------------------------------------
     async def _encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
+        reject_unparsed(request)
         engine = self.engine
         kind = request.WhichOneof("pixels")
         if kind == "images":
@@ -52,22 +60,37 @@ class TokenizerService(pb_grpc.TokenizerServicer):
             field = "encoded.images"
         else:
             raise codec.BadInput("pixels", "set either `images` (raw uint8 NHWC) or `encoded` (PNG/JPEG)")
-        indices = await engine.encode(images, deadline_of(context), field)
+        indices = await engine.encode(images, deadline_of(context), field,
+                                      reply_overhead=len(request.request_id))
         return pb.EncodeResponse(indices=tensor_msg(indices), request_id=request.request_id)
 
     async def _decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
+        """Every rule that can be checked from the request alone (fields, output format,
+        the size of a raw answer) is checked before the model runs."""
+        reject_unparsed(request)
         engine = self.engine
         if not request.HasField("indices"):
             raise codec.BadInput("indices", "is required")
         indices = tensor_array(request.indices, "indices")
-        images = await engine.decode(indices, deadline_of(context))
-        if request.output_format == pb.IMAGE_FORMAT_PNG:
-            loop = asyncio.get_running_loop()
-            pngs = await loop.run_in_executor(None, codec.encode_png, images)
-            return pb.DecodeResponse(encoded=pb.EncodedImages(images=pngs), request_id=request.request_id)
-        if request.output_format != pb.IMAGE_FORMAT_RAW:
-            raise codec.BadInput("output_format", f"unknown value {request.output_format}")
-        return pb.DecodeResponse(images=tensor_msg(images), request_id=request.request_id)
+        fmt = request.output_format
+        if fmt not in (pb.IMAGE_FORMAT_RAW, pb.IMAGE_FORMAT_PNG):
+            raise codec.BadInput("output_format", f"unknown value {fmt}; use IMAGE_FORMAT_RAW (0) "
+                                                  "or IMAGE_FORMAT_PNG (1)")
+        raw = fmt == pb.IMAGE_FORMAT_RAW
+        images = await engine.decode(indices, deadline_of(context),
+                                     reply_overhead=len(request.request_id) if raw else None)
+        if raw:
+            return pb.DecodeResponse(images=tensor_msg(images), request_id=request.request_id)
+        loop = asyncio.get_running_loop()
+        pngs = await loop.run_in_executor(None, codec.encode_png, images)
+        return pb.DecodeResponse(encoded=pb.EncodedImages(images=pngs), request_id=request.request_id)
+
+    async def _answer(self, fn, request, context):
+        """Run ``fn`` and refuse an answer gRPC could not send (a PNG answer's size is known
+        only now): gRPC would fail the call after the fact and, in a stream, end the stream."""
+        response = await fn(request, context)
+        self.engine.check_reply(response.ByteSize(), f"a {type(response).__name__}")
+        return response
 
     # ---- unary ------------------------------------------------------------------------
     async def Encode(self, request, context):
@@ -79,7 +102,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):
     async def _unary(self, method, fn, request, context):
         try:
             with self.state.tracker.track(method, context):
-                return await fn(request, context)
+                return await self._answer(fn, request, context)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort_for(context, exc)
 
@@ -102,7 +125,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):
         async def one(request):
             try:
                 with self.state.tracker.track(method, context):
-                    return await fn(request, context)
+                    return await self._answer(fn, request, context)
             except Exception as exc:  # noqa: BLE001 - reported in-band, per message
                 code, message = status_for(exc)
                 return response_cls(request_id=request.request_id,
@@ -136,6 +159,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):
     async def GetModelInfo(self, request, context):
         try:
             with self.state.tracker.track("GetModelInfo", context):
+                reject_unparsed(request)
                 engine = self.engine
                 info = engine.info
                 return pb.ModelInfo(
@@ -150,8 +174,27 @@ class TokenizerService(pb_grpc.TokenizerServicer):
             await abort_for(context, exc)
 
 
+# name -> (handler factory, request type, response type), as in the generated stub module
+_METHODS = {
+    "Encode": (grpc.unary_unary_rpc_method_handler, pb.EncodeRequest, pb.EncodeResponse),
+    "Decode": (grpc.unary_unary_rpc_method_handler, pb.DecodeRequest, pb.DecodeResponse),
+    "EncodeStream": (grpc.stream_stream_rpc_method_handler, pb.EncodeRequest, pb.EncodeResponse),
+    "DecodeStream": (grpc.stream_stream_rpc_method_handler, pb.DecodeRequest, pb.DecodeResponse),
+    "GetModelInfo": (grpc.unary_unary_rpc_method_handler, pb.GetModelInfoRequest, pb.ModelInfo),
+}
+
+
 def add_to_server(service: TokenizerService, server: grpc.aio.Server) -> None:
-    pb_grpc.add_TokenizerServicer_to_server(service, server)
+    """Register like ``pb_grpc.add_TokenizerServicer_to_server``, but with request parsers
+    that never raise: unparseable bytes reach the handler as a ``BadMessage`` and get
+    INVALID_ARGUMENT (counted; in a stream, for that message alone) instead of UNKNOWN."""
+    handlers = {
+        name: factory(getattr(service, name), request_deserializer=safe_deserializer(request),
+                      response_serializer=response.SerializeToString)
+        for name, (factory, request, response) in _METHODS.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name

@@ -222,6 +222,7 @@ def test_encode_and_decode_commands(tiny_checkpoint, photos, tmp_path, capsys):
 
 def test_serve_flags_match_the_contract():
     from vqserve.cli import build_parser
+    from vqserve.commands.common import UsageError
     from vqserve.commands.serve import config_from_args
 
     args = build_parser().parse_args(
@@ -233,7 +234,7 @@ def test_serve_flags_match_the_contract():
         "m", "onnx", "bf16", "cpu", 0, 0)
     assert config_from_args(build_parser().parse_args(["serve"])).dtype is None  # artifacts keep their dtype
     assert (cfg.max_batch_size, cfg.max_delay_ms, cfg.max_queue, cfg.host) == (4, 2.0, 9, "127.0.0.1")
-    with pytest.raises(ValueError, match="--max-batch-size must be >= 1"):
+    with pytest.raises(UsageError, match=r"--max-batch-size \(VQSERVE_MAX_BATCH_SIZE\) must be 1\.\."):
         config_from_args(build_parser().parse_args(["serve", "--max-batch-size", "0"]))
 
 

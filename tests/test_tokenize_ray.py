@@ -21,7 +21,20 @@ SIZES = ((40, 48), (48, 40), (32, 32), (56, 64), (64, 56), (33, 47), (48, 48), (
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    """A local Ray. On a loaded 2-core CI box its raylet has been seen to miss the default
+    start-up wait once ("The current node timed out during startup"): wait longer, and
+    retry one time before failing."""
+    import os
+
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "60")
+    for attempt in range(2):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
     yield
     ray.shutdown()
 

@@ -35,7 +35,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("tokenize", "offline: tokenize datasets (folders, lists, WebDataset, Parquet) into shards"),
     ("detokenize", "offline: turn index shards back into images"),
     ("verify", "offline: check a tokenized dataset (sha256, schema, keys, re-encoded samples)"),
-    ("bench", "benchmarks: quantizers, runtimes, serving"),
+    ("bench", "benchmarks: quantizers, runtimes, serving, batch tokenization"),
 ]
 
 

@@ -99,10 +99,7 @@ def config_from_args(args: argparse.Namespace):
             raise ValueError(f"--auth-token-file {args.auth_token_file} is empty")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("TLS needs both --tls-cert and --tls-key")
-    for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
-                             ("--max-delay-ms", args.max_delay_ms, 0), ("--port", args.port, 0)):
-        if value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    check_ranges(args)
     _check_message_fits(args.max_pixels, args.max_message_mb)
     if args.max_queue < args.max_batch_size:
         raise ValueError(f"--max-queue ({args.max_queue}) must be >= --max-batch-size ({args.max_batch_size}), "
@@ -115,6 +112,30 @@ def config_from_args(args: argparse.Namespace):
         tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=token, grace_s=args.grace,
         max_pixels=args.max_pixels,
     )
+
+
+# dest -> (lowest, highest, why): checked after VQSERVE_* fallbacks, so both paths are covered.
+# Outside these a value does not mean what it says (0 MB refuses every call, -1 MB removes
+# the limit, >= 2048 MB overflows gRPC's int32 at start, nan/inf never time out).
+RANGES: dict[str, tuple[float, float, str]] = {
+    "max_message_mb": (1, 2047, "gRPC messages are limited to 2 GiB"),
+    "port": (0, 65535, "0 picks a free port"),
+    "metrics_port": (-1, 65535, "0 picks a free port, -1 turns /metrics off"),
+    "grace": (0, 86400, "seconds"),
+    "max_delay_ms": (0, 60000, "milliseconds"),
+    "max_batch_size": (1, 65536, "images per model call"),
+    "max_queue": (1, 10_000_000, "queued images"),
+    "max_pixels": (1, (2047 * 1024 * 1024 - 4096) // 3, "3 bytes each must fit one message"),
+}
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Refuse a numeric setting outside its range with one line naming flag, variable and range."""
+    for dest, (low, high, why) in RANGES.items():
+        value = getattr(args, dest)
+        if not low <= value <= high:  # also false for nan
+            flag = "--" + dest.replace("_", "-")
+            raise UsageError(f"{flag} ({ENV_VARS[dest]}) must be {low}..{high} ({why}), got {value}")
 
 
 def _check_message_fits(max_pixels: int, max_message_mb: int) -> None:
