@@ -15,7 +15,14 @@ from vqserve.serve import codec
 from vqserve.serve._proto import grpc_predict_v2_pb2 as pb
 from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from vqserve.serve.codec import BadInput
-from vqserve.serve.errors import NotFound, NotReady, abort_for, deadline_of
+from vqserve.serve.errors import (
+    NotFound,
+    NotReady,
+    abort_for,
+    deadline_of,
+    reject_unparsed,
+    safe_deserializer,
+)
 
 ENCODE_MODEL = "vqserve-encode"
 DECODE_MODEL = "vqserve-decode"
@@ -132,6 +139,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         try:
             with self.state.tracker.track("ModelInfer", context):
+                reject_unparsed(request)
                 return await self._infer(request, context)
         except Exception as exc:  # noqa: BLE001
             await abort_for(context, exc)
@@ -161,7 +169,21 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
 
 def add_to_server(service: InferenceService, server) -> None:
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    """Register every method of the service as the generated helper does, but ModelInfer
+    with a request parser that never raises: bytes that are not a ModelInferRequest get
+    INVALID_ARGUMENT (counted) instead of UNKNOWN with the parser's text."""
+    import grpc
+
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        parse = safe_deserializer(request_cls) if method.name == "ModelInfer" else request_cls.FromString
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(service, method.name), request_deserializer=parse,
+            response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name

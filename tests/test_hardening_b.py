@@ -182,3 +182,16 @@ def test_png_answer_is_not_refused_by_the_raw_size_estimate(served):
     ok = stub.Decode(pb.DecodeRequest(indices=indices(2, 64, 64), output_format=pb.IMAGE_FORMAT_PNG),
                      timeout=60)
     assert len(ok.encoded.images) == 2 and ok.ByteSize() < LIMIT
+
+
+def test_oip_invalid_protobuf_bytes_are_invalid_argument_and_counted(served):
+    """Issue 13 item 4 on the Open Inference Protocol: was UNKNOWN with the parser's text."""
+    srv, _, channel = served
+    before = errors(srv, "ModelInfer", "INVALID_ARGUMENT")
+    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+                               response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as err:
+        call(GARBAGE, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "not a valid inference.ModelInferRequest" in err.value.details()
+    assert errors(srv, "ModelInfer", "INVALID_ARGUMENT") == before + 1
