@@ -47,7 +47,40 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     missing = [k for k in REQUIRED if k not in data]
     if missing:
         raise ValueError(f"{path} lacks required keys {missing}")
+    check_confined(Path(directory), data, path)
     return data
+
+
+def check_confined(directory: Path, manifest: dict, path: Path) -> None:
+    """Every file a manifest names is a plain file name inside its own folder, and the graphs
+    it loads are among the hashed files. Otherwise whoever can edit manifest.json could point
+    a runtime at any file on the machine (``"../outside/decode.pt2"``) — and loading a pt2 or
+    TorchScript file can execute code."""
+    files = manifest["files"]
+    if not isinstance(files, dict) or not files:
+        raise ValueError(f"{path}: 'files' must map file names to their sha256")
+    root = directory.resolve()
+    for name in files:
+        target = (directory / str(name)).resolve()
+        if (not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", "..")
+                or target.parent != root):
+            raise ValueError(f"{path}: file {name!r} is not a plain file name inside {directory}; "
+                             "an artifact may only name its own files")
+    for role in ("encode", "decode"):
+        if manifest[role] not in files:
+            raise ValueError(f"{path}: {role} graph {manifest[role]!r} is not among the hashed "
+                             "'files'; refusing to load an unhashed graph")
+
+
+def artifact_hash(manifest: dict) -> str:
+    """One sha256 over every file of the artifact (name and content hash, sorted), so the
+    hash a server reports changes when any of its files does, not only the encoder."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(manifest["files"]):
+        digest.update(f"{name}\0{manifest['files'][name]['sha256']}\n".encode())
+    return digest.hexdigest()
 
 
 def verify_files(directory: str | os.PathLike, manifest: dict) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from vqserve.export.checks import check_images, check_indices
-from vqserve.export.manifest import read_manifest, verify_files
+from vqserve.export.manifest import artifact_hash, read_manifest, verify_files
 from vqserve.export.runtime import RuntimeInfo, resolve_device
 
 
@@ -51,7 +51,7 @@ class ArtifactRuntime:
             codes_per_position=int(m["codes_per_position"]),
             levels=tuple(m.get("levels") or ()),
             index_dtype=self._index_dtype.name,
-            model_hash=m["files"][m["encode"]]["sha256"],
+            model_hash=artifact_hash(m),  # every file of the artifact, not only the encoder
             extra={"artifact_dir": str(self.dir), "source_model_sha256": m.get("source", {}).get("sha256", "")},
         )
 

@@ -192,3 +192,52 @@ def test_oip_typed_uint64_beyond_int64_is_out_of_range(oip_stub):
     assert str(2**64 - 1) in details, details  # the value as sent, not wrapped negative
     ok = oip_stub.ModelInfer(_decode_request("UINT64", [0, 999]), timeout=30)
     assert list(ok.outputs[0].shape) == [1, 8, 16, 3]
+
+
+# ---- item 8 (part): artifact files confined to their folder, one hash over all of them ------
+def _exported(tiny_checkpoint, tmp_path):
+    out = tmp_path / "art"
+    assert cli_main(["export", "--model", tiny_checkpoint, "--format", "torchscript", "--out", str(out),
+                 "--min-agreement", "0", "--min-decode-psnr", "0"]) == 0
+    return out
+
+
+def test_manifest_paths_outside_the_artifact_are_refused(tiny_checkpoint, tmp_path):
+    """Was: a manifest naming "../outside/decode.jit" (re-hashed) loaded that file."""
+    import json
+    import shutil
+
+    from vqserve.export.runtime import load_runtime
+
+    art = _exported(tiny_checkpoint, tmp_path)
+    manifest = json.loads((art / "manifest.json").read_text())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(art / manifest["decode"], outside / "decode.jit")
+    manifest["files"]["../outside/decode.jit"] = manifest["files"].pop(manifest["decode"])
+    manifest["decode"] = "../outside/decode.jit"
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="not a plain file name inside"):
+        load_runtime(str(art))
+    manifest["files"]["decode.jit"] = manifest["files"].pop("../outside/decode.jit")
+    manifest["decode"] = "unlisted.jit"
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="not among the hashed"):
+        load_runtime(str(art))
+
+
+def test_model_hash_covers_every_artifact_file(tiny_checkpoint, tmp_path):
+    """Was: model_hash was the encoder file's sha256 alone, blind to a changed decoder."""
+    import json
+
+    from vqserve.export.manifest import artifact_hash
+    from vqserve.export.runtime import load_runtime
+
+    art = _exported(tiny_checkpoint, tmp_path)
+    manifest = json.loads((art / "manifest.json").read_text())
+    info = load_runtime(str(art)).info
+    assert info.model_hash == artifact_hash(manifest)
+    assert info.model_hash != manifest["files"][manifest["encode"]]["sha256"]
+    changed = json.loads(json.dumps(manifest))
+    changed["files"][manifest["decode"]]["sha256"] = "0" * 64
+    assert artifact_hash(changed) != info.model_hash
