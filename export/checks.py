@@ -32,3 +32,33 @@ def check_indices(indices, codebook_size: int, codes_per_position: int = 1) -> n
             f"indices must lie in [0, {codebook_size - 1}], got values in [{lo}, {hi}]"
         )
     return np.ascontiguousarray(indices, dtype=np.int64)
+
+
+# ---- request rules: one wording for every serving front end ---------------------------------
+# The gRPC engine (serve/engine.py) and the TorchServe handler check requests before they
+# reach a runtime, with the per-image limit a server sets (--max-pixels). Each returns the
+# broken rule as text, or None; the caller names the field in its own protocol's way.
+def image_size_rule(h: int, w: int, factor: int, max_pixels: int) -> str | None:
+    if h == 0 or w == 0 or h % factor or w % factor:
+        return f"H and W must be positive multiples of the downsampling factor {factor}, got {h}x{w}"
+    if h * w > max_pixels:
+        return f"{h}x{w} = {h * w} pixels per image exceeds the limit {max_pixels}"
+    return None
+
+
+def index_grid_rule(h: int, w: int, factor: int, max_pixels: int) -> str | None:
+    if h == 0 or w == 0:
+        return f"h and w must be positive, got {h}x{w}"
+    f = factor
+    if h * w * f * f > max_pixels:
+        return (f"{h}x{w} indices decode to {h * f}x{w * f} = {h * w * f * f} pixels per image, "
+                f"more than the limit {max_pixels}")
+    return None
+
+
+def index_range_rule(indices: np.ndarray, codebook_size: int) -> str | None:
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= codebook_size:
+        return (f"every index must lie in [0, {codebook_size - 1}] (codebook size {codebook_size}), "
+                f"got values in [{lo}, {hi}]")
+    return None

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.export.checks import image_size_rule, index_grid_rule, index_range_rule
+
 logger = logging.getLogger(__name__)
 
 HANDLER_CONFIG = "vqserve_handler.json"  # written by vqserve.export.torchserve
@@ -203,27 +205,17 @@ class TokenizerService:
 
     # -- input rules (the messages match vqserve serve's) --
     def check_image(self, image: np.ndarray) -> np.ndarray:
-        from vqserve.export.checks import check_images
-
+        """One image's rules, worded as ``vqserve serve`` words them (export/checks.py)."""
         if image.dtype != np.uint8:
             raise BadRequest(f"images must be uint8, got {image.dtype.name}")
         if image.ndim != 3 or image.shape[-1] != 3:
             raise BadRequest(f"image must be [H,W,3] (uint8 HWC RGB), got {list(image.shape)}")
-        h, w = image.shape[:2]
-        f = self.info.factor
-        if h == 0 or w == 0 or h % f or w % f:
-            raise BadRequest(f"H and W must be positive multiples of the downsampling factor {f}, "
-                             f"got {h}x{w}")
-        if h * w > self.max_pixels:
-            raise BadRequest(f"{h}x{w} = {h * w} pixels per image exceeds the limit {self.max_pixels}")
-        try:
-            return check_images(image[None], f)[0]
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+        if rule := image_size_rule(*image.shape[:2], self.info.factor, self.max_pixels):
+            raise BadRequest(rule)
+        return np.ascontiguousarray(image)
 
     def check_indices(self, indices: np.ndarray) -> np.ndarray:
-        from vqserve.export.checks import check_indices
-
+        """One token grid's rules; a decode never sees an out-of-range index."""
         q = self.info.codes_per_position
         expected = "[h,w]" if q == 1 else f"[h,w,{q}]"
         if indices.dtype.kind not in "iu":
@@ -231,19 +223,11 @@ class TokenizerService:
                              f"got {indices.dtype.name}")
         if indices.ndim != (2 if q == 1 else 3) or (q > 1 and indices.shape[-1] != q):
             raise BadRequest(f"indices must be {expected}, got {list(indices.shape)}")
-        h, w = indices.shape[:2]
-        if h == 0 or w == 0:
-            raise BadRequest(f"h and w must be positive, got {h}x{w}")
-        f = self.info.factor
-        if h * w * f * f > self.max_pixels:
-            raise BadRequest(f"{h}x{w} indices decode to {h * f}x{w * f} = {h * w * f * f} pixels "
-                             f"per image, more than the limit {self.max_pixels}")
-        size = self.info.codebook_size
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0 or hi >= size:
-            raise BadRequest(f"every index must lie in [0, {size - 1}] (codebook size {size}), "
-                             f"got values in [{lo}, {hi}]")
-        return check_indices(indices[None], size, q)[0]
+        for rule in (index_grid_rule(*indices.shape[:2], self.info.factor, self.max_pixels),
+                     index_range_rule(indices, self.info.codebook_size)):
+            if rule:
+                raise BadRequest(rule)
+        return np.ascontiguousarray(indices)
 
     def parse(self, index: int, request: dict, headers: dict[str, str] | None = None) -> Item:
         """One TorchServe request -> a checked array (raises :class:`BadRequest`)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vqserve.export.checks import image_size_rule, index_grid_rule, index_range_rule
 from vqserve.serve.batcher import Batcher
 from vqserve.serve.codec import BadInput
 from vqserve.serve.errors import ReplyTooLarge
@@ -53,13 +54,8 @@ class Engine:
             raise BadInput(f"{field}.shape", f"must be [B,H,W,3] (uint8 NHWC RGB), got {list(images.shape)}")
         b, h, w, _ = images.shape
         self._check_batch(b, field)
-        f = self.info.factor
-        if h == 0 or w == 0 or h % f or w % f:
-            raise BadInput(f"{field}.shape",
-                           f"H and W must be positive multiples of the downsampling factor {f}, got {h}x{w}")
-        if h * w > self.info.max_pixels:
-            raise BadInput(f"{field}.shape",
-                           f"{h}x{w} = {h * w} pixels per image exceeds the limit {self.info.max_pixels}")
+        if rule := image_size_rule(h, w, self.info.factor, self.info.max_pixels):
+            raise BadInput(f"{field}.shape", rule)
         return images
 
     def check_indices(self, indices: np.ndarray, field: str = "indices") -> np.ndarray:
@@ -73,16 +69,10 @@ class Engine:
             raise BadInput(f"{field}.shape", f"must be {expected}, got {list(indices.shape)}")
         b, h, w = indices.shape[:3]
         self._check_batch(b, field)
-        if h == 0 or w == 0:
-            raise BadInput(f"{field}.shape", f"h and w must be positive, got {h}x{w}")
-        f = self.info.factor
-        if h * w * f * f > self.info.max_pixels:
-            raise BadInput(f"{field}.shape", f"{h}x{w} indices decode to {h * f}x{w * f} = {h * w * f * f} "
-                                             f"pixels per image, more than the limit {self.info.max_pixels}")
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0 or hi >= self.info.codebook_size:
-            raise BadInput(f"{field}.data", f"every index must lie in [0, {self.info.codebook_size - 1}] "
-                                            f"(codebook size {self.info.codebook_size}), got values in [{lo}, {hi}]")
+        if rule := index_grid_rule(h, w, self.info.factor, self.info.max_pixels):
+            raise BadInput(f"{field}.shape", rule)
+        if rule := index_range_rule(indices, self.info.codebook_size):
+            raise BadInput(f"{field}.data", rule)
         return indices.astype(self.index_dtype, copy=False)
 
     def check_reply(self, nbytes: int, what: str) -> None:

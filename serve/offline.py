@@ -91,11 +91,7 @@ class EncodedTask:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.parent / f"{shards.TMP_PREFIX}{path.name}.{os.getpid()}"
-    tmp.write_text(text, encoding="utf-8")
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    shards.write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 # ---- decode (worker processes; no torch) ----------------------------------------------------

@@ -84,8 +84,9 @@ def schema(index_dtype: str):
     return pa.schema(fields)
 
 
-def _fsync_write(final: Path, write) -> None:
-    """Write through ``write(tmp_path)``, fsync, rename to ``final``, fsync the folder."""
+def write_atomically(final: Path, write) -> None:
+    """Write through ``write(tmp_path)``, fsync, rename to ``final``, fsync the folder: a
+    file with a final name is always complete (shards, manifest.json, errors.jsonl)."""
     tmp = final.parent / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
     try:
         write(tmp)
@@ -121,7 +122,7 @@ def write_parquet_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str,
     values = np.concatenate(flat) if flat else np.zeros(0, dtype=index_dtype)
     columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
     table = pa.Table.from_arrays(columns, schema=sch)
-    _fsync_write(final, lambda tmp: pq.write_table(table, tmp, compression="zstd",
+    write_atomically(final, lambda tmp: pq.write_table(table, tmp, compression="zstd",
                                                    row_group_size=max(1, len(rows))))
 
 
@@ -153,7 +154,7 @@ def write_webdataset_shard(final: Path, rows: Sequence[TokenRow], index_dtype: s
                 _tar_add(tar, f"{base}.json", json.dumps(r.meta(), sort_keys=True).encode())
             meta = {"fingerprint": fingerprint, "plan": plan, "errors": errors}
             _tar_add(tar, "__vqserve__.json", json.dumps(meta, sort_keys=True).encode())
-    _fsync_write(final, write)
+    write_atomically(final, write)
 
 
 WRITERS = {"parquet": write_parquet_shard, "webdataset": write_webdataset_shard}

@@ -212,24 +212,39 @@ def list_records(inputs: Iterable[str], image_column: str = "image",
 
 
 # ---- reading bytes (runs in decode workers) ------------------------------------------------
-_parquet_cache: dict = {"key": None, "values": None}
+class _ParquetRows:
+    """Per decode process: the Parquet file last read (its metadata, row-group starts) and the
+    image column of the row group last read. Records of a task are consecutive rows, so a
+    task costs one footer read and one row-group read, not one per image."""
+
+    def __init__(self):
+        self.path: str | None = None
+        self.file = None
+        self.starts: list[int] = []
+        self.group: tuple[int, str] | None = None
+        self.values = None
+
+    def value(self, path: str, row: int, image_column: str):
+        import bisect
+
+        import pyarrow.parquet as pq
+
+        if path != self.path:
+            self.file, self.path, self.group = pq.ParquetFile(path), path, None
+            md = self.file.metadata
+            self.starts = [0]
+            for rg in range(md.num_row_groups):
+                self.starts.append(self.starts[-1] + md.row_group(rg).num_rows)
+        if not 0 <= row < self.starts[-1]:
+            raise ValueError(f"row {row} is past the end of {path}")
+        rg = bisect.bisect_right(self.starts, row) - 1
+        if self.group != (rg, image_column):
+            self.values = self.file.read_row_group(rg, columns=[image_column]).column(0)
+            self.group = (rg, image_column)
+        return self.values[row - self.starts[rg]].as_py()
 
 
-def _parquet_value(path: str, row: int, image_column: str):
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(path)
-    start = 0
-    for rg in range(pf.metadata.num_row_groups):
-        n = pf.metadata.row_group(rg).num_rows
-        if row < start + n:
-            cache_key = (path, rg, image_column)
-            if _parquet_cache["key"] != cache_key:
-                _parquet_cache["values"] = pf.read_row_group(rg, columns=[image_column]).column(0)
-                _parquet_cache["key"] = cache_key
-            return _parquet_cache["values"][row - start].as_py()
-        start += n
-    raise ValueError(f"row {row} is past the end of {path}")
+_parquet_rows = _ParquetRows()
 
 
 def read_image_source(rec: Record, image_column: str = "image") -> bytes | str:
@@ -244,7 +259,7 @@ def read_image_source(rec: Record, image_column: str = "image") -> bytes | str:
             raise ValueError(f"tar member is truncated ({len(data)} of {rec.size} bytes)")
         return data
     if rec.kind == "parquet":
-        value = _parquet_value(rec.path, rec.offset, image_column)
+        value = _parquet_rows.value(rec.path, rec.offset, image_column)
         if isinstance(value, dict):  # Hugging Face datasets' Image feature: {bytes, path}
             if value.get("bytes"):
                 value = value["bytes"]

@@ -1,4 +1,4 @@
-"""Regression tests for the five mixed-precision failures in shared/design.md.
+"""Regression tests for the five mixed-precision failures in docs/DESIGN.md.
 
 Each test first reproduces the original situation (showing the naive code really breaks
 or loses information) and then asserts that vqserve handles the same situation.

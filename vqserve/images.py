@@ -207,15 +207,6 @@ def prepare(data: bytes | str | os.PathLike, pre: Preprocess = Preprocess(),
 
 def load_rgb(data: bytes | str | os.PathLike, formats: tuple[str, ...] | None = None,
              max_pixels: int = 0) -> np.ndarray:
-    """Image bytes or a path -> uint8 ``[H, W, 3]`` as displayed, any size (no crop)."""
-    from PIL import ImageOps
-
-    img = _open(data, formats)
-    with img:
-        w, h = img.size
-        if max_pixels and w * h > max_pixels:
-            raise ImageError(f"has {h}x{w} = {h * w} pixels, more than the limit {max_pixels}")
-        try:
-            return _to_rgb(ImageOps.exif_transpose(img))
-        except Exception as exc:
-            raise ImageError(f"is not {_what(formats)} ({type(exc).__name__}: {exc})") from None
+    """Image bytes or a path -> uint8 ``[H, W, 3]`` as displayed, any size (no crop): the
+    ``exact`` rule with a factor of 1, so it cannot drift from :func:`prepare`."""
+    return prepare(data, Preprocess(mode="exact", factor=1, max_pixels=max_pixels), formats).pixels

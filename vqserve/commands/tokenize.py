@@ -71,9 +71,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def build_job(args: argparse.Namespace, runtime_info: dict):
+def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
     from vqserve import images
-    from vqserve.serve import offline, sources
+    from vqserve.serve import offline
 
     pre = images.Preprocess(mode="size" if args.size else "keep" if args.keep_size else "exact",
                             factor=runtime_info["factor"], size=args.size, resample=args.resample,
@@ -83,8 +83,7 @@ def build_job(args: argparse.Namespace, runtime_info: dict):
                                 key_column=args.key_column)
     from pathlib import Path
 
-    inputs = [str(Path(p).resolve()) for p in sources.expand_inputs(args.inputs)]
-    return offline.Job(inputs=inputs, out=Path(args.out), settings=settings,
+    return offline.Job(inputs=[str(Path(p).resolve()) for p in inputs], out=Path(args.out), settings=settings,
                        runtime_info=runtime_info, model_ref=model_ref(args.model))
 
 
@@ -95,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
     if args.size < 0:
         raise ValueError(f"--size must be positive, got {args.size}")
-    sources.expand_inputs(args.inputs)  # a missing INPUT is a usage error before the model loads
+    inputs = sources.expand_inputs(args.inputs)  # a missing INPUT: usage error before the model loads
     import torch
 
     from vqserve.export.runtime import load_runtime
@@ -113,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
         info = runtime.info.to_dict()
     try:
-        job = build_job(args, info)
+        job = build_job(args, info, inputs)
         job.prepare()
         left = len(job.records) - job.done_records
         print(f"tokenize: {len(job.records)} images in {job.shard_count} shards -> {job.out} "
