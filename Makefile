@@ -14,18 +14,28 @@ HOST   = [::]
 MODEL  = default
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+BENCH_OUT ?= /tmp/vqserve-bench
+# `make fuzz FUZZ_EXAMPLES=200` (examples per fuzz test; `make test` runs 25), counts -> FUZZ_REPORT
+FUZZ_EXAMPLES ?= 2000
+FUZZ_REPORT ?= /tmp/vqserve-fuzz.json
+# `make soak SOAK_ARGS="--duration 1 --clients 16"`; the model is MODEL
+SOAK_ARGS ?=
 
 IMAGE  ?= vqserve:latest
 
-.PHONY: help venv test lint importlint pytest serve protos bench bench-tokenize docker docker-cpu clean
+.PHONY: help venv test lint importlint pytest serve protos bench bench-quick bench-quantizers bench-tokenize fuzz soak docker docker-cpu clean
 
 help:
 	@echo "make test    - create .venv (CPU torch), lint, import contracts, run the test suite"
 	@echo "make serve   - serve MODEL=$(MODEL) on $(HOST):$(PORT) (metrics :$(METRICS_PORT));"
 	@echo "               override with make serve HOST= MODEL= PORT= METRICS_PORT= SERVE_ARGS="
 	@echo "make protos  - regenerate the gRPC stubs from protos/"
-	@echo "make bench   - quantizer benchmarks (see docs/ for runtime and serving benchmarks)"
+	@echo "make bench   - every serving benchmark, TorchServe included -> docs/BENCHMARKS.md (~15 min)"
+	@echo "make bench-quick    - the same on a tiny model in about a minute, into BENCH_OUT=$(BENCH_OUT)"
+	@echo "make bench-quantizers - FSQ/LFQ vs vector-quantize-pytorch, fp32-island cost"
 	@echo "make bench-tokenize - vqserve tokenize end-to-end vs the raw runtime (docs/TOKENIZE.md)"
+	@echo "make fuzz    - malformed requests on every RPC of a real server (~5 min); counts by status code"
+	@echo "make soak    - 64 clients for 5 minutes on MODEL=$(MODEL); one PASS/FAIL line (SOAK_ARGS=)"
 	@echo "make docker  - build the GPU image (needs a Docker engine); make docker-cpu for the CPU one"
 	@echo "make clean   - remove .venv and caches"
 
@@ -57,11 +67,25 @@ serve: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
+# The full run writes docs/BENCHMARKS.md, docs/bench/*.png and docs/bench/benchmarks.json.
 bench: $(STAMP)
+	$(BIN)/vqserve bench all --out docs
+
+bench-quick: $(STAMP)
+	$(BIN)/vqserve bench all --quick --out '$(BENCH_OUT)'
+
+bench-quantizers: $(STAMP)
 	$(BIN)/vqserve bench quantizers
 
 bench-tokenize: $(STAMP)
 	$(BIN)/vqserve bench tokenize
+
+fuzz: $(STAMP)
+	VQSERVE_FUZZ_EXAMPLES='$(FUZZ_EXAMPLES)' FUZZ_REPORT='$(FUZZ_REPORT)' \
+		$(BIN)/python -m pytest -q -s tests/test_fuzz.py
+
+soak: $(STAMP)
+	$(BIN)/python -m vqserve.serve.soak --model '$(MODEL)' $(SOAK_ARGS)
 
 docker:
 	docker build -t $(IMAGE) .

@@ -132,21 +132,31 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
                  parity_size: int = 128, parity_count: int | None = None, opset: int | None = None,
                  fp32_stream: bool | None = None,
                  min_decode_psnr: float = DEFAULT_MIN_DECODE_PSNR,
-                 log=None) -> dict:
+                 allow_batch_variance: bool = False, log=None) -> dict:
     """Export ``model`` (``"default"`` or a checkpoint dir) and return the manifest.
 
     ``fp32_stream``: run only the encoder's residual-branch convolutions in ``dtype`` and
-    keep its residual stream in fp32 (None: on for bf16 only, where it lifts index
-    agreement from ~98% to ~99.6%; ``vqserve.model.mixed_precision``). ``min_decode_psnr``:
+    keep its residual stream in fp32 (None: on for bf16 and fp16, where it lifts whole-photo
+    index agreement from ~97.8% to ~99.3% and ~99.73% to ~99.91%; ``vqserve.model.mixed_precision``). ``min_decode_psnr``:
     the artifact's decode of eager's tokens must be at least this close (dB) to eager
-    fp32's decode of them (catches fp16 decoder overflow, which token agreement cannot)."""
+    fp32's decode of them (catches fp16 decoder overflow, which token agreement cannot).
+    The artifact is measured as it will be served (``vqserve.export.execution``'s plan),
+    and its batch invariance is certified in ``manifest["determinism"]``; an artifact whose
+    tokens change with the batch is refused unless ``allow_batch_variance``."""
     from vqserve import __version__
     from vqserve.export import wrappers
+    from vqserve.export.determinism import check_invariance
+    from vqserve.export.execution import PlannedRuntime, plan_for
     from vqserve.export.inspect_graph import assert_island
-    from vqserve.export.parity import measure_parity, validation_photos
-    from vqserve.export.runtime import EagerRuntime, index_dtype_for, resolve_device, sha256_file
+    from vqserve.export.parity import measure_parity, same_dtype_agreement, validation_photos
+    from vqserve.export.runtime import (
+        EagerRuntime,
+        checkpoint_hash,
+        index_dtype_for,
+        resolve_device,
+    )
     from vqserve.export.runtimes import RUNTIMES
-    from vqserve.model.checkpoint import WEIGHTS_NAME, resolve_model_path
+    from vqserve.model.checkpoint import resolve_model_path
 
     say = log or (lambda msg: None)
     device = resolve_device(device)
@@ -205,7 +215,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
             "outputs": {"encode": {"name": "indices", "dtype": "int64"},
                         "decode": {"name": "images", "dtype": "uint8", "shape": ["batch", f"{cfg.factor}*h", f"{cfg.factor}*w", 3]}},
             "source": {"model": str(model), "path": str(path),
-                       "sha256": sha256_file(Path(path) / WEIGHTS_NAME), "config": cfg.to_dict()},
+                       "sha256": checkpoint_hash(path), "config": cfg.to_dict()},
             "files": file_entries(tmp, names),
             "parity": {"status": "pending"},
         }
@@ -222,7 +232,10 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
                                    for role, r in island.items()}
         say(f"measuring parity against fp32 eager on validation photos ({parity_size}px tiles)")
         photos, photo_info = validation_photos(parity_size, parity_count)
-        parity = measure_parity(runtime, reference, photos)
+        plan = plan_for(device)
+        served, eager_fp32 = PlannedRuntime(runtime, plan), PlannedRuntime(reference, plan)
+        parity = measure_parity(served, eager_fp32, photos)
+        parity["eager_same_dtype_agreement"] = same_dtype_agreement(served, path, dtype, device, plan, photos)
         parity.update({"reference": "eager fp32", "device": device, "validation": photo_info,
                        "min_agreement": required,
                        "runtime": runtime.info.extra.get("providers", [f"torch {device}"])})
@@ -231,12 +244,21 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
                               "graphs in fp32 (it inserts casts): this is not fp16 parity; run "
                               "on the CUDAExecutionProvider for that")
         manifest["parity"] = parity
-        del runtime
+        say(f"certifying batch invariance on {min(len(photos), 8)} of them")
+        certificate = check_invariance(runtime, plan, photos[:8], f"{photo_info['source']} validation "
+                                       f"tiles {parity_size}px", compositions=2)
+        manifest["determinism"] = certificate.to_dict()
+        served.close()
+        del runtime, served
         parity["min_decode_psnr_db"] = min_decode_psnr
         if parity["index_agreement"] < required:
             raise ParityError(parity_message(fmt, dtype, parity, required, bool(fp32_layers)))
         dec_psnr = parity["decode_psnr_vs_reference_db"]
         if dec_psnr != "inf" and dec_psnr < min_decode_psnr:
             raise ParityError(decode_message(fmt, dtype, parity, min_decode_psnr))
+        if not (certificate.batch_invariant and certificate.decode_batch_invariant) and not allow_batch_variance:
+            raise ParityError(f"cannot certify this {fmt} {dtype} export on {device}: "
+                              f"{certificate.summary()} (plan {plan.to_dict()}). Pass "
+                              "--allow-batch-variance to write it anyway; its manifest then says so")
         write_manifest(tmp, manifest)
     return manifest

@@ -7,11 +7,12 @@ every listed file on load.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
-from vqserve.export.runtime import sha256_file
+from vqserve.export.runtime import files_hash, sha256_file
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "vqserve-export"
@@ -75,12 +76,17 @@ def check_confined(directory: Path, manifest: dict, path: Path) -> None:
 def artifact_hash(manifest: dict) -> str:
     """One sha256 over every file of the artifact (name and content hash, sorted), so the
     hash a server reports changes when any of its files does, not only the encoder."""
-    import hashlib
+    return files_hash({name: entry["sha256"] for name, entry in manifest["files"].items()})
 
-    digest = hashlib.sha256()
-    for name in sorted(manifest["files"]):
-        digest.update(f"{name}\0{manifest['files'][name]['sha256']}\n".encode())
-    return digest.hexdigest()
+
+def read_verified(directory: str | os.PathLike, manifest: dict, name: str) -> bytes:
+    """The bytes of one listed file, checked against its recorded sha256 as read. Graphs
+    are loaded from these bytes, not reopened by path, so the file that runs is the file
+    that was hashed even if it is replaced in between."""
+    path = Path(directory) / name
+    data = path.read_bytes()
+    _check_digest(path, hashlib.sha256(data).hexdigest(), manifest["files"][name]["sha256"])
+    return data
 
 
 def verify_files(directory: str | os.PathLike, manifest: dict) -> None:
@@ -90,9 +96,12 @@ def verify_files(directory: str | os.PathLike, manifest: dict) -> None:
         path = directory / name
         if not path.is_file():
             raise FileNotFoundError(f"artifact file {path} listed in {MANIFEST_NAME} is missing")
-        digest = sha256_file(path)
-        if digest != entry["sha256"]:
-            raise ValueError(
-                f"artifact file {path} does not match {MANIFEST_NAME}: sha256 {digest[:16]}... "
-                f"!= recorded {entry['sha256'][:16]}... (modified or corrupted; re-export)"
-            )
+        _check_digest(path, sha256_file(path), entry["sha256"])
+
+
+def _check_digest(path: Path, digest: str, recorded: str) -> None:
+    if digest != recorded:
+        raise ValueError(
+            f"artifact file {path} does not match {MANIFEST_NAME}: sha256 {digest[:16]}... "
+            f"!= recorded {recorded[:16]}... (modified or corrupted; re-export)"
+        )

@@ -80,3 +80,21 @@ def measure_parity(runtime, reference, photos: np.ndarray, batch_size: int = 8) 
         "decode_max_abs_diff": int(np.max(np.abs(dec_of_ref.astype(np.int16) - ref_pix.astype(np.int16)))),
         "decode_psnr_vs_reference_db": _finite(psnr(dec_of_ref, ref_pix)),
     }
+
+
+def same_dtype_agreement(served, model_path, dtype: str, device: str, plan, photos: np.ndarray) -> float | None:
+    """Path identity: the fraction of tokens the artifact shares with the eager runtime at
+    the same dtype (1.0 where the format runs the same kernels; less where it does not,
+    e.g. ONNX Runtime's own convolutions). None where eager cannot run the dtype."""
+    from vqserve.export.execution import PlannedRuntime
+    from vqserve.export.runtime import EagerRuntime
+
+    try:
+        eager = PlannedRuntime(EagerRuntime(model_path, dtype=dtype, device=device), plan)
+    except (ValueError, RuntimeError):
+        return None
+    try:
+        same = np.mean(np.asarray(served.encode(photos)) == np.asarray(eager.encode(photos)))
+    finally:
+        eager.close()
+    return float(same)

@@ -8,6 +8,7 @@ Load with ``torch.export.load(path).module()``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from torch.export import Dim
@@ -41,9 +42,10 @@ def export_pt2(encode: torch.nn.Module, decode: torch.nn.Module, images: torch.T
     return {"encode": ENCODE_FILE, "decode": DECODE_FILE, "torch_version": torch.__version__}
 
 
-def load_pt2(path: str | Path, device: str = "cpu"):
-    """The loaded ExportedProgram and a callable module on ``device``."""
-    ep = torch.export.load(str(path))
+def load_pt2(source: str | Path | BinaryIO, device: str = "cpu"):
+    """The loaded ExportedProgram and a callable module on ``device``, from a path or the
+    archive's bytes (a file object). Loading can run code (docs/EXPORT.md, "Trust")."""
+    ep = torch.export.load(str(source) if isinstance(source, str | Path) else source)
     module = ep.module()
     if device != "cpu":
         module = module.to(device)

@@ -47,7 +47,7 @@ class RuntimeInfo:
     codes_per_position: int = 1       # > 1 for residual quantizers: indices [B,h,w,Q]
     levels: tuple[int, ...] = ()      # FSQ levels where they exist
     index_dtype: str = "uint16"       # numpy name of the wire dtype
-    model_hash: str = ""              # sha256 of the weights / artifact, for cache keys
+    model_hash: str = ""              # one sha256 over every file loaded (config + weights / artifact)
     max_pixels: int = 1024 * 1024     # per image; larger inputs are refused
     extra: dict = field(default_factory=dict)
 
@@ -79,6 +79,36 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def files_hash(digests: dict[str, str]) -> str:
+    """One sha256 over named files, given each file's own sha256: ``name NUL sha256 LF`` per
+    file, sorted by name. Checkpoints and artifacts both use it, so ``model_hash`` changes
+    whenever any file that is loaded changes (not only the weights, or only the encoder)."""
+    digest = hashlib.sha256()
+    for name in sorted(digests):
+        digest.update(f"{name}\0{digests[name]}\n".encode())
+    return digest.hexdigest()
+
+
+def checkpoint_hash(path: str | os.PathLike) -> str:
+    """``model_hash`` of a checkpoint directory: its ``config.json`` and ``model.safetensors``
+    (the config decides the architecture and quantizer, so it is part of the model)."""
+    from vqserve.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME
+
+    return files_hash({name: sha256_file(Path(path) / name) for name in (CONFIG_NAME, WEIGHTS_NAME)})
+
+
+class ModelHashMismatch(ValueError):
+    """``--expect-hash`` names another model than the one found; raised before the model's
+    files are loaded (for pt2 and TorchScript, before anything in them can run)."""
+
+
+def check_expected_hash(expected: str | None, actual: str, where: str | os.PathLike) -> None:
+    """Raise :class:`ModelHashMismatch` (one line, both hashes) unless ``actual`` is expected."""
+    if expected and actual != expected.lower():
+        raise ModelHashMismatch(f"{where} has model hash {actual}, not the expected {expected.lower()} "
+                                "(--expect-hash); refusing to load it")
+
+
 def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when available, else ``cpu``; ``cuda`` without a GPU is an error."""
     if device == "auto":
@@ -93,16 +123,19 @@ def resolve_device(device: str) -> str:
 class EagerRuntime:
     """A Tokenizer run in-process by PyTorch, networks in ``dtype``, quantizer in fp32."""
 
-    def __init__(self, model: str | os.PathLike = "default", dtype: str = "fp32", device: str = "cpu"):
+    def __init__(self, model: str | os.PathLike = "default", dtype: str = "fp32", device: str = "cpu",
+                 expect_hash: str | None = None):
         from vqserve.model import load_tokenizer, parse_dtype
-        from vqserve.model.checkpoint import WEIGHTS_NAME, resolve_model_path
+        from vqserve.model.checkpoint import resolve_model_path
         from vqserve.model.precision import dtype_name
 
         device = resolve_device(device)
         torch_dtype = parse_dtype(dtype)
         path = resolve_model_path(model)
+        model_hash = checkpoint_hash(path)
+        check_expected_hash(expect_hash, model_hash, path)
         self.tokenizer = load_tokenizer(path, device=device)
-        # the same encoder a bf16/fp16 export holds (fp32 residual stream for bf16, docs/EXPORT.md),
+        # the same encoder a bf16/fp16 export holds (fp32 residual stream for bf16/fp16, docs/EXPORT.md),
         # built from the fp32 weights; the quantizer is fp32 whatever the dtype
         self.tokenizer.encoder, kept = low_precision_encoder(self.tokenizer.encoder, torch_dtype)
         self.tokenizer.decoder.to(torch_dtype)
@@ -119,7 +152,7 @@ class EagerRuntime:
             codes_per_position=cfg.codes_per_position,
             levels=tuple(cfg.levels) if cfg.quantizer in ("fsq", "rfsq") else (),
             index_dtype=self._index_dtype.name,
-            model_hash=sha256_file(Path(path) / WEIGHTS_NAME),
+            model_hash=model_hash,
         )
 
     def encode(self, images: np.ndarray) -> np.ndarray:
@@ -141,7 +174,8 @@ BACKENDS = ("eager", "torchscript", "onnx", "pt2")
 
 
 def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: str = "auto",
-                 dtype: str | None = None, device: str = "cpu") -> Runtime:
+                 dtype: str | None = None, device: str = "cpu",
+                 expect_hash: str | None = None) -> Runtime:
     """Open a runtime: numpy in, numpy out, with ``.info`` (RuntimeInfo).
 
     * a checkpoint directory or ``"default"`` with ``backend`` ``auto``/``eager``: the
@@ -153,6 +187,9 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
 
     ``device``: ``cpu``, ``cuda[:N]`` or ``auto``. For ONNX, ``auto``/``cuda`` use the
     CUDAExecutionProvider (chosen automatically with ``auto`` when present).
+
+    ``expect_hash``: refuse (:class:`ModelHashMismatch`) a model whose ``model_hash`` is
+    another, checked on the files' bytes before anything is loaded from them.
     """
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -160,7 +197,8 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
     is_artifact = (path / "manifest.json").is_file()
     if not is_artifact:
         if backend in ("auto", "eager"):
-            return EagerRuntime(model_or_artifact_dir, dtype=dtype or "fp32", device=device)
+            return EagerRuntime(model_or_artifact_dir, dtype=dtype or "fp32", device=device,
+                                expect_hash=expect_hash)
         raise ValueError(
             f"backend {backend!r} needs an artifact directory with a manifest.json, and "
             f"{str(path)!r} is not one; create it with "
@@ -176,4 +214,19 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
         raise ValueError(f"{path} holds a {fmt!r} export; backend {backend!r} cannot open it")
     if fmt not in RUNTIMES:
         raise ValueError(f"{path} holds format {fmt!r}, which this vqserve cannot run")
-    return RUNTIMES[fmt](path, device=device, dtype=dtype)
+    return RUNTIMES[fmt](path, device=device, dtype=dtype, expect_hash=expect_hash)
+
+
+def model_hash_of(model_or_artifact_dir: str | os.PathLike = "default") -> str:
+    """The ``model_hash`` a runtime of this model would report, from its files alone
+    (nothing is loaded): for a command to refuse a wrong model before it binds or writes."""
+    path = Path(str(model_or_artifact_dir))
+    if (path / "manifest.json").is_file():
+        from vqserve.export.manifest import artifact_hash, read_manifest, verify_files
+
+        manifest = read_manifest(path)
+        verify_files(path, manifest)
+        return artifact_hash(manifest)
+    from vqserve.model.checkpoint import resolve_model_path
+
+    return checkpoint_hash(resolve_model_path(model_or_artifact_dir))

@@ -1,13 +1,15 @@
 """Runtimes for exported artifacts: TorchScript, ONNX Runtime and torch.export (pt2).
 
 Each opens an artifact directory by its ``manifest.json``, verifies the sha256 of every
-file it loads, validates inputs in numpy before running (a graph cannot raise a helpful
+file it loads (and, given ``expect_hash``, the artifact's one hash) before loading any of
+them, loads the graphs from the very bytes it hashed, validates inputs in numpy before running (a graph cannot raise a helpful
 error, and must never gather with an out-of-range index), and returns numpy arrays:
 indices in the manifest's wire dtype, pixels as uint8 NHWC.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -15,8 +17,8 @@ import numpy as np
 import torch
 
 from vqserve.export.checks import check_images, check_indices
-from vqserve.export.manifest import artifact_hash, read_manifest, verify_files
-from vqserve.export.runtime import RuntimeInfo, resolve_device
+from vqserve.export.manifest import artifact_hash, read_manifest, read_verified, verify_files
+from vqserve.export.runtime import RuntimeInfo, check_expected_hash, resolve_device
 
 
 class ArtifactRuntime:
@@ -25,7 +27,7 @@ class ArtifactRuntime:
     backend = ""
 
     def __init__(self, artifact_dir: str | os.PathLike, device: str = "cpu",
-                 dtype: str | None = None, verify: bool = True):
+                 dtype: str | None = None, verify: bool = True, expect_hash: str | None = None):
         self.dir = Path(artifact_dir)
         self.manifest = read_manifest(self.dir)
         fmt = self.manifest["format"]
@@ -36,8 +38,9 @@ class ArtifactRuntime:
                 f"{self.dir} was exported with dtype {self.manifest['dtype']}, not {dtype}; "
                 f"re-export with `vqserve export --dtype {dtype}` or pass dtype=None"
             )
-        if verify:
+        if verify or expect_hash:  # the recorded hashes are the files' own from here on
             verify_files(self.dir, self.manifest)
+        check_expected_hash(expect_hash, artifact_hash(self.manifest), self.dir)
         self.device = self._resolve_device(device)
         m = self.manifest
         self._index_dtype = np.dtype(m["index_dtype"])
@@ -76,6 +79,11 @@ class ArtifactRuntime:
 class _TorchModuleRuntime(ArtifactRuntime):
     """Shared numpy <-> torch plumbing for TorchScript and pt2."""
 
+    def _graph(self, role: str) -> io.BytesIO:
+        """The ``encode``/``decode`` graph as the bytes that were hashed: loading either
+        format can run code, so nothing is read again by path after the check."""
+        return io.BytesIO(read_verified(self.dir, self.manifest, self.manifest[role]))
+
     def _run(self, module, array: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             out = module(torch.from_numpy(array).to(self.device))
@@ -91,23 +99,25 @@ class _TorchModuleRuntime(ArtifactRuntime):
 class TorchScriptRuntime(_TorchModuleRuntime):
     backend = "torchscript"
 
-    def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True):
+    def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True,
+                 expect_hash: str | None = None):
         from vqserve.export.torchscript import load_torchscript
 
-        super().__init__(artifact_dir, device, dtype, verify)
-        self.encoder = load_torchscript(self.dir / self.manifest["encode"], self.device)
-        self.decoder = load_torchscript(self.dir / self.manifest["decode"], self.device)
+        super().__init__(artifact_dir, device, dtype, verify, expect_hash)
+        self.encoder = load_torchscript(self._graph("encode"), self.device)
+        self.decoder = load_torchscript(self._graph("decode"), self.device)
 
 
 class Pt2Runtime(_TorchModuleRuntime):
     backend = "pt2"
 
-    def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True):
+    def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True,
+                 expect_hash: str | None = None):
         from vqserve.export.pt2 import load_pt2
 
-        super().__init__(artifact_dir, device, dtype, verify)
-        self.encode_program, self.encoder = load_pt2(self.dir / self.manifest["encode"], self.device)
-        self.decode_program, self.decoder = load_pt2(self.dir / self.manifest["decode"], self.device)
+        super().__init__(artifact_dir, device, dtype, verify, expect_hash)
+        self.encode_program, self.encoder = load_pt2(self._graph("encode"), self.device)
+        self.decode_program, self.decoder = load_pt2(self._graph("decode"), self.device)
 
 
 def onnx_providers(device: str, dtype: str) -> list[str]:
@@ -149,12 +159,16 @@ class OnnxRuntime(ArtifactRuntime):
     backend = "onnx"
 
     def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None,
-                 verify: bool = True, threads: int | None = None):
+                 verify: bool = True, threads: int | None = 1, expect_hash: str | None = None):
+        """``threads``: intra-op threads per session. One by default, as the execution plan
+        runs every model call (vqserve.export.execution): a reduction split over a varying
+        thread count is where tokens start to depend on the machine; parallel calls use
+        the cores instead. None: onnxruntime's default (one per physical core)."""
         import onnxruntime as ort
 
         if device == "auto":
             device = default_onnx_device()
-        super().__init__(artifact_dir, device, dtype, verify)
+        super().__init__(artifact_dir, device, dtype, verify, expect_hash)
         self.providers = onnx_providers(self.device, self.manifest["dtype"])
         opts = ort.SessionOptions()
         if threads:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -34,7 +35,10 @@ def export_torchscript(encode: torch.nn.Module, decode: torch.nn.Module,
             "torch_version": torch.__version__}
 
 
-def load_torchscript(path: str | Path, device: str = "cpu") -> torch.jit.ScriptModule:
+def load_torchscript(source: str | Path | BinaryIO, device: str = "cpu") -> torch.jit.ScriptModule:
+    """A path or the archive's bytes (a file object); loading runs the archive's program."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.load(str(path), map_location=device).eval()
+        if isinstance(source, str | Path):
+            source = str(source)
+        return torch.jit.load(source, map_location=device).eval()

@@ -73,7 +73,7 @@ def _quantizer_copy(tokenizer: nn.Module) -> nn.Module:
 class EncodeGraph(nn.Module):
     """uint8 NHWC pixels -> int64 indices. Networks in ``dtype``; quantizer in fp32.
 
-    ``fp32_stream`` (default: on for bf16) runs only the residual branches' convolutions in
+    ``fp32_stream`` (default: on for bf16 and fp16) runs only the residual branches' convolutions in
     ``dtype`` and keeps the encoder's residual stream, norms, stem, downsample and final
     projection in fp32 (``vqserve.model.mixed_precision``); ``fp32_layers`` names the
     convolutions it kept in fp32.

@@ -170,7 +170,7 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     """PSNR/SSIM (fp32 eager round trip), codebook stats, and agreement per precision.
 
     ``agreement[p]``: the encoder as serving and exports run it in ``p``
-    (``low_precision_encoder``: fp32 residual stream for bf16); ``agreement_autocast[p]``:
+    (``low_precision_encoder``: fp32 residual stream for bf16 and fp16); ``agreement_autocast[p]``:
     the whole encoder under autocast, as training runs it.
     ``images`` are uint8 ``[H,W,3]`` arrays; each is centre-cropped to a multiple of the
     tokenizer's factor and processed one at a time (sizes may differ).

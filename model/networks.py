@@ -15,9 +15,26 @@ from torch import nn
 from vqserve.model.precision import cast_to
 
 
-def _norm(channels: int) -> nn.GroupNorm:
+class GroupNorm(nn.GroupNorm):
+    """``nn.GroupNorm`` that casts a low-precision input of the other kind to its own dtype.
+
+    PyTorch's CPU kernel accepts a mixed input only with fp32 parameters. Under autocast a
+    convolution's output takes the autocast dtype, so a model cast to fp16 and run under
+    bf16 autocast (or the reverse) handed fp16 parameters a bf16 input and raised "mixed
+    dtype (CPU): expect parameter to have scalar type of Float" (failure 5 in
+    docs/DESIGN.md). fp32 parameters keep the kernel's own mixed path, so fp32 and
+    autocast-on-fp32 numerics are unchanged. Same parameters and state-dict keys.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None and self.weight.dtype != torch.float32:
+            x = cast_to(x, self.weight.dtype)
+        return super().forward(x)
+
+
+def _norm(channels: int) -> GroupNorm:
     # at least two channels per group, so even a 1x1 latent has >1 value to normalise
-    return nn.GroupNorm(math.gcd(32, max(1, channels // 2)), channels, eps=1e-6)
+    return GroupNorm(math.gcd(32, max(1, channels // 2)), channels, eps=1e-6)
 
 
 class ResBlock(nn.Module):
@@ -52,8 +69,21 @@ class AttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
         seq = x.flatten(2).transpose(1, 2)
-        seq = self.layer(seq)
+        own = self.layer.linear1.weight.dtype
+        if own != torch.float32 and _autocast_to_other(x.device.type, own):
+            # fp16 weights under bf16 autocast (or the reverse): its linears would hand
+            # LayerNorm an input of the other low-precision kind, which the CPU kernel
+            # refuses. The block runs in its own dtype, cast explicitly at the door.
+            with torch.autocast(x.device.type, enabled=False):
+                seq = self.layer(cast_to(seq, own))
+        else:
+            seq = self.layer(seq)
         return seq.transpose(1, 2).reshape(b, c, h, w)
+
+
+def _autocast_to_other(device_type: str, own: torch.dtype) -> bool:
+    """Whether autocast is on for ``device_type`` with a dtype other than ``own``."""
+    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != own
 
 
 class Downsample(nn.Module):

@@ -1,8 +1,12 @@
 """Dynamic batcher, generic over the ``Runtime`` interface.
 
 Requests queue per (method, per-item shape, dtype). A batch runs when its queue holds
-``max_batch_size`` items or when its oldest request has waited ``max_delay``; results are
-split back per request. One worker thread runs the model, so the event loop never
+a full batch or when its oldest request has waited ``max_delay``; results are split back
+per request. A full batch is ``max_batch_size`` items, fewer where ``max_batch_pixels``
+says so: peak memory grows with the pixels in one model call (about 250 MB per megapixel
+to encode with the default tokenizer in fp32), so a budget in pixels, not a count, is
+what keeps a batch of large images inside the device. A single request larger than the
+budget runs in chunks that fit it. One worker thread runs the model, so the event loop never
 blocks on inference and batches form naturally while the model is busy.
 
 - a full queue refuses at once (:class:`QueueFull`);
@@ -71,13 +75,21 @@ class Batcher:
 
     def __init__(self, runtime, max_batch_size: int = 32, max_delay_s: float = 0.005,
                  max_queue: int = 1024, observer: Callable[[BatchStats], None] | None = None,
-                 methods: tuple[str, ...] = ("encode", "decode")):
+                 methods: tuple[str, ...] = ("encode", "decode"), max_batch_pixels: int | None = None,
+                 pixels_per_item: Callable[[str, tuple[int, ...]], int] | None = None):
+        """``max_batch_pixels``: the most pixels one model call may hold (None: no limit);
+        ``pixels_per_item(method, item_shape)``: what one item costs (default: the product
+        of its first two dimensions, i.e. H*W of an image)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_s < 0:
             raise ValueError(f"max_delay must be >= 0, got {max_delay_s}")
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_batch_pixels is not None and max_batch_pixels < 1:
+            raise ValueError(f"max_batch_pixels must be >= 1, got {max_batch_pixels}")
+        self.max_batch_pixels = max_batch_pixels
+        self._pixels_per_item = pixels_per_item or _image_pixels
         self.runtime = runtime
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
@@ -110,6 +122,14 @@ class Batcher:
     @property
     def queued(self) -> int:
         return self._queued_rows
+
+    def rows_per_call(self, method: str, item_shape: tuple[int, ...]) -> int:
+        """How many items of this shape one model call may hold: the count limit, lowered
+        by the pixel budget (never below one)."""
+        if self.max_batch_pixels is None:
+            return self.max_batch_size
+        per_item = max(1, self._pixels_per_item(method, item_shape))
+        return max(1, min(self.max_batch_size, self.max_batch_pixels // per_item))
 
     # ---- submit ---------------------------------------------------------------------
     async def submit(self, method: str, array: np.ndarray, deadline: float | None = None) -> np.ndarray:
@@ -144,7 +164,7 @@ class Batcher:
                 continue
             rows = sum(it.rows for it in q)
             head = q[0].enqueued
-            if rows >= self.max_batch_size or now - head >= self.max_delay_s or not self._accepting:
+            if rows >= self.rows_per_call(key[0], key[1]) or now - head >= self.max_delay_s or not self._accepting:
                 if best_t is None or head < best_t:
                     best, best_t = key, head
         return best
@@ -157,9 +177,10 @@ class Batcher:
 
     def _take(self, key: tuple, now: float) -> list[_Item]:
         q = self._queues[key]
+        cap = self.rows_per_call(key[0], key[1])
         batch: list[_Item] = []
         rows = 0
-        while q and (not batch or rows + q[0].rows <= self.max_batch_size):
+        while q and (not batch or rows + q[0].rows <= cap):
             item = q.popleft()
             self._queued_rows -= item.rows
             if item.future.done():  # cancelled by the client
@@ -196,10 +217,15 @@ class Batcher:
         waits = [start - it.enqueued for it in batch]
         arrays = [it.array for it in batch]
         stacked = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        step = self.rows_per_call(method, tuple(stacked.shape[1:]))
 
         def call():
             t0 = time.perf_counter()
-            out = fn(stacked)
+            if stacked.shape[0] <= step:
+                out = fn(stacked)
+            else:  # one request over the pixel budget: run it in chunks that fit
+                out = np.concatenate([np.asarray(fn(stacked[i:i + step]))
+                                      for i in range(0, stacked.shape[0], step)])
             return out, time.perf_counter() - t0
 
         try:
@@ -229,3 +255,7 @@ class Batcher:
                 self.observer(stats)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 pass
+
+
+def _image_pixels(method: str, item_shape: tuple[int, ...]) -> int:
+    return int(np.prod(item_shape[:2])) if len(item_shape) >= 2 else 1

@@ -143,6 +143,10 @@ def _info_dict(info: pb.ModelInfo) -> dict:
         "device": info.device,
         "model_hash": info.model_hash,
         "server_version": info.server_version,
+        "execution_plan": info.execution_plan,
+        "determinism": {"batch_invariant": info.determinism.batch_invariant,
+                        "decode_batch_invariant": info.determinism.decode_batch_invariant,
+                        "summary": info.determinism.summary},
     }
 
 

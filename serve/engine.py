@@ -4,40 +4,103 @@
 its error), submits them to the :class:`Batcher`, and feeds the codebook-usage metrics.
 It never runs a decode with an index outside the codebook, nor a batch whose answer could
 not fit the gRPC message limit (``max_message_bytes``): that is known from the shapes alone.
+PNG/JPEG requests go through :class:`ImageDecoder` first: count and sizes from the headers,
+then decoding off the event loop under a decoded-bytes budget.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
 
 import numpy as np
 
 from vqserve.export.checks import image_size_rule, index_grid_rule, index_range_rule
 from vqserve.serve.batcher import Batcher
 from vqserve.serve.codec import BadInput
+from vqserve.serve.decoding import ImageDecoder
 from vqserve.serve.errors import ReplyTooLarge
 
 # Bytes a response adds around a tensor's data: field tags, lengths, shape, dtype, names.
 REPLY_OVERHEAD = 1024
+# Peak bytes per pixel of one model call, measured with the default tokenizer on CPU
+# (encode: ~250 in fp32, ~290 in bf16 with its fp32 residual stream; decode: ~150-180).
+BYTES_PER_PIXEL = 300
+CPU_BATCH_PIXELS = 4 * 1024 * 1024   # ~1.2 GB peak; batching gains nothing beyond this on CPU
+MIN_DECODED_BYTES = 256 << 20
+
+
+def default_batch_pixels(device: str, max_pixels: int) -> int:
+    """A pixel budget per model call that fits the device: half a GPU's memory, or on CPU
+    4 megapixels or a quarter of the RAM, whichever is less; never below one image."""
+    if device.startswith("cuda"):
+        import torch
+
+        index = torch.device(device).index or 0
+        budget = torch.cuda.get_device_properties(index).total_memory // 2 // BYTES_PER_PIXEL
+    else:
+        try:
+            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            ram = 16 << 30
+        budget = min(CPU_BATCH_PIXELS, ram // 4 // BYTES_PER_PIXEL)
+    return max(int(max_pixels), int(budget))
+
+
+def default_decoded_bytes(max_batch_size: int, max_pixels: int) -> int:
+    """Room to decode a few largest requests at once (each image and its stacked copy)."""
+    return max(MIN_DECODED_BYTES, 2 * max_batch_size * max_pixels * 3 * 2)
 
 
 class Engine:
     def __init__(self, runtime, metrics, max_batch_size: int = 32, max_delay_s: float = 0.005,
-                 max_queue: int = 1024, max_message_bytes: int | None = None):
-        """``max_message_bytes``: the gRPC send limit; None or <= 0 checks no reply size."""
+                 max_queue: int = 1024, max_message_bytes: int | None = None,
+                 max_batch_pixels: int | None = None, max_decoded_bytes: int | None = None,
+                 decode_threads: int | None = None, max_pixels: int | None = None):
+        """``max_message_bytes``: the gRPC send limit; None or <= 0 checks no reply size.
+        ``max_batch_pixels``: pixels per model call (None: no limit; images for encode,
+        output pixels for decode). ``max_decoded_bytes``: memory for decoded PNG/JPEG
+        images in flight (None: :func:`default_decoded_bytes`). ``max_pixels``: per image,
+        replacing the runtime's own limit (both APIs and GetModelInfo read ``self.info``)."""
         self.runtime = runtime
-        self.info = runtime.info
+        self.info = runtime.info if not max_pixels else dataclasses.replace(runtime.info, max_pixels=max_pixels)
         self.metrics = metrics
         self.index_dtype = np.dtype(self.info.index_dtype)
         self.max_batch_size = max_batch_size
         self.max_message_bytes = max_message_bytes if max_message_bytes and max_message_bytes > 0 else None
+        self.max_batch_pixels = max_batch_pixels
         self.batcher = Batcher(runtime, max_batch_size=max_batch_size, max_delay_s=max_delay_s,
-                               max_queue=max_queue, observer=metrics.observe_batch)
+                               max_queue=max_queue, observer=metrics.observe_batch,
+                               max_batch_pixels=max_batch_pixels, pixels_per_item=self._pixels_per_item)
+        if max_batch_pixels and hasattr(runtime, "limit_call_pixels"):  # a PlannedRuntime
+            runtime.limit_call_pixels(max_batch_pixels, self._pixels_per_item)
+        self.determinism = None  # the start-up batch-invariance Certificate, set by the server
+        self.decoder = ImageDecoder(
+            max_decoded_bytes or default_decoded_bytes(max_batch_size, self.info.max_pixels),
+            decode_threads)
         metrics.set_codebook(self.info.codebook_size)
+
+    async def close(self) -> None:
+        """Run what is queued, then stop the model and decoding threads."""
+        await self.batcher.close()
+        self.decoder.close()
+        if hasattr(self.runtime, "close"):  # a PlannedRuntime's model threads
+            self.runtime.close()
 
     @property
     def size_rule(self) -> str:
         f = self.info.factor
-        return (f"H and W positive multiples of {f}, H*W at most {self.info.max_pixels} pixels, "
+        rule = (f"H and W positive multiples of {f}, H*W at most {self.info.max_pixels} pixels, "
                 f"at most {self.max_batch_size} images per request")
+        if self.max_batch_pixels:
+            rule += f"; the model runs at most {self.max_batch_pixels} pixels per call"
+        return rule
+
+    def _pixels_per_item(self, method: str, item_shape: tuple[int, ...]) -> int:
+        """Encode: H*W of an image; decode: the pixels it will produce (h*w*f^2)."""
+        h, w = item_shape[:2]
+        return h * w * (self.info.factor ** 2 if method == "decode" else 1)
 
     # ---- checks -----------------------------------------------------------------------
     def _check_batch(self, b: int, field: str) -> None:
@@ -111,6 +174,15 @@ class Engine:
         out = np.asarray(out).astype(self.index_dtype, copy=False)
         self.metrics.record_codes("encode", out)
         return out
+
+    async def encode_encoded(self, blobs: Sequence[bytes], deadline: float | None = None,
+                             field: str = "encoded.images", reply_overhead: int = 0) -> np.ndarray:
+        """PNG/JPEG bytes -> indices. The count and every header are checked before any
+        pixel is decoded, decoding runs off the event loop, and the decoded pixels count
+        against the server's decoded-bytes budget until their indices are back."""
+        async with self.decoder.decoded(blobs, field, self.max_batch_size, self.info.max_pixels,
+                                        deadline) as images:
+            return await self.encode(images, deadline, field, reply_overhead)
 
     async def decode(self, indices: np.ndarray, deadline: float | None = None,
                      field: str = "indices", reply_overhead: int | None = 0) -> np.ndarray:

@@ -100,6 +100,10 @@ class Tracker:
         return _Tracked(self.metrics, method, context)
 
 
+# A cancellation this close to the deadline is the deadline (clocks and timers differ by ms).
+DEADLINE_SLACK_S = 0.05
+
+
 class _Tracked:
     def __init__(self, metrics, method: str, context=None):
         self.metrics, self.method, self.context = metrics, method, context
@@ -116,7 +120,9 @@ class _Tracked:
             self.code, message = status_for(exc)
             if self.code == grpc.StatusCode.CANCELLED and self.context is not None:
                 remaining = self.context.time_remaining()
-                if remaining is not None and remaining <= 0:  # grpc cancels RPCs whose deadline passed
+                # grpc cancels RPCs whose deadline passed; the client's timer can fire a few
+                # ms before the server's copy of the deadline does, so allow a little slack
+                if remaining is not None and remaining <= DEADLINE_SLACK_S:
                     self.code = grpc.StatusCode.DEADLINE_EXCEEDED
             if self.code == grpc.StatusCode.INTERNAL:
                 log.error("internal error in %s", self.method, exc_info=(exc_type, exc, tb))

@@ -3,7 +3,10 @@
 - ``vqserve_request_latency_seconds{method}``: whole RPC (or stream message) latency
 - ``vqserve_queue_wait_seconds{method}``, ``vqserve_inference_seconds{method}``,
   ``vqserve_batch_size{method}``: per batch, ``method`` = encode | decode
-- ``vqserve_requests_in_flight``: gauge
+- ``vqserve_requests_in_flight``: gauge; ``vqserve_streams_open{service}``: open streams
+- ``vqserve_model_info{model_hash,backend,dtype,device}``: 1, the served model's identity
+- ``vqserve_batch_invariant{what}``: 1 when the start-up check found ``what`` (tokens |
+  pixels) identical in every batch composition tried, 0 when not, -1 when not checked
 - ``vqserve_requests_total{method,code}``, ``vqserve_errors_total{method,code}``,
   ``vqserve_items_total{method}``: counters
 - ``vqserve_codebook_usage_ratio{method}``, ``vqserve_codebook_entropy_bits{method}``,
@@ -14,7 +17,6 @@
 
 from __future__ import annotations
 
-import collections
 import threading
 
 import numpy as np
@@ -31,13 +33,20 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class CodebookUsage:
-    """Counts of codes over a sliding window of the most recent ``window`` tokens."""
+    """Counts of codes over a sliding window of the most recent ``window`` tokens.
+
+    The window is a ring buffer in the narrowest dtype that holds every code, allocated and
+    written once at start (2 MB for 2^20 uint16 codes): the server's memory does not grow
+    as traffic fills it (a deque of int64 copies grew by ~10 MB per method over minutes,
+    which a soak test reads as a leak)."""
 
     def __init__(self, codebook_size: int, window: int = 1 << 20):
         self.codebook_size = int(codebook_size)
         self.window = int(window)
         self._counts = np.zeros(self.codebook_size, dtype=np.int64)
-        self._chunks: collections.deque[np.ndarray] = collections.deque()
+        dtype = np.uint16 if self.codebook_size <= 1 << 16 else np.uint32 if self.codebook_size <= 1 << 32 else np.uint64
+        self._ring = np.full(self.window, 0, dtype=dtype)  # written now, so its pages are resident now
+        self._pos = 0
         self._total = 0
         self._lock = threading.Lock()
 
@@ -47,18 +56,23 @@ class CodebookUsage:
             return
         if flat.size > self.window:
             flat = flat[-self.window:]
-        flat = flat.astype(np.int64, copy=False)
-        flat = flat[(flat >= 0) & (flat < self.codebook_size)]
+        flat = flat[(flat >= 0) & (flat < self.codebook_size)].astype(self._ring.dtype, copy=False)
         with self._lock:
-            self._update(flat, +1)
-            self._chunks.append(flat)
-            self._total += flat.size
-            while self._total > self.window and self._chunks:
-                old = self._chunks.popleft()
-                self._update(old, -1)
-                self._total -= old.size
+            start, filled = self._pos, self._total
+            first = min(flat.size, self.window - start)
+            for lo, part in ((start, flat[:first]), (0, flat[first:])):
+                if not part.size:
+                    continue
+                hi = lo + part.size
+                if lo < filled:  # evict the oldest codes this slice overwrites
+                    self._update(self._ring[lo:min(hi, filled)], -1)
+                self._ring[lo:hi] = part
+                self._update(part, +1)
+            self._pos = (start + flat.size) % self.window
+            self._total = min(self.window, filled + flat.size)
 
     def _update(self, flat: np.ndarray, sign: int) -> None:
+        flat = flat.astype(np.intp, copy=False)
         if flat.size * 4 < self.codebook_size:  # sparse update beats a full bincount
             np.add.at(self._counts, flat, sign)
         else:
@@ -120,6 +134,15 @@ class Metrics:
                               ["method", "code"], registry=r)
         self.items = Counter("vqserve_items", "Images encoded or decoded.", ["method"], registry=r)
         self.queue_depth = Gauge("vqserve_queue_items", "Items waiting in the batcher queue.", registry=r)
+        self.streams_open = Gauge("vqserve_streams_open", "Open streaming calls, by gRPC service "
+                                  "(at most --max-streams each).", ["service"], registry=r)
+        self.model_info = Gauge("vqserve_model_info", "1 for the model being served; its identity "
+                                "is in the labels (model_hash: sha256 over every file loaded).",
+                                ["model_hash", "backend", "dtype", "device"], registry=r)
+        self.batch_invariant = Gauge("vqserve_batch_invariant", "1 when the start-up check found "
+                                     "tokens (what=tokens) or decoded pixels (what=pixels) "
+                                     "independent of the batch; 0 when not; -1 not checked.",
+                                     ["what"], registry=r)
         self.usage: dict[str, CodebookUsage] = {}
         if codebook_size:
             self.set_codebook(codebook_size, window)
@@ -145,9 +168,73 @@ class Metrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def start_http(self, port: int, host: str = "0.0.0.0"):
-        """Serve ``/metrics`` on ``host:port`` (0 = ephemeral); returns (server, bound port)."""
-        from prometheus_client import start_http_server
+    def set_model(self, info) -> None:
+        """Publish the served model's identity (a ``RuntimeInfo``) as ``vqserve_model_info``."""
+        self.model_info.labels(info.model_hash, info.backend, info.dtype, info.device).set(1)
 
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def set_determinism(self, certificate) -> None:
+        """Publish the start-up batch-invariance check (a ``Certificate`` or None)."""
+        for what, attr in (("tokens", "batch_invariant"), ("pixels", "decode_batch_invariant")):
+            value = -1 if certificate is None else int(bool(getattr(certificate, attr)))
+            self.batch_invariant.labels(what).set(value)
+
+    def start_http(self, port: int, host: str = "0.0.0.0", token: str | None = None,
+                   tls: tuple[str, str] | None = None):
+        """Serve ``/metrics`` on ``host:port`` (0 = ephemeral); returns (server, bound port).
+
+        ``token``: every scrape must send ``Authorization: Bearer <token>`` (else 401).
+        ``tls``: (cert, key) PEM files; the endpoint speaks HTTPS only. Both are opt-in
+        because a scraper must be configured to match (docs/SERVING.md, "Security")."""
+        import socket
+        from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+        from prometheus_client import make_wsgi_app
+        from prometheus_client.exposition import ThreadingWSGIServer
+
+        app = make_wsgi_app(self.registry)
+        if token:
+            app = _bearer_only(app, token)
+        context = None
+        if tls is not None:
+            import ssl
+
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(tls[0], tls[1])
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+
+            def finish_request(self, request, client_address):
+                if context is not None:  # handshake here, in the request's thread, not in accept()
+                    request.settimeout(10)
+                    try:
+                        request = context.wrap_socket(request, server_side=True)
+                    except OSError:  # plaintext or a failed handshake: drop the connection
+                        return
+                super().finish_request(request, client_address)
+
+        class Quiet(WSGIRequestHandler):
+            def log_message(self, *args) -> None:  # scrapes are not log lines
+                pass
+
+        server = make_server(host, port, app, Server, handler_class=Quiet)
+        threading.Thread(target=server.serve_forever, name="vqserve-metrics", daemon=True).start()
         return server, server.server_port
+
+
+def _bearer_only(app, token: str):
+    """A WSGI app that answers 401 unless ``Authorization: Bearer <token>`` is sent (compared
+    in constant time, as the gRPC interceptor does)."""
+    import hmac
+
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ, start_response):
+        got = environ.get("HTTP_AUTHORIZATION", "").encode()
+        if hmac.compare_digest(got, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"),
+                                             ("WWW-Authenticate", 'Bearer realm="vqserve metrics"')])
+        return [b"missing or wrong bearer token: send 'Authorization: Bearer <token>'\n"]
+
+    return guarded

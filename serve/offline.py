@@ -308,14 +308,16 @@ def default_workers(device: str) -> int:
     return max(1, min(32, cores - 1)) if device.startswith("cuda") else 0
 
 
-def share_cores_with_workers(device: str, workers: int) -> None:
-    """On a CPU, decode processes and torch's threads share the cores: lower torch's threads
-    to the cores the workers leave (oversubscribed OpenMP threads stall each other)."""
-    if workers and device == "cpu":
-        import torch
+def planned_runtime(runtime, device: str, decode_workers: int, model_workers: int = 0):
+    """The runtime run by the same execution plan as the server (one intra-op thread per
+    model call, fixed micro-batches; vqserve.export.execution), so a file gets the server's
+    tokens. On a CPU the model calls get the cores the decode processes leave
+    (oversubscribed threads stall each other)."""
+    from vqserve.export.execution import PlannedRuntime, default_workers, plan_for
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores - workers))
+    if not model_workers and device == "cpu":
+        model_workers = max(1, default_workers(device) - decode_workers)
+    return PlannedRuntime(runtime, plan_for(device, workers=model_workers))
 
 
 def _decoded_stream(job: Job, workers: int, prefetch: int) -> Iterator[DecodedTask]:

@@ -59,12 +59,21 @@ def _decode_row(row: dict, pre: images.Preprocess, image_column: str) -> dict:
 class TokenizerActor:
     """Holds one runtime; one call = one Task = the runtime calls the local engine makes."""
 
-    def __init__(self, model: str, backend: str, dtype: str | None, device: str):
+    def __init__(self, model: str, backend: str, dtype: str | None, device: str,
+                 expect_hash: str | None = None):
         from vqserve.export.runtime import load_runtime
 
-        # an actor sees only the GPU Ray gave it (CUDA_VISIBLE_DEVICES): "cuda:3" -> "cuda"
+        # an actor sees only the GPU Ray gave it (CUDA_VISIBLE_DEVICES): "cuda:3" -> "cuda";
+        # expect_hash (the driver's model_hash): another model is refused before it loads
         self.runtime = load_runtime(model, backend=backend, dtype=dtype,
-                                    device="cuda" if device.startswith("cuda") else device)
+                                    device="cuda" if device.startswith("cuda") else device,
+                                    expect_hash=expect_hash)
+        from vqserve.export.execution import PlannedRuntime, plan_for
+
+        # the same arithmetic as the server and the local engine; on a CPU the actors are
+        # the parallelism, so each runs one model call at a time
+        cpu = not device.startswith("cuda")
+        self.runtime = PlannedRuntime(self.runtime, plan_for(device, workers=1 if cpu else None))
         info = self.runtime.info
         self.identity = json.dumps([info.model_hash, info.backend, info.dtype, info.index_dtype])
 
@@ -181,7 +190,8 @@ def run_ray(job: offline.Job, model: str, backend: str, dtype: str | None, devic
                                    compute=ray.data.ActorPoolStrategy(size=n_actors),
                                    num_cpus=1, num_gpus=1 if device.startswith("cuda") else 0,
                                    fn_constructor_kwargs={"model": model, "backend": backend,
-                                                          "dtype": dtype, "device": device}))
+                                                          "dtype": dtype, "device": device,
+                                                          "expect_hash": job.runtime_info["model_hash"]}))
                 for row in ds.iter_rows():
                     if row["runtime"] != expected:
                         raise offline.TokenizeError(f"a Ray worker loaded another model or runtime "

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import hmac
+import inspect
 import json
 import logging
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -32,8 +33,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from vqserve import __version__
+from vqserve.export.determinism import start_up_check
+from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
 from vqserve.serve import service_oip, service_v1
-from vqserve.serve.engine import Engine
+from vqserve.serve.engine import Engine, default_batch_pixels
 from vqserve.serve.errors import Tracker
 from vqserve.serve.metrics import Metrics
 
@@ -60,7 +63,17 @@ class ServerConfig:
     tls_key: str | None = None
     auth_token: str | None = None
     grace_s: float = 30.0            # drain time on SIGTERM
+    max_streams: int = 256           # open streaming calls per service (EncodeStream+DecodeStream, ...)
+    expect_hash: str | None = None   # refuse a model whose model_hash differs, before loading it
+    metrics_auth: bool = False       # /metrics requires the gRPC bearer token (auth_token)
+    metrics_tls: bool = False        # /metrics over HTTPS with tls_cert / tls_key
     max_pixels: int | None = None    # per image (H*W); None: the runtime's own (1024*1024)
+    max_batch_pixels: int | None = None  # per model call; None: default_batch_pixels(device)
+    max_decoded_mb: int | None = None    # decoded PNG/JPEG in flight; None: default_decoded_bytes
+    decode_threads: int | None = None    # PNG/JPEG decoding threads; None: up to 4
+    micro_batch: int | None = None   # images per model call (fixed, padded); None: default_plan(device)
+    model_workers: int | None = None  # model calls at once, one thread each; None: default_plan(device)
+    self_check: bool = True          # measure batch invariance at start (GetModelInfo.determinism)
 
 
 class PortInUseError(OSError):
@@ -170,15 +183,196 @@ def _deny(handler, method: str):
         _event("unauthenticated", level=logging.WARNING, method=method)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+    return _same_kind(handler, streaming if handler.request_streaming else unary)
+
+
+def _same_kind(handler, behaviour):
+    """A method handler of ``handler``'s kind (unary/stream each way) and (de)serializers,
+    running ``behaviour`` instead: how the interceptors replace or wrap a method."""
     kw = dict(request_deserializer=handler.request_deserializer,
               response_serializer=handler.response_serializer)
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
+        return grpc.unary_unary_rpc_method_handler(behaviour, **kw)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(unary, **kw)
+        return grpc.unary_stream_rpc_method_handler(behaviour, **kw)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(streaming, **kw)
-    return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+        return grpc.stream_unary_rpc_method_handler(behaviour, **kw)
+    return grpc.stream_stream_rpc_method_handler(behaviour, **kw)
+
+
+# ---- streams: a cap per service, and an end on drain -------------------------------------------
+class _DrainableRequests:
+    """The request side of a client-streaming call, which :meth:`end` closes early.
+
+    ``grpc.aio``'s ``server.stop(grace)`` waits for every open call, and an idle stream
+    never finishes on its own: one open EncodeStream held a SIGTERM drain for the whole
+    grace period. Ending the request side lets the handler answer what it already read and
+    return; a read in progress is cancelled (its message, if any, was never accepted)."""
+
+    def __init__(self, requests):
+        self._it = requests.__aiter__()
+        self._read: asyncio.Future | None = None
+        self.ended = False  # end() was called
+        self.cut = False    # ... and it stopped a read: the client's stream was not read to its end
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.ended:
+            self.cut = True
+            raise StopAsyncIteration
+        self._read = asyncio.ensure_future(self._it.__anext__())
+        try:
+            return await self._read
+        except asyncio.CancelledError:
+            if self.ended and not asyncio.current_task().cancelling():  # end(), not the client
+                self.cut = True
+                raise StopAsyncIteration from None
+            raise
+        finally:
+            self._read = None
+
+    def end(self) -> None:
+        self.ended = True
+        if self._read is not None:
+            self._read.cancel()
+
+
+class StreamGate(grpc.aio.ServerInterceptor):
+    """At most ``limit`` open streaming calls per service, and an end to them on drain.
+
+    Each open stream costs memory and a read-ahead window, and 2,000 idle ones were accepted
+    with no limit: one over the cap is refused at once with RESOURCE_EXHAUSTED (counted in
+    ``vqserve_requests_total``), never queued. Services count apart, so unauthenticated
+    health watches cannot crowd out token-holding EncodeStream clients. On :meth:`drain`,
+    client streams stop reading and end with UNAVAILABLE once every request they had read
+    is answered, so an idle stream no longer holds a shutdown for the whole grace period.
+    """
+
+    DRAINING = "server is draining; reconnect (to another replica) and resend requests with no answer"
+
+    def __init__(self, limit: int, metrics: Metrics, services: tuple[str, ...] = ()):
+        """``services``: those whose ``vqserve_streams_open`` series exist from the start (0)."""
+        self.limit = limit
+        self.metrics = metrics
+        self.open: dict[str, int] = {}
+        for service in services:
+            metrics.streams_open.labels(service).set(0)
+        self.draining = False
+        self._requests: set[_DrainableRequests] = set()
+
+    def drain(self) -> None:
+        self.draining = True
+        for requests in list(self._requests):
+            requests.end()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return handler
+        service, _, method = details.method.lstrip("/").partition("/")
+        return _gated(handler, self, service, method)
+
+    def admit(self, service: str, method: str) -> str | None:
+        """Count a new stream in; the refusal message when ``service`` is at its cap."""
+        if self.open.get(service, 0) >= self.limit:
+            self.metrics.requests.labels(method, "RESOURCE_EXHAUSTED").inc()
+            self.metrics.errors.labels(method, "RESOURCE_EXHAUSTED").inc()
+            return (f"too many open streams: {service} allows {self.limit} at once (--max-streams); "
+                    "close a stream or retry later")
+        self.open[service] = self.open.get(service, 0) + 1
+        self.metrics.streams_open.labels(service).set(self.open[service])
+        return None
+
+    def release(self, service: str) -> None:
+        self.open[service] -= 1
+        self.metrics.streams_open.labels(service).set(self.open[service])
+
+
+def _gated(handler, gate: StreamGate, service: str, method: str):
+    """``handler`` with its behaviour wrapped in :class:`StreamGate`'s admission and drain."""
+    inner = handler.stream_stream or handler.stream_unary or handler.unary_stream
+    client_streaming = handler.request_streaming
+
+    def enter(request):
+        if client_streaming:
+            request = _DrainableRequests(request)
+            if gate.draining:
+                request.ended = True
+            gate._requests.add(request)
+        return request
+
+    def leave(request, context) -> None:
+        if client_streaming:
+            gate._requests.discard(request)
+            if request.cut:  # a client that had closed its side got every answer: plain OK
+                context.set_code(grpc.StatusCode.UNAVAILABLE)
+                context.set_details(StreamGate.DRAINING)
+        gate.release(service)
+
+    if inspect.isasyncgenfunction(inner):
+        async def behaviour(request, context):
+            if refused := gate.admit(service, method):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+            request = enter(request)
+            try:
+                async for response in inner(request, context):
+                    yield response
+            finally:
+                leave(request, context)
+    else:
+        async def behaviour(request, context):
+            if refused := gate.admit(service, method):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+            request = enter(request)
+            try:
+                return await inner(request, context)
+            finally:
+                leave(request, context)
+
+    return _same_kind(handler, behaviour)
+
+
+class DrainingHealthServicer(health.aio.HealthServicer):
+    """grpc's health servicer, except that ``Watch`` streams end after they sent NOT_SERVING
+    when the server drains. The stock ``Watch`` never returns, so one open watch (a load
+    balancer, a mesh sidecar) held every shutdown for the full grace period."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._status: dict[str, int] = {"": health_pb2.HealthCheckResponse.SERVING}
+        self._changed = asyncio.Event()
+        self._ending = False
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def set(self, service: str, status) -> None:
+        if not self._ending:  # the parent ignores changes after enter_graceful_shutdown too
+            self._status[service] = status
+        await super().set(service, status)
+        self._wake()
+
+    async def enter_graceful_shutdown(self) -> None:
+        """NOT_SERVING for every service (sent to each watcher), then end every watch."""
+        await super().enter_graceful_shutdown()
+        self._status = dict.fromkeys(self._status, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._ending = True
+        self._wake()
+
+    async def Watch(self, request, context) -> None:
+        last = None
+        while True:
+            changed = self._changed
+            status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._ending:
+                return
+            await changed.wait()
 
 
 # ---- reflection -------------------------------------------------------------------------------
@@ -215,7 +409,9 @@ class TokenizerServer:
         self._runtime = runtime
         self.metrics = Metrics()
         self.state = ServerState(self.metrics)
-        self.health = health.aio.HealthServicer()
+        self.health = DrainingHealthServicer()
+        self.gate = StreamGate(config.max_streams, self.metrics,
+                               (service_v1.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME))
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -254,6 +450,7 @@ class TokenizerServer:
         interceptors = []
         if cfg.auth_token:
             interceptors.append(BearerTokenAuth(cfg.auth_token))
+        interceptors.append(self.gate)  # after auth: a refused token never takes a stream's place
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[("grpc.max_receive_message_length", limit),
@@ -279,16 +476,24 @@ class TokenizerServer:
             self.port = self._bind(lambda: self.server.add_insecure_port(address))
         await self.server.start()
         if cfg.metrics_port >= 0:
+            if cfg.metrics_auth and not cfg.auth_token:
+                raise ValueError("--metrics-auth needs --auth-token-file: /metrics asks for the gRPC token")
+            if cfg.metrics_tls and not (cfg.tls_cert and cfg.tls_key):
+                raise ValueError("--metrics-tls needs --tls-cert and --tls-key: /metrics uses the same pair")
             try:
-                self._metrics_http, self.metrics_port = self.metrics.start_http(cfg.metrics_port,
-                                                                                cfg.metrics_host)
+                self._metrics_http, self.metrics_port = self.metrics.start_http(
+                    cfg.metrics_port, cfg.metrics_host, token=cfg.auth_token if cfg.metrics_auth else None,
+                    tls=(cfg.tls_cert, cfg.tls_key) if cfg.metrics_tls else None)
+            except ssl.SSLError:
+                raise  # a bad certificate or key, not a port problem
             except OSError as exc:
                 detail = (PortInUseError.IN_USE if exc.errno == errno.EADDRINUSE
                           else f"could not be bound ({exc.strerror or exc})")
                 raise PortInUseError("metrics", cfg.metrics_host, cfg.metrics_port, detail) from None
         _event("listening", f"gRPC listening on {cfg.host}:{self.port}", port=self.port,
                metrics_port=self.metrics_port, tls=bool(cfg.tls_cert), auth=bool(cfg.auth_token),
-               version=__version__)
+               metrics_tls=cfg.metrics_tls, metrics_auth=cfg.metrics_auth,
+               max_streams=cfg.max_streams, version=__version__)
         self._load_task = asyncio.get_running_loop().create_task(self._load())
         return self.port
 
@@ -312,14 +517,33 @@ class TokenizerServer:
             from vqserve.export.runtime import load_runtime
 
             def runtime():
-                return load_runtime(cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device)
+                return load_runtime(cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device,
+                                    expect_hash=cfg.expect_hash)  # checked before the files load
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
             runtime = await asyncio.get_running_loop().run_in_executor(None, runtime)
+        from vqserve.export.runtime import check_expected_hash
+
+        check_expected_hash(cfg.expect_hash, runtime.info.model_hash, cfg.model)  # a runtime given ready-made
+        self.metrics.set_model(runtime.info)
+        plan = self._plan(runtime.info.device)
+        certificate = None
+        if cfg.self_check:  # before SERVING: a client never sees tokens from an unchecked plan
+            certificate = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: start_up_check(runtime, plan))
+        runtime = PlannedRuntime(runtime, plan)
+        max_pixels = cfg.max_pixels or runtime.info.max_pixels
         engine = Engine(runtime, self.metrics, max_batch_size=cfg.max_batch_size,
                         max_delay_s=cfg.max_delay_ms / 1000.0, max_queue=cfg.max_queue,
-                        max_message_bytes=cfg.max_message_mb * 1024 * 1024)
-        if cfg.max_pixels:  # both APIs and GetModelInfo read the limit from engine.info
-            engine.info = dataclasses.replace(engine.info, max_pixels=cfg.max_pixels)
+                        max_message_bytes=cfg.max_message_mb * 1024 * 1024, max_pixels=max_pixels,
+                        max_batch_pixels=cfg.max_batch_pixels
+                        or default_batch_pixels(runtime.info.device, max_pixels),
+                        max_decoded_bytes=(cfg.max_decoded_mb or 0) << 20 or None,
+                        decode_threads=cfg.decode_threads)
+        engine.determinism = certificate
+        self.metrics.set_determinism(certificate)
+        if certificate is not None and not (certificate.batch_invariant and certificate.decode_batch_invariant):
+            _event("not_batch_invariant", certificate.summary(), level=logging.WARNING,
+                   plan=plan.to_dict())
         engine.batcher.start()
         self.state.engine = engine
         self.state.ready = True
@@ -332,28 +556,38 @@ class TokenizerServer:
                device=info.device, codebook_size=info.codebook_size, factor=info.factor,
                model_hash=info.model_hash, load_s=round(time.perf_counter() - t0, 3),
                max_batch_size=cfg.max_batch_size, max_delay_ms=cfg.max_delay_ms, max_queue=cfg.max_queue,
-               max_pixels=engine.info.max_pixels)
+               max_pixels=engine.info.max_pixels, max_batch_pixels=engine.max_batch_pixels,
+               max_decoded_bytes=engine.decoder.budget.limit, plan=plan.to_dict(),
+               determinism=certificate.summary() if certificate else "not checked (--no-self-check)")
+
+    def _plan(self, device: str) -> ExecutionPlan:
+        """The default plan for the device, with the settings the user gave."""
+        return plan_for(device, self.config.micro_batch, self.config.model_workers)
 
     async def wait_loaded(self) -> None:
         """Wait for the model; re-raises a load failure."""
         await self._load_task
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: NOT_SERVING, refuse new RPCs, finish in-flight ones within ``grace``."""
+        """Drain: NOT_SERVING, refuse new RPCs, finish in-flight ones within ``grace``.
+
+        Streams end as soon as their requests are answered (see :class:`StreamGate`), so
+        the drain takes as long as the work in flight, not the whole grace period."""
         if self._stopped:
             return
         self._stopped = True
         grace = self.config.grace_s if grace is None else grace
         _event("draining", f"draining (grace {grace}s)", grace_s=grace)
         self.state.ready = False
-        await self.health.enter_graceful_shutdown()
+        await self.health.enter_graceful_shutdown()  # also ends every health Watch
+        self.gate.drain()  # client streams: answer what was read, then UNAVAILABLE
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         t0 = time.perf_counter()
         if self.server is not None:
             await self.server.stop(grace)
         if self.state.engine is not None:
-            await self.state.engine.batcher.close()
+            await self.state.engine.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

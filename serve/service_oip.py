@@ -105,28 +105,43 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise NotReady("the model is still loading; retry shortly")
         return self.state.engine
 
+    async def _answer(self, method: str, request, context, answer):
+        """Every RPC: count it, refuse bytes that were not its message (INVALID_ARGUMENT),
+        turn any failure into its status code."""
+        try:
+            with self.state.tracker.track(method, context):
+                reject_unparsed(request)
+                return await answer(request, context)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort_for(context, exc)
+
     async def ServerLive(self, request, context):
-        return pb.ServerLiveResponse(live=True)
+        async def live(request, context):
+            return pb.ServerLiveResponse(live=True)
+        return await self._answer("ServerLive", request, context, live)
 
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self.state.ready)
+        async def ready(request, context):
+            return pb.ServerReadyResponse(ready=self.state.ready)
+        return await self._answer("ServerReady", request, context, ready)
 
     async def ModelReady(self, request, context):
-        try:
+        async def ready(request, context):
             _check_model(request.name, request.version)
-        except Exception as exc:  # noqa: BLE001
-            await abort_for(context, exc)
-        return pb.ModelReadyResponse(ready=self.state.ready)
+            return pb.ModelReadyResponse(ready=self.state.ready)
+        return await self._answer("ModelReady", request, context, ready)
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name="vqserve", version=__version__, extensions=[])
+        async def metadata(request, context):
+            return pb.ServerMetadataResponse(name="vqserve", version=__version__, extensions=[])
+        return await self._answer("ServerMetadata", request, context, metadata)
 
     async def ModelMetadata(self, request, context):
-        try:
-            _check_model(request.name, request.version)
-            info = self.engine.info
-        except Exception as exc:  # noqa: BLE001
-            await abort_for(context, exc)
+        return await self._answer("ModelMetadata", request, context, self._model_metadata)
+
+    async def _model_metadata(self, request, context) -> pb.ModelMetadataResponse:
+        _check_model(request.name, request.version)
+        info = self.engine.info
         index_type = codec.NUMPY_TO_OIP[np.dtype(info.index_dtype).name]
         q = info.codes_per_position
         index_shape = [-1, -1, -1] + ([q] if q > 1 else [])
@@ -137,12 +152,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                                         inputs=inputs, outputs=outputs)
 
     async def ModelInfer(self, request, context):
-        try:
-            with self.state.tracker.track("ModelInfer", context):
-                reject_unparsed(request)
-                return await self._infer(request, context)
-        except Exception as exc:  # noqa: BLE001
-            await abort_for(context, exc)
+        return await self._answer("ModelInfer", request, context, self._infer)
 
     async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         _check_model(request.model_name, request.model_version)
@@ -169,18 +179,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
 
 def add_to_server(service: InferenceService, server) -> None:
-    """Register every method of the service as the generated helper does, but ModelInfer
-    with a request parser that never raises: bytes that are not a ModelInferRequest get
-    INVALID_ARGUMENT (counted) instead of UNKNOWN with the parser's text."""
+    """Register every method of the service as the generated helper does, but with request
+    parsers that never raise: bytes that are not the method's message get INVALID_ARGUMENT
+    (counted) instead of UNKNOWN with the parser's text."""
     import grpc
 
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
-        parse = safe_deserializer(request_cls) if method.name == "ModelInfer" else request_cls.FromString
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(service, method.name), request_deserializer=parse,
+            getattr(service, method.name), request_deserializer=safe_deserializer(request_cls),
             response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

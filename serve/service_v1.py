@@ -51,17 +51,15 @@ class TokenizerService(pb_grpc.TokenizerServicer):
         reject_unparsed(request)
         engine = self.engine
         kind = request.WhichOneof("pixels")
+        overhead = len(request.request_id)
         if kind == "images":
-            images = tensor_array(request.images, "images")
-            field = "images"
+            indices = await engine.encode(tensor_array(request.images, "images"), deadline_of(context),
+                                          "images", reply_overhead=overhead)
         elif kind == "encoded":
-            images = codec.decode_images(list(request.encoded.images), "encoded.images",
-                                         engine.info.max_pixels)
-            field = "encoded.images"
+            indices = await engine.encode_encoded(request.encoded.images, deadline_of(context),
+                                                  "encoded.images", reply_overhead=overhead)
         else:
             raise codec.BadInput("pixels", "set either `images` (raw uint8 NHWC) or `encoded` (PNG/JPEG)")
-        indices = await engine.encode(images, deadline_of(context), field,
-                                      reply_overhead=len(request.request_id))
         return pb.EncodeResponse(indices=tensor_msg(indices), request_id=request.request_id)
 
     async def _decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
@@ -169,9 +167,19 @@ class TokenizerService(pb_grpc.TokenizerServicer):
                     accepted_sizes=engine.size_rule, max_pixels=info.max_pixels,
                     max_batch_size=engine.max_batch_size, dtype=info.dtype, backend=info.backend,
                     device=info.device, model_hash=info.model_hash, server_version=__version__,
+                    execution_plan=" ".join(f"{k}={v}" for k, v in info.extra.get("plan", {}).items()),
+                    determinism=_determinism_msg(getattr(engine, "determinism", None)),
                 )
         except Exception as exc:  # noqa: BLE001
             await abort_for(context, exc)
+
+
+def _determinism_msg(certificate) -> pb.Determinism:
+    if certificate is None:
+        return pb.Determinism(summary="not checked (the server started with --no-self-check)")
+    return pb.Determinism(batch_invariant=certificate.batch_invariant,
+                          decode_batch_invariant=certificate.decode_batch_invariant,
+                          summary=certificate.summary())
 
 
 # name -> (handler factory, request type, response type), as in the generated stub module

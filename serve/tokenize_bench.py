@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
     info = runtime.info.to_dict()
     workers = offline.default_workers(info["device"]) if args.workers is None else args.workers
-    offline.share_cores_with_workers(info["device"], workers)  # as `vqserve tokenize` does
+    runtime = offline.planned_runtime(runtime, info["device"], workers)  # as `vqserve tokenize` does
     pre = images.Preprocess(mode="size", size=args.size, factor=info["factor"])
     scratch = Path(tempfile.mkdtemp(prefix="vqserve-bench-tokenize-"))
     try:

@@ -385,7 +385,9 @@ def _open_runtime(manifest: dict, model: str | None, device: str | None, report:
         raise NotADataset(f"cannot load the model {ref!r} to re-encode the sample: {exc}{hint} "
                           "(or --sample 0 to skip re-encoding)") from None
     check_model_hash(runtime, manifest, ref)
-    return runtime
+    from vqserve.export.execution import PlannedRuntime, plan_for
+
+    return PlannedRuntime(runtime, plan_for(device, workers=1))  # tokenize's arithmetic, one image
 
 
 def check_model_hash(runtime, manifest: dict, ref: str) -> None:

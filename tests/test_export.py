@@ -93,7 +93,7 @@ def test_fp32_island_is_real_in_the_graph(fmt, dtype, export_dir):
     d = export_dir(fmt, dtype)
     manifest = read_manifest(d)
     want = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
-    head = dtype == "bf16"  # bf16 keeps the encoder's residual stream in fp32 by default
+    head = dtype != "fp32"  # bf16 and fp16 keep the encoder's residual stream in fp32 by default
     assert manifest["fp32_layers"] == (STREAM_CONVS if head else [])
     for role in ("encode", "decode"):
         rep = check_island(d, manifest, role)
@@ -126,7 +126,11 @@ def test_manifest_contents_and_sha256(fmt, dtype, export_dir, tiny_checkpoint):
     for name, entry in m["files"].items():
         assert entry["sha256"] == sha256_file(d / name)
         assert entry["bytes"] == (d / name).stat().st_size
-    assert m["source"]["sha256"] == sha256_file(f"{tiny_checkpoint}/model.safetensors")
+    # the source checkpoint's model_hash (config + weights), as its eager runtime reports it
+    from vqserve.export.runtime import checkpoint_hash
+
+    assert m["source"]["sha256"] == checkpoint_hash(tiny_checkpoint)
+    assert m["determinism"]["batch_invariant"] and m["determinism"]["decode_batch_invariant"]
     p = m["parity"]
     for key in ("index_agreement", "codebook_utilization", "psnr_db", "reference_psnr_db",
                 "decode_max_abs_diff", "positions", "validation", "min_agreement"):
@@ -222,7 +226,7 @@ def test_eager_bf16_runs_the_encoder_exactly_like_the_export(tiny_checkpoint, ph
     assert rt.tokenizer.decoder.conv_in.weight.dtype == torch.bfloat16
     fp32 = EagerRuntime(tiny_checkpoint)
     assert torch.equal(enc.conv_in.weight, fp32.tokenizer.encoder.conv_in.weight)  # not a bf16 round trip
-    assert EagerRuntime(tiny_checkpoint, dtype="fp16").fp32_layers == []
+    assert EagerRuntime(tiny_checkpoint, dtype="fp16").fp32_layers == STREAM_CONVS
     idx = rt.encode(photos)
     assert idx.shape == (4, 8, 8) and rt.decode(idx).shape == photos.shape
     exported = load_runtime(export_dir("torchscript", "bf16"))

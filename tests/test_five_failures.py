@@ -183,3 +183,27 @@ def test_failure5_cast_tokenizer_takes_uint8_and_fp32(dtype, quantizer):
     with torch.no_grad():
         recon, _ = tok(fp32_pixels, return_aux=False)
     assert recon.dtype == dtype
+
+
+# -- 5b. A model cast to one low-precision dtype, run under autocast to the other -----------
+def test_failure5_mixed_cast_original_situation_is_real():
+    """PyTorch's CPU GroupNorm takes a mixed input only with fp32 parameters."""
+    norm = torch.nn.GroupNorm(2, 4).half()
+    with pytest.raises(RuntimeError, match="mixed dtype"):
+        norm(torch.randn(1, 4, 8, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("cast", "autocast"), [(torch.float16, torch.bfloat16),
+                                                (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("quantizer", ["fsq", "lfq", "vq", "rfsq"])
+@pytest.mark.parametrize("attention", [False, True])
+def test_failure5_cast_tokenizer_under_the_other_autocast(cast, autocast, quantizer, attention):
+    tok = make_tokenizer(quantizer=quantizer, lfq_dim=8, vq_codebook_size=64, vq_dim=4,
+                         attention=attention).eval().to(cast)
+    images = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8)
+    with torch.autocast("cpu", dtype=autocast):
+        indices = tok.encode(images)
+        assert tok.decode(indices).shape == (2, 32, 32, 3)
+        recon, _ = tok(images.permute(0, 3, 1, 2).float() / 127.5 - 1, return_aux=False)
+    assert recon.shape == (2, 3, 32, 32)
+    assert indices.shape[:3] == (2, 4, 4)

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
+from tests.helpers import CountingRuntime
 from vqserve.export.runtime import EagerRuntime
 from vqserve.serve import codec
 from vqserve.serve._proto import tokenizer_pb2 as pb
@@ -28,22 +29,6 @@ pytestmark = pytest.mark.timeout(120)
 MAX_MB = 1
 LIMIT = MAX_MB * 1024 * 1024
 GARBAGE = b"\xff\xff garbage"
-
-
-class CountingRuntime:
-    """The real tiny runtime, recording the shape of every batch the model is asked to run."""
-
-    def __init__(self, inner):
-        self.inner, self.info = inner, inner.info
-        self.calls: list[tuple[str, tuple[int, ...]]] = []
-
-    def encode(self, x):
-        self.calls.append(("encode", tuple(x.shape)))
-        return self.inner.encode(x)
-
-    def decode(self, x):
-        self.calls.append(("decode", tuple(x.shape)))
-        return self.inner.decode(x)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,17 +34,6 @@ def config(**kw) -> ServerConfig:
 
 
 # ---- TLS and auth -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cert(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not available to make a self-signed certificate")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True)
-    return d / "cert.pem", d / "key.pem"
 
 
 def test_tls_and_bearer_token(tiny_checkpoint, cert, photos):

@@ -221,6 +221,22 @@ def test_codebook_usage_window_and_entropy():
     assert s["usage"] == 1 / 16 and s["entropy_bits"] == 0.0 and s["tokens"] == 64
 
 
+@settings(max_examples=60, deadline=None)
+@given(window=st.integers(1, 40), chunks=st.lists(st.lists(st.integers(-3, 20), max_size=50), max_size=12))
+def test_codebook_window_counts_exactly_the_last_window_tokens(window, chunks):
+    """The ring buffer's counts equal a bincount of the last ``window`` valid tokens."""
+    u = CodebookUsage(16, window=window)
+    seen: list[int] = []
+    for chunk in chunks:
+        arr = np.asarray(chunk, dtype=np.int64)
+        u.add(arr)
+        seen += [int(v) for v in arr[-window:] if 0 <= v < 16] if arr.size > window else \
+                [int(v) for v in arr if 0 <= v < 16]
+    last = seen[-window:] if seen else []
+    assert u._counts.tolist() == np.bincount(np.asarray(last, dtype=np.int64), minlength=16).tolist()
+    assert u.stats()["tokens"] == len(last)
+
+
 def test_metrics_exposition_names():
     m = Metrics(codebook_size=10)
     m.record_codes("encode", np.arange(5))

@@ -14,17 +14,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import io
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -36,6 +29,7 @@ from vqserve.cli import main as cli_main
 from vqserve.export import torchserve_handler as th
 from vqserve.export.runtime import EagerRuntime
 from vqserve.export.torchserve import build_archives
+from vqserve.export.torchserve_server import PROTO_FILES, TorchServe, extract_protos, http
 
 PORT_RANGE = (18080, 18099)
 BATCH_SIZE, MAX_DELAY_MS = 4, 200   # registration values (the archives default to 8 / 5)
@@ -243,124 +237,17 @@ def test_artifact_archive_runs_the_artifact(tiny_checkpoint, tmp_path, photos, r
 
 
 # ---- REAL TorchServe ---------------------------------------------------------------------------
-def free_ports(n: int) -> list[int]:
-    ports = []
-    for port in range(PORT_RANGE[0], PORT_RANGE[1] + 1):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    pytest.fail(f"fewer than {n} free ports in {PORT_RANGE}")
-
-
-class TorchServe:
-    """``torchserve --foreground`` in its own process group; ``stop`` kills the group."""
-
-    def __init__(self, store: Path, run_dir: Path):
-        self.inference, self.management, self.metrics, self.grpc, self.grpc_mgmt = free_ports(5)
-        self.run_dir = run_dir
-        self.tmp = Path(tempfile.mkdtemp(prefix="vqts-"))  # short: worker socket paths live here
-        self.config = run_dir / "config.properties"
-        self.config.write_text("\n".join([
-            f"inference_address=http://127.0.0.1:{self.inference}",
-            f"management_address=http://127.0.0.1:{self.management}",
-            f"metrics_address=http://127.0.0.1:{self.metrics}",
-            "grpc_inference_address=127.0.0.1", f"grpc_inference_port={self.grpc}",
-            "grpc_management_address=127.0.0.1", f"grpc_management_port={self.grpc_mgmt}",
-            f"initial_worker_port={self.grpc_mgmt + 1}",   # names worker sockets in self.tmp
-            "disable_token_authorization=true",            # test only
-            "enable_model_api=true", "install_py_dep_per_model=false",
-            "default_workers_per_model=1", "disable_system_metrics=true",
-            f"model_store={store}",
-            "vmargs=-Xmx512m -XX:+UseSerialGC -XX:TieredStopAtLevel=1",
-        ]) + "\n")
-        self.log = run_dir / "torchserve.out"
-        script = Path(sys.executable).with_name("torchserve")
-        env = {**os.environ, "TMPDIR": str(self.tmp), "TEMP": str(self.tmp),
-               "LOG_LOCATION": str(run_dir / "logs"), "METRICS_LOCATION": str(run_dir / "logs"),
-               "OMP_NUM_THREADS": "1"}
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [str(script), "--start", "--ncs", "--foreground", "--model-store", str(store),
-                 "--ts-config", str(self.config)],
-                cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def url(self, path: str, management: bool = False) -> str:
-        return f"http://127.0.0.1:{self.management if management else self.inference}{path}"
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"torchserve exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/ping"), timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        pytest.fail(f"torchserve not ready after {timeout}s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return text[-4000:]
-
-    def stop(self) -> None:
-        """SIGTERM the whole group (launcher, Java frontend, Python workers), then SIGKILL."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # workers may outlive the launcher briefly
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def http(url: str, body: bytes | None = None, headers: dict | None = None, method: str | None = None,
-         timeout: float = 60) -> tuple[int, dict, bytes]:
-    h = {"Content-Type": "application/octet-stream", **(headers or {})}
-    req = urllib.request.Request(url, data=body, headers=h, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
-
-
 @pytest.fixture(scope="module")
 def server(archives, tmp_path_factory):
     if shutil.which("java") is None:
         pytest.skip("java is not on PATH: TorchServe's frontend is a Java program")
     run_dir = tmp_path_factory.mktemp("torchserve-run")
-    ts = TorchServe(archives, run_dir)
+    ts = TorchServe(archives, run_dir, PORT_RANGE,
+                    vmargs="-Xmx512m -XX:+UseSerialGC -XX:TieredStopAtLevel=1")
     try:
         ts.wait_ready()
         for name in ("vqserve-encode", "vqserve-decode"):
-            status, _, body = http(ts.url(
-                f"/models?url={name}.mar&batch_size={BATCH_SIZE}&max_batch_delay={MAX_DELAY_MS}"
-                "&initial_workers=1&synchronous=true", management=True), method="POST", timeout=120)
-            assert status == 200, f"registering {name}: {status} {body!r}\n{ts.tail()}"
+            ts.register(name, BATCH_SIZE, MAX_DELAY_MS)
         yield ts
     finally:
         ts.stop()
@@ -368,9 +255,8 @@ def server(archives, tmp_path_factory):
 
 @pytest.mark.slow
 def test_registration_overrides_the_archive_defaults(server):
-    status, _, body = http(server.url("/models/vqserve-encode", management=True), method="GET")
-    described = json.loads(body)[0]
-    assert status == 200 and described["batchSize"] == BATCH_SIZE
+    described = server.describe("vqserve-encode")
+    assert described["batchSize"] == BATCH_SIZE
     assert described["maxBatchDelay"] == MAX_DELAY_MS
     assert described["workers"][0]["status"] == "READY"
 
@@ -459,22 +345,16 @@ with grpc.insecure_channel(sys.argv[2]) as channel:
 
 
 def compile_torchserve_protos(dest: Path) -> Path:
-    """``inference.proto`` (and the ``google/rpc/status.proto`` it imports) ship only inside
-    TorchServe's ``model-server.jar``: extract them and run grpc_tools.protoc."""
+    """Python stubs for TorchServe's ``inference.proto`` (taken out of its jar)."""
     import importlib.resources
 
-    import ts
     from grpc_tools import protoc
 
-    jar = Path(ts.__file__).parent / "frontend" / "model-server.jar"
-    src, out = dest / "proto", dest / "stubs"
+    src, out = extract_protos(dest / "proto"), dest / "stubs"
     out.mkdir(parents=True)
-    with zipfile.ZipFile(jar) as z:
-        for name in ("inference.proto", "google/rpc/status.proto"):
-            z.extract(name, src)
     include = str(importlib.resources.files("grpc_tools") / "_proto")
     rc = protoc.main(["protoc", f"-I{src}", f"-I{include}", f"--python_out={out}",
-                      f"--grpc_python_out={out}", "inference.proto", "google/rpc/status.proto"])
+                      f"--grpc_python_out={out}", *PROTO_FILES])
     assert rc == 0, "grpc_tools.protoc failed on TorchServe's inference.proto"
     return out
 

@@ -102,6 +102,8 @@ def _open(data: bytes | str | os.PathLike, formats: tuple[str, ...] | None = Non
         raise ImageError("does not exist") from None
     except IsADirectoryError:
         raise ImageError("is a directory, not an image") from None
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"is refused as a decompression bomb ({exc})") from None
     except Image.UnidentifiedImageError:
         raise ImageError(f"is not {what} (unknown format)") from None
     except Exception as exc:  # Pillow raises many types for corrupt data
@@ -144,6 +146,47 @@ def _to_rgb(img) -> np.ndarray:
     return np.asarray(img, dtype=np.uint8)
 
 
+def check_pixels(height: int, width: int, max_pixels: int) -> None:
+    """The per-image pixel limit, checked on the header's size before any pixel is decoded
+    (a 3 KB PNG can claim a billion pixels)."""
+    if max_pixels and height * width > max_pixels:
+        raise ImageError(f"has {height}x{width} = {height * width} pixels, more than the limit {max_pixels}")
+
+
+def _orientation(img) -> int:
+    try:
+        return int(img.getexif().get(0x0112, 1))
+    except Exception:  # a broken EXIF block: show the image as stored
+        return 1
+
+
+@dataclass(frozen=True)
+class Header:
+    """What an image's header says, read without decoding a single pixel."""
+
+    height: int          # as displayed (EXIF orientation applied)
+    width: int
+    format: str          # Pillow's format name: PNG, JPEG, ...
+
+    @property
+    def pixels(self) -> int:
+        return self.height * self.width
+
+
+def probe(data: bytes | str | os.PathLike, formats: tuple[str, ...] | None = None,
+          max_pixels: int = 0) -> Header:
+    """Read only the header: size (displayed orientation) and format. Microseconds for
+    PNG/JPEG, whatever the pixel count, so a server can apply its count and pixel budgets
+    to a whole request before it spends memory or CPU on decoding."""
+    img = _open(data, formats)
+    with img:
+        w0, h0 = img.size
+        check_pixels(h0, w0, max_pixels)
+        transposed = _orientation(img) in (5, 6, 7, 8)
+        fmt = img.format or ""
+    return Header(height=w0 if transposed else h0, width=h0 if transposed else w0, format=fmt)
+
+
 def _centre_box(h: int, w: int, th: int, tw: int) -> tuple[int, int, int, int]:
     return (h - th) // 2, (w - tw) // 2, th, tw
 
@@ -160,12 +203,8 @@ def prepare(data: bytes | str | os.PathLike, pre: Preprocess = Preprocess(),
     img = _open(data, formats)
     with img:
         w0, h0 = img.size  # before EXIF rotation: what the header says
-        if pre.max_pixels and w0 * h0 > pre.max_pixels:
-            raise ImageError(f"has {h0}x{w0} = {h0 * w0} pixels, more than the limit {pre.max_pixels}")
-        try:
-            orientation = img.getexif().get(0x0112, 1)
-        except Exception:
-            orientation = 1
+        check_pixels(h0, w0, pre.max_pixels)
+        orientation = _orientation(img)
         transposed = orientation in (5, 6, 7, 8)
         oh, ow = (w0, h0) if transposed else (h0, w0)
         if pre.mode == "size":

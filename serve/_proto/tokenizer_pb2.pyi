@@ -85,7 +85,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("quantizer", "codebook_size", "levels", "factor", "codes_per_position", "index_dtype", "accepted_sizes", "max_pixels", "max_batch_size", "dtype", "backend", "device", "model_hash", "server_version")
+    __slots__ = ("quantizer", "codebook_size", "levels", "factor", "codes_per_position", "index_dtype", "accepted_sizes", "max_pixels", "max_batch_size", "dtype", "backend", "device", "model_hash", "server_version", "execution_plan", "determinism")
     QUANTIZER_FIELD_NUMBER: _ClassVar[int]
     CODEBOOK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEVELS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISM_FIELD_NUMBER: _ClassVar[int]
     quantizer: str
     codebook_size: int
     levels: _containers.RepeatedScalarFieldContainer[int]
@@ -114,4 +116,16 @@ class ModelInfo(_message.Message):
     device: str
     model_hash: str
     server_version: str
-    def __init__(self, quantizer: _Optional[str] = ..., codebook_size: _Optional[int] = ..., levels: _Optional[_Iterable[int]] = ..., factor: _Optional[int] = ..., codes_per_position: _Optional[int] = ..., index_dtype: _Optional[str] = ..., accepted_sizes: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., model_hash: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...
+    execution_plan: str
+    determinism: Determinism
+    def __init__(self, quantizer: _Optional[str] = ..., codebook_size: _Optional[int] = ..., levels: _Optional[_Iterable[int]] = ..., factor: _Optional[int] = ..., codes_per_position: _Optional[int] = ..., index_dtype: _Optional[str] = ..., accepted_sizes: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., model_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., execution_plan: _Optional[str] = ..., determinism: _Optional[_Union[Determinism, _Mapping]] = ...) -> None: ...
+
+class Determinism(_message.Message):
+    __slots__ = ("batch_invariant", "decode_batch_invariant", "summary")
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    batch_invariant: bool
+    decode_batch_invariant: bool
+    summary: str
+    def __init__(self, batch_invariant: _Optional[bool] = ..., decode_batch_invariant: _Optional[bool] = ..., summary: _Optional[str] = ...) -> None: ...

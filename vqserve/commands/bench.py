@@ -1,9 +1,13 @@
 """Benchmarks (not tests): each prints ratios measured side by side in one run.
 
+  vqserve bench all          every benchmark below that matters for serving, and TorchServe:
+                             docs/BENCHMARKS.md + plots + raw JSON (`make bench`)
   vqserve bench quantizers   FSQ/LFQ throughput vs vector-quantize-pytorch; fp32-island cost
   vqserve bench runtimes     eager / TorchScript / ONNX Runtime / torch.export, per dtype
-  vqserve bench serve        gRPC serving vs in-process; dynamic batching on vs off
+  vqserve bench serve        gRPC serving (v1, OIP) vs in-process; batching on vs off; TorchServe
   vqserve bench tokenize     `vqserve tokenize` end-to-end vs the raw runtime on the same images
+  vqserve bench plan         the batch-invariant execution plan vs torch's default threading:
+                             speed and tokens changed by batching
 
 Options after the target go to that benchmark: `vqserve bench serve --help`.
 """
@@ -14,10 +18,12 @@ import argparse
 import importlib
 
 TARGETS = {
+    "all": "vqserve.serve.bench_report",
     "quantizers": "vqserve.model.bench",
     "runtimes": "vqserve.export.bench",
     "serve": "vqserve.serve.bench",
     "tokenize": "vqserve.serve.tokenize_bench",
+    "plan": "vqserve.export.plan_bench",
 }
 
 

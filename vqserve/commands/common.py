@@ -37,6 +37,35 @@ def add_model_args(parser: argparse.ArgumentParser, default_device: str = "auto"
     return m
 
 
+class HashSyntaxError(argparse.ArgumentTypeError, ValueError):
+    """A malformed ``--expect-hash``: argparse prints its text, env fallbacks catch a ValueError."""
+
+
+def expected_hash(text: str) -> str:
+    """``--expect-hash`` value: a sha256 ``model_hash`` (64 hex digits), lower-cased."""
+    value = text.strip().lower()
+    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise HashSyntaxError(f"expected a sha256 model hash (64 hexadecimal digits, as GetModelInfo "
+                              f"and the `serving` log line show it), got {text!r}")
+    return value
+
+
+def switch(text: str) -> bool:
+    """An on/off setting from a ``VQSERVE_*`` variable: 1/0, true/false, yes/no, on/off."""
+    value = {"1": True, "true": True, "yes": True, "on": True,
+             "0": False, "false": False, "no": False, "off": False, "": False}.get(text.strip().lower())
+    if value is None:
+        raise ValueError(f"expected 1/0, true/false, yes/no or on/off, got {text!r}")
+    return value
+
+
+def add_expect_hash(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--expect-hash", type=expected_hash, default=None, metavar="SHA256",
+                        help="refuse any model whose model_hash (one sha256 over every file it "
+                             "loads) is not this one, checked before anything is loaded; the "
+                             "defence against a swapped or re-hashed artifact (docs/EXPORT.md, Trust)")
+
+
 def check_model_exists(model: str | None, env: str | None = None) -> None:
     """Refuse a ``--model`` path that is not there before any port is bound or file written,
     so the user gets one line instead of a failed background load."""
@@ -84,8 +113,9 @@ def resolve_env_fallbacks(parser_actions, args: argparse.Namespace, env_names: d
         if raw != "":
             try:
                 value = action.type(raw) if action.type else raw
-            except (TypeError, ValueError):
-                raise ValueError(f"{env}={raw!r} is not a valid {action.option_strings[0]} value") from None
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+                why = f": {exc}" if isinstance(exc, argparse.ArgumentTypeError) else ""
+                raise ValueError(f"{env}={raw!r} is not a valid {action.option_strings[0]} value{why}") from None
             if action.choices and value not in action.choices:
                 raise ValueError(f"{env}={raw!r} must be one of {', '.join(map(str, action.choices))}")
         setattr(args, action.dest, value)

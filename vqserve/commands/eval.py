@@ -3,7 +3,7 @@
 Each image is centre-cropped to a multiple of the factor, encoded and decoded in fp32
 eager (PSNR, SSIM, codebook utilization / entropy / perplexity), and encoded again in
 bf16 and fp16 (quantizer fp32, as always) two ways: the encoder as serving and exports run
-it (for bf16 the residual stream stays fp32, vqserve.model.mixed_precision) and the whole
+it (the residual stream stays fp32 in bf16 and fp16, vqserve.model.mixed_precision) and the whole
 encoder under autocast, as training runs it. Agreement is the fraction of tokens identical
 to the fp32 ones. The baseline is area-downsample x factor then bicubic upsample of the
 same images.

@@ -3,13 +3,15 @@ health, reflection) with dynamic batching and Prometheus metrics on /metrics.
 
 Logs are JSON lines on stderr; the `listening` line carries the bound port (useful with
 --port 0). SIGTERM or Ctrl-C drains: health goes NOT_SERVING, new calls are refused,
-in-flight ones finish within --grace, then the process exits 0.
+in-flight ones finish within --grace (open streams end once their requests are
+answered), then the process exits 0.
 
 Examples:
   vqserve serve --model default
   vqserve serve --model runs/tiny --device cpu --port 0 --metrics-port 0
   vqserve serve --model artifacts/onnx-fp16 --backend onnx --max-batch-size 64 --max-delay-ms 2
   vqserve serve --tls-cert server.crt --tls-key server.key --auth-token-file token.txt
+  vqserve serve --model artifacts/pt2 --expect-hash SHA256   # refuse any other model, before loading
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from vqserve.commands.common import (
     CliError,
     UsageError,
     add_env_fallbacks,
+    add_expect_hash,
     add_model_args,
     check_model_exists,
     resolve_env_fallbacks,
+    switch,
 )
 
 # Every serve setting can come from the environment (the container's entrypoint is plain
@@ -38,6 +42,12 @@ ENV_VARS = {
     "max_batch_size": "VQSERVE_MAX_BATCH_SIZE", "max_delay_ms": "VQSERVE_MAX_DELAY_MS",
     "max_queue": "VQSERVE_MAX_QUEUE", "grace": "VQSERVE_GRACE", "log_level": "VQSERVE_LOG_LEVEL",
     "max_pixels": "VQSERVE_MAX_PIXELS",
+    "max_batch_pixels": "VQSERVE_MAX_BATCH_PIXELS", "max_decoded_mb": "VQSERVE_MAX_DECODED_MB",
+    "decode_threads": "VQSERVE_DECODE_THREADS",
+    "max_streams": "VQSERVE_MAX_STREAMS", "expect_hash": "VQSERVE_EXPECT_HASH",
+    "metrics_auth": "VQSERVE_METRICS_AUTH", "metrics_tls": "VQSERVE_METRICS_TLS",
+    "micro_batch": "VQSERVE_MICRO_BATCH", "model_workers": "VQSERVE_MODEL_WORKERS",
+    "no_self_check": "VQSERVE_NO_SELF_CHECK",
 }
 # The flag that moves each port, for the one-line "port in use" error.
 PORT_FLAGS = {"gRPC": "port", "metrics": "metrics_port"}
@@ -56,8 +66,13 @@ def pixel_count(text: str) -> int:
     return values[0] * (values[1] if len(values) == 2 else 1)
 
 
+def pixel_budget(text: str) -> int:
+    """``--max-batch-pixels`` value: as :func:`pixel_count`, or ``0`` for auto."""
+    return 0 if text.strip() == "0" else pixel_count(text)
+
+
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
+    add_expect_hash(add_model_args(parser))
     n = parser.add_argument_group("network")
     n.add_argument("--host", default="[::]", help="address to bind (default all interfaces)")
     n.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (logged)")
@@ -70,12 +85,48 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--tls-key", help="PEM private key")
     n.add_argument("--auth-token-file",
                    help="file holding a bearer token every call must send (health stays open)")
+    # switches: a VQSERVE_* value is read with `switch` (argparse never calls a store_true's type)
+    n.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics also requires 'Authorization: Bearer <token>' (the "
+                        "--auth-token-file token; 401 without it)").type = switch
+    n.add_argument("--metrics-tls", action="store_true",
+                   help="serve /metrics over HTTPS with --tls-cert/--tls-key (off by default: "
+                        "scrapers must be set to https to match)").type = switch
+    n.add_argument("--max-streams", type=int, default=256,
+                   help="open EncodeStream/DecodeStream calls at once (health watches and "
+                        "reflection count apart); one more gets RESOURCE_EXHAUSTED")
     n.add_argument("--max-pixels", type=pixel_count, default=DEFAULT_MAX_PIXELS,
                    help="largest image accepted, in pixels per image (H*W): a count or WxH, "
                         "e.g. 4096x3072 for 12-megapixel photos; a raw image also needs "
                         "--max-message-mb of at least 3 bytes per pixel")
+    n.add_argument("--max-decoded-mb", type=int, default=0,
+                   help="memory for PNG/JPEG images decoded and not yet tokenized, all requests "
+                        "together; a request waits for room (up to its deadline). 0 = auto: "
+                        "room for two full requests, at least 256 MB")
+    n.add_argument("--decode-threads", type=int, default=0,
+                   help="threads decoding PNG/JPEG requests, off the event loop (0 = auto: up to 4)")
     b = parser.add_argument_group("batching")
-    b.add_argument("--max-batch-size", type=int, default=32, help="images per model call")
+    b.add_argument("--max-batch-size", type=int, default=32,
+                   help="most images in one request and one batch (the execution plan runs a "
+                        "batch in --micro-batch calls)")
+    b.add_argument("--max-batch-pixels", type=pixel_budget, default=0,
+                   help="most pixels in one model call (a count or WxH); peak memory grows with "
+                        "it, ~250 bytes per pixel for the default tokenizer. A batch stops short "
+                        "of it and a larger request runs in chunks. 0 = auto: 4 megapixels on "
+                        "CPU (at most a quarter of the RAM), half the GPU's memory on CUDA")
+    x = parser.add_argument_group(
+        "execution plan", "how each model call runs; tokens never depend on the batch "
+                          "(docs/SERVING.md, \"Tokens do not depend on the batch\")")
+    x.add_argument("--micro-batch", type=int, default=0,
+                   help="images per model call, fixed: a batch is cut into calls of exactly "
+                        "this many (the last padded), so kernels always see one shape "
+                        "(0 = auto: 1 on CPU, 8 on CUDA)")
+    x.add_argument("--model-workers", type=int, default=0,
+                   help="model calls running at once, each on one intra-op thread "
+                        "(0 = auto: one per CPU core; 1 on CUDA)")
+    x.add_argument("--no-self-check", action="store_true",
+                   help="skip the start-up check that tokens do not depend on the batch "
+                        "(about a second on CPU; GetModelInfo then says 'not checked')").type = switch
     b.add_argument("--max-delay-ms", type=float, default=5.0,
                    help="longest a request waits for its batch to fill (0 = no waiting)")
     b.add_argument("--max-queue", type=int, default=1024,
@@ -101,6 +152,12 @@ def config_from_args(args: argparse.Namespace):
         raise ValueError("TLS needs both --tls-cert and --tls-key")
     check_ranges(args)
     _check_message_fits(args.max_pixels, args.max_message_mb)
+    if args.metrics_auth and not token:
+        raise UsageError("--metrics-auth (VQSERVE_METRICS_AUTH) needs --auth-token-file: /metrics "
+                         "asks for the same token as gRPC")
+    if args.metrics_tls and not args.tls_cert:
+        raise UsageError("--metrics-tls (VQSERVE_METRICS_TLS) needs --tls-cert and --tls-key: "
+                         "/metrics uses the same pair")
     if args.max_queue < args.max_batch_size:
         raise ValueError(f"--max-queue ({args.max_queue}) must be >= --max-batch-size ({args.max_batch_size}), "
                          "or full-size requests could never be queued")
@@ -110,7 +167,11 @@ def config_from_args(args: argparse.Namespace):
         metrics_host=(args.metrics_host or args.host).strip("[]"), max_batch_size=args.max_batch_size,
         max_delay_ms=args.max_delay_ms, max_queue=args.max_queue, max_message_mb=args.max_message_mb,
         tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=token, grace_s=args.grace,
-        max_pixels=args.max_pixels,
+        max_pixels=args.max_pixels, max_batch_pixels=args.max_batch_pixels or None,
+        max_decoded_mb=args.max_decoded_mb or None, decode_threads=args.decode_threads or None,
+        max_streams=args.max_streams, expect_hash=args.expect_hash, metrics_auth=args.metrics_auth,
+        metrics_tls=args.metrics_tls, micro_batch=args.micro_batch or None,
+        model_workers=args.model_workers or None, self_check=not args.no_self_check,
     )
 
 
@@ -126,6 +187,12 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "max_batch_size": (1, 65536, "images per model call"),
     "max_queue": (1, 10_000_000, "queued images"),
     "max_pixels": (1, (2047 * 1024 * 1024 - 4096) // 3, "3 bytes each must fit one message"),
+    "max_streams": (1, 1_000_000, "open streams per service"),
+    "max_batch_pixels": (0, 1 << 40, "pixels per model call, 0 = auto"),
+    "max_decoded_mb": (0, 1 << 20, "megabytes, 0 = auto"),
+    "decode_threads": (0, 256, "threads, 0 = auto"),
+    "micro_batch": (0, 4096, "images per model call, 0 = auto"),
+    "model_workers": (0, 1024, "parallel model calls, 0 = auto"),
 }
 
 
@@ -166,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
     # before any log line or bound port, so a usage error is the only output
     config = config_from_args(args)
     check_model_exists(config.model, ENV_VARS["model"])
+    if config.expect_hash:  # a one-line refusal before any port is bound; the load checks again
+        from vqserve.export.runtime import check_expected_hash, model_hash_of
+
+        check_expected_hash(config.expect_hash, model_hash_of(config.model), config.model)
     setup_logging(args.log_level)
     try:
         return asyncio.run(serve_until_signal(config))

@@ -31,14 +31,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vqserve.commands.common import add_model_args, model_ref
+from vqserve.commands.common import add_expect_hash, add_model_args, model_ref
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="folders, list files, WebDataset .tar shards, .parquet files, images")
     parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier run's)")
-    add_model_args(parser)
+    add_expect_hash(add_model_args(parser))
     p = parser.add_argument_group("preprocessing (recorded in the manifest)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--size", type=int, default=0,
@@ -60,7 +60,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--workers", type=int, default=None,
                    help="decode processes (default: all cores but one on GPU; 0 on CPU, where "
                         "the model needs the cores; 0 decodes in this process)")
-    r.add_argument("--threads", type=int, default=0, help="torch threads for the model (default: torch's)")
+    r.add_argument("--threads", type=int, default=0,
+                   help="model calls running at once, each on one thread, so tokens never "
+                        "depend on this number (default: the CPU cores the decode workers leave)")
     r.add_argument("--engine", default="local", choices=["local", "ray"],
                    help="local processes (default) or Ray Data (pip install 'vqserve[ray]')")
     r.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local Ray)")
@@ -99,17 +101,17 @@ def run(args: argparse.Namespace) -> int:
 
     from vqserve.export.runtime import load_runtime
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.engine == "ray":
         # the driver only plans and writes: it reads the model's description on the CPU and
         # leaves the GPUs to the actors (the device may exist only on the cluster's workers)
-        runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device="cpu")
+        runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device="cpu",
+                               expect_hash=args.expect_hash)
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         info = {**runtime.info.to_dict(), "device": device}
         del runtime
     else:
-        runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
+        runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+                               expect_hash=args.expect_hash)
         info = runtime.info.to_dict()
     try:
         job = build_job(args, info, inputs)
@@ -127,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
                              fail_fast=args.fail_fast, progress=not args.no_progress)
         else:
             workers = offline.default_workers(info["device"]) if args.workers is None else args.workers
-            if not args.threads:
-                offline.share_cores_with_workers(info["device"], workers)
+            runtime = offline.planned_runtime(runtime, info["device"], workers, args.threads)
             result = offline.run_local(job, runtime, workers=workers, fail_fast=args.fail_fast,
                                        progress=False if args.no_progress else None)
     except offline.Interrupted as exc:

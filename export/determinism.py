@@ -1,0 +1,133 @@
+"""Measure, on the device at hand, whether tokens are a pure function of the image.
+
+A tokenizer server batches whatever arrives together, so an image's batch size, position
+and neighbours depend on other clients' traffic. :func:`check_invariance` encodes every
+image alone (the reference) and then inside shuffled batches of several sizes, with one
+and with several parallel model calls, and reports any token (or decoded pixel) that moved.
+It is run at export time (the manifest's ``determinism`` certificate) and when the server
+starts (GetModelInfo, the log, a metric), on the runtime exactly as it will be used.
+
+Images: real photo tiles where the caller has them (export), or :func:`synthetic_images`
+(the server must not need scikit-image): smooth gradients plus noise at several scales,
+which put latents near quantizer boundaries as photographs do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from vqserve.export.execution import ExecutionPlan, PlannedRuntime
+
+BATCH_SIZES = (1, 2, 3, 5, 8)
+
+
+def synthetic_images(count: int = 8, size: int = 64, seed: int = 0) -> np.ndarray:
+    """uint8 ``[count,size,size,3]``: gradients, blobs and fine noise, deterministic."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    out = np.empty((count, size, size, 3), np.uint8)
+    for i in range(count):
+        base = rng.uniform(0, 255, 3) * (1 - yy[..., None]) + rng.uniform(0, 255, 3) * xx[..., None]
+        coarse = rng.normal(0, 40, (size // 8, size // 8, 3)).repeat(8, 0).repeat(8, 1)
+        fine = rng.normal(0, 12, (size, size, 3))
+        out[i] = np.clip(base + coarse + fine, 0, 255).astype(np.uint8)
+    return out
+
+
+@dataclass
+class Certificate:
+    """What was checked and what held. ``batch_invariant``: every image's tokens were the
+    same alone, in every batch size and position tried, and with 1 or several workers."""
+
+    batch_invariant: bool
+    decode_batch_invariant: bool
+    images: int
+    image_size: list[int]
+    source: str
+    batch_sizes: list[int]
+    compositions: int                 # shuffled batchings tried per batch size
+    workers: list[int]
+    plan: dict
+    token_mismatch_fraction: float = 0.0
+    pixel_mismatch_fraction: float = 0.0
+    device: str = ""
+    backend: str = ""
+    dtype: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for logs and GetModelInfo."""
+        what = (f"{self.images} images {self.image_size[0]}x{self.image_size[1]} ({self.source}), "
+                f"batch sizes {self.batch_sizes} x {self.compositions} shuffles, workers {self.workers}")
+        if self.batch_invariant and self.decode_batch_invariant:
+            return f"batch-invariant: tokens and decoded pixels identical across {what}"
+        parts = []
+        if not self.batch_invariant:
+            parts.append(f"tokens changed with the batch ({self.token_mismatch_fraction:.4%} of positions)")
+        if not self.decode_batch_invariant:
+            parts.append(f"decoded pixels changed with the batch ({self.pixel_mismatch_fraction:.4%})")
+        return "NOT batch-invariant: " + "; ".join(parts) + f" across {what}"
+
+
+def _batched(fn, items: np.ndarray, order: np.ndarray, size: int) -> np.ndarray:
+    """Run ``fn`` on ``items`` taken in ``order``, ``size`` at a time; results in item order."""
+    out = [None] * len(items)
+    for start in range(0, len(order), size):
+        idx = order[start:start + size]
+        res = np.asarray(fn(items[idx]))
+        for k, j in enumerate(idx):
+            out[j] = res[k]
+    return np.stack(out)
+
+
+def check_invariance(runtime, plan: ExecutionPlan, images: np.ndarray, source: str,
+                     batch_sizes: tuple[int, ...] = BATCH_SIZES, compositions: int = 2,
+                     seed: int = 0) -> Certificate:
+    """``runtime``: an unwrapped Runtime; it is run by ``plan`` and by ``plan`` with one
+    worker, so the check covers what the server and ``vqserve tokenize`` both do."""
+    rng = np.random.default_rng(seed)
+    n = len(images)
+    single = PlannedRuntime(runtime, ExecutionPlan(plan.micro_batch, 1, plan.intra_op_threads))
+    runners = {1: single}
+    if plan.workers > 1:
+        runners[plan.workers] = PlannedRuntime(runtime, plan)
+    try:
+        ident = np.arange(n)
+        ref_tokens = _batched(single.encode, images, ident, 1)
+        ref_pixels = _batched(single.decode, ref_tokens, ident, 1)
+        bad_tokens = bad_pixels = 0
+        runs = 0
+        for runner in runners.values():
+            for size in batch_sizes:
+                for _ in range(compositions):
+                    order = rng.permutation(n)
+                    tokens = _batched(runner.encode, images, order, size)
+                    pixels = _batched(runner.decode, ref_tokens, order, size)
+                    bad_tokens += int(np.count_nonzero(tokens != ref_tokens))
+                    bad_pixels += int(np.count_nonzero(pixels != ref_pixels))
+                    runs += 1
+    finally:
+        for r in runners.values():
+            r.close()
+    info = runtime.info
+    return Certificate(
+        batch_invariant=bad_tokens == 0, decode_batch_invariant=bad_pixels == 0, images=n,
+        image_size=[int(images.shape[1]), int(images.shape[2])], source=source,
+        batch_sizes=list(batch_sizes), compositions=compositions, workers=sorted(runners),
+        plan=plan.to_dict(), token_mismatch_fraction=bad_tokens / (runs * ref_tokens.size),
+        pixel_mismatch_fraction=bad_pixels / (runs * ref_pixels.size), device=info.device,
+        backend=info.backend, dtype=info.dtype)
+
+
+def start_up_check(runtime, plan: ExecutionPlan) -> Certificate:
+    """The server's quick check: six synthetic images at about 64x64 (a multiple of the
+    model's factor), batch sizes 1, 2 and 5, one shuffle each; about a second on a CPU."""
+    factor = runtime.info.factor
+    size = factor * max(1, -(-64 // factor))
+    return check_invariance(runtime, plan, synthetic_images(6, size), "synthetic",
+                            batch_sizes=(1, 2, 5), compositions=1)

@@ -1,0 +1,152 @@
+"""How a runtime is called so that an image's tokens never depend on the batch it is in.
+
+Measured on a 2-core Xeon (AVX-512 BF16; the default tokenizer, 48 photo tiles): with
+PyTorch's default of one intra-op thread per core, a batch of one image is split across
+threads *inside* each convolution (a batch of several is split across images), so the same
+image gets different bf16/fp16 tokens alone than beside others (0.05-0.09% of tokens) and
+fp32 decodes move by a grey level. With one intra-op thread per model call, every batch
+size, position and neighbour gave identical tokens and pixels.
+
+So the :class:`PlannedRuntime` wrapper runs every model call the same way, whatever the
+caller's batch:
+
+* **fixed micro-batch**: the batch is cut into calls of exactly ``micro_batch`` images;
+  the last call is padded by repeating its last image (padding rows are dropped), so the
+  kernels always see one shape per image size;
+* **one intra-op thread per call**: the process's torch intra-op threads are set to 1
+  (and ONNX Runtime sessions are opened with one), so no reduction is split by thread count;
+* **parallel calls instead**: ``workers`` calls run at once in threads (PyTorch and ONNX
+  Runtime release the GIL), which uses the cores without touching any one call's arithmetic.
+
+The server and ``vqserve tokenize`` both wrap their runtime in it, so both give the same
+tokens. Whether a given device really is invariant under this plan is *measured*, not
+assumed: :mod:`vqserve.export.determinism` checks it (at export time into the manifest, at
+server start into GetModelInfo).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+def default_workers(device: str) -> int:
+    """One call per core on CPU (each single-threaded); one stream of calls on a GPU."""
+    if device.startswith("cuda"):
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """``micro_batch``: images per model call (fixed; the last call is padded).
+    ``workers``: model calls running at once. ``intra_op_threads``: threads inside one call
+    (1 keeps tokens independent of the batch on CPU; see the module docstring)."""
+
+    micro_batch: int = 1
+    workers: int = 1
+    intra_op_threads: int = 1
+
+    def __post_init__(self):
+        for name in ("micro_batch", "workers", "intra_op_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_plan(device: str) -> ExecutionPlan:
+    """CPU: single images, one thread each, one call per core. CUDA: fixed calls of 8
+    (kernel choice depends on the batch shape there, so the shape never changes)."""
+    if device.startswith("cuda"):
+        return ExecutionPlan(micro_batch=8, workers=1, intra_op_threads=1)
+    return ExecutionPlan(micro_batch=1, workers=default_workers(device), intra_op_threads=1)
+
+
+def plan_for(device: str, micro_batch: int | None = None, workers: int | None = None) -> ExecutionPlan:
+    """:func:`default_plan` with the caller's settings (None or 0 keeps the default)."""
+    plan = default_plan(device)
+    return ExecutionPlan(micro_batch=micro_batch or plan.micro_batch, workers=workers or plan.workers,
+                         intra_op_threads=plan.intra_op_threads)
+
+
+_threads_lock = threading.Lock()
+
+
+def apply_intra_op_threads(threads: int) -> None:
+    """Set torch's intra-op thread count for the process (it is process-wide)."""
+    import torch
+
+    with _threads_lock:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+class PlannedRuntime:
+    """A Runtime that runs ``inner`` by an :class:`ExecutionPlan` (same ``info``; the plan
+    is added to ``info.extra['plan']``)."""
+
+    def __init__(self, inner, plan: ExecutionPlan):
+        self.inner = inner
+        self.plan = plan
+        self.info = dataclasses.replace(inner.info, extra={**inner.info.extra, "plan": plan.to_dict()})
+        apply_intra_op_threads(plan.intra_op_threads)
+        self._max_call_pixels: int | None = None
+        self._pixels_per_item = None
+        self._pool = (concurrent.futures.ThreadPoolExecutor(plan.workers, thread_name_prefix="vqserve-model")
+                      if plan.workers > 1 else None)
+
+    def __getattr__(self, name):  # everything else (fp32_layers, tokenizer, ...) is the inner's
+        return getattr(self.inner, name)
+
+    def limit_call_pixels(self, max_pixels: int | None, pixels_per_item) -> None:
+        """Cap a call's pixels (``pixels_per_item(method, item_shape)`` each): for large
+        images the micro-batch shrinks, to the same size every time for one image shape, so
+        the call shape stays a function of the image shape alone."""
+        self._max_call_pixels, self._pixels_per_item = max_pixels, pixels_per_item
+
+    def micro_batch_for(self, method: str, item_shape: tuple[int, ...]) -> int:
+        step = self.plan.micro_batch
+        if self._max_call_pixels and self._pixels_per_item is not None:
+            per_item = max(1, self._pixels_per_item(method, item_shape))
+            step = max(1, min(step, self._max_call_pixels // per_item))
+        return step
+
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        return self._run(self.inner.encode, images, self.micro_batch_for("encode", tuple(images.shape[1:])))
+
+    def decode(self, indices: np.ndarray) -> np.ndarray:
+        return self._run(self.inner.decode, indices, self.micro_batch_for("decode", tuple(indices.shape[1:])))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _run(self, fn, batch: np.ndarray, step: int) -> np.ndarray:
+        n = int(batch.shape[0])
+        if n == 0:
+            return fn(batch)
+        chunks = [_padded(batch[i:i + step], step) for i in range(0, n, step)]
+        if self._pool is None or len(chunks) == 1:
+            outs = [fn(c) for c in chunks]
+        else:
+            outs = list(self._pool.map(fn, chunks))
+        out = np.concatenate([np.asarray(o) for o in outs])
+        return out[:n]
+
+
+def _padded(chunk: np.ndarray, size: int) -> np.ndarray:
+    """``chunk`` with its last row repeated up to ``size`` rows (its own results are kept)."""
+    short = size - chunk.shape[0]
+    if short <= 0:
+        return chunk
+    return np.concatenate([chunk, np.repeat(chunk[-1:], short, axis=0)])

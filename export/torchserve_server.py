@@ -1,0 +1,215 @@
+"""A real TorchServe on loopback, started and stopped from Python: the tests and the
+TorchServe benchmark share this launcher so it is written once.
+
+``TorchServe(store, run_dir)`` writes a ``config.properties`` for free ports in
+``port_range``, keeps the pid file, worker sockets and logs in private directories (two
+TorchServes on one machine never share ``/tmp/.ts.sock.*`` or ``/tmp/.model_server.pid``)
+and runs ``torchserve --foreground`` in its own process group, so ``stop`` can end the
+launcher, the Java frontend and every Python worker together. Token authorization is off:
+callers are loopback tests and benchmarks; never copy that into a deployment.
+
+TorchServe's gRPC ``inference.proto`` ships only inside ``model-server.jar``:
+:func:`extract_protos` takes it out, and :func:`predictions_messages` compiles it into a
+private descriptor pool, so a caller in this interpreter never clashes with another
+``google.rpc`` already registered (googleapis-common-protos, tritonclient).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+INFERENCE_SERVICE = "org.pytorch.serve.grpc.inference.InferenceAPIsService"
+PROTO_FILES = ("inference.proto", "google/rpc/status.proto")
+
+
+def free_ports(n: int, port_range: tuple[int, int]) -> list[int]:
+    """``n`` loopback ports in ``port_range`` (inclusive) that nothing listens on now."""
+    ports = []
+    for port in range(port_range[0], port_range[1] + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"fewer than {n} free ports in {port_range[0]}-{port_range[1]}")
+
+
+class TorchServe:
+    """``torchserve --foreground`` in its own process group; ``stop`` ends the whole group.
+
+    ``vmargs``: JVM options (None keeps TorchServe's JVM defaults). ``threads``: the
+    workers' ``OMP_NUM_THREADS`` (0 leaves the environment's). ``properties``: extra
+    ``config.properties`` lines.
+    """
+
+    def __init__(self, store: Path, run_dir: Path, port_range: tuple[int, int],
+                 vmargs: str | None = None, threads: int = 1,
+                 properties: tuple[str, ...] = ()):
+        self.inference, self.management, self.metrics, self.grpc, self.grpc_mgmt = \
+            free_ports(5, port_range)
+        self.run_dir = Path(run_dir)
+        self.tmp = Path(tempfile.mkdtemp(prefix="vqts-"))  # short: worker socket paths live here
+        self.config = self.run_dir / "config.properties"
+        lines = [
+            f"inference_address=http://127.0.0.1:{self.inference}",
+            f"management_address=http://127.0.0.1:{self.management}",
+            f"metrics_address=http://127.0.0.1:{self.metrics}",
+            "grpc_inference_address=127.0.0.1", f"grpc_inference_port={self.grpc}",
+            "grpc_management_address=127.0.0.1", f"grpc_management_port={self.grpc_mgmt}",
+            f"initial_worker_port={self.grpc_mgmt + 1}",   # names worker sockets in self.tmp
+            "disable_token_authorization=true",            # loopback tests and benchmarks only
+            "enable_model_api=true", "install_py_dep_per_model=false",
+            "default_workers_per_model=1", "disable_system_metrics=true",
+            f"model_store={store}",
+            *([f"vmargs={vmargs}"] if vmargs else []),
+            *properties,
+        ]
+        self.config.write_text("\n".join(lines) + "\n")
+        self.log = self.run_dir / "torchserve.out"
+        script = Path(sys.executable).with_name("torchserve")
+        env = {**os.environ, "TMPDIR": str(self.tmp), "TEMP": str(self.tmp),
+               "LOG_LOCATION": str(self.run_dir / "logs"),
+               "METRICS_LOCATION": str(self.run_dir / "logs")}
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [str(script), "--start", "--ncs", "--foreground", "--model-store", str(store),
+                 "--ts-config", str(self.config)],
+                cwd=self.run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+
+    def __enter__(self) -> TorchServe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def url(self, path: str, management: bool = False) -> str:
+        return f"http://127.0.0.1:{self.management if management else self.inference}{path}"
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        """Until ``/ping`` answers 200; raise with the log's tail if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"torchserve exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/ping"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError(f"torchserve not ready after {timeout}s:\n{self.tail()}")
+
+    def register(self, archive: str, batch_size: int, max_batch_delay_ms: int, workers: int = 1,
+                 timeout: float = 180) -> None:
+        """Register ``<archive>.mar`` from the store, synchronously (its workers are up on return)."""
+        status, _, body = http(self.url(
+            f"/models?url={archive}.mar&batch_size={batch_size}&max_batch_delay={max_batch_delay_ms}"
+            f"&initial_workers={workers}&synchronous=true", management=True), method="POST",
+            timeout=timeout)
+        if status != 200:
+            raise RuntimeError(f"registering {archive}: {status} {body!r}\n{self.tail()}")
+
+    def describe(self, archive: str) -> dict:
+        """The management API's description of a registered model (batching, workers)."""
+        status, _, body = http(self.url(f"/models/{archive}", management=True), method="GET")
+        if status != 200:
+            raise RuntimeError(f"describing {archive}: {status} {body!r}")
+        return json.loads(body)[0]
+
+    def tail(self) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return text[-4000:]
+
+    def stop(self) -> None:
+        """SIGTERM the whole group (launcher, Java frontend, Python workers), then SIGKILL."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # workers may outlive the launcher briefly
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def http(url: str, body: bytes | None = None, headers: dict | None = None,
+         method: str | None = None, timeout: float = 60) -> tuple[int, dict, bytes]:
+    """One HTTP call: (status, lower-cased headers, body); HTTP errors are returned, not raised."""
+    h = {"Content-Type": "application/octet-stream", **(headers or {})}
+    req = urllib.request.Request(url, data=body, headers=h, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def extract_protos(dest: Path) -> Path:
+    """Copy ``inference.proto`` and the ``google/rpc/status.proto`` it imports out of
+    TorchServe's ``model-server.jar`` into ``dest``; return ``dest``."""
+    import ts
+
+    jar = Path(ts.__file__).parent / "frontend" / "model-server.jar"
+    with zipfile.ZipFile(jar) as z:
+        for name in PROTO_FILES:
+            z.extract(name, dest)
+    return dest
+
+
+def predictions_messages():
+    """``(PredictionsRequest, PredictionResponse)`` message classes of TorchServe's gRPC
+    inference API, built from the jar's own proto in a private descriptor pool."""
+    import importlib.resources
+
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory(prefix="vqts-proto-") as tmp:
+        src = extract_protos(Path(tmp) / "proto")
+        out = Path(tmp) / "set.pb"
+        include = str(importlib.resources.files("grpc_tools") / "_proto")
+        rc = protoc.main(["protoc", f"-I{src}", f"-I{include}", f"--descriptor_set_out={out}",
+                          "--include_imports", "inference.proto"])
+        if rc:
+            raise RuntimeError("grpc_tools.protoc failed on TorchServe's inference.proto")
+        files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    pool = descriptor_pool.DescriptorPool()
+    for f in files.file:  # protoc lists dependencies first
+        pool.Add(f)
+    package = INFERENCE_SERVICE.rsplit(".", 1)[0]
+    return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{name}"))
+                 for name in ("PredictionsRequest", "PredictionResponse"))

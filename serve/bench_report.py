@@ -1,0 +1,681 @@
+"""``vqserve bench all`` (``make bench``): every benchmark of the project in one run, written
+as docs/BENCHMARKS.md with PNG plots and a JSON of the raw rows.
+
+1. runtimes per backend and dtype (``vqserve.export.bench.run_bench``);
+2. served vs in-process at 1/8/32 clients, native v1 and OIP v2 ``ModelInfer``;
+3. dynamic batching on vs off;
+4. the same tokenizer in TorchServe (its own batching, same load generator, same images),
+   throughput, p50/p99 and peak RSS of each server's process tree.
+
+Each section measures its rows side by side in interleaved rounds (``vqserve.serve.bench``),
+so every ratio compares figures taken under the same machine load; the doc states the
+machine, the versions and the load average sampled during the run, and says for each
+target whether it was met, and by how much it was missed.
+
+    vqserve bench all --out docs            # the full run (default model, 128x128), ~15 min on 2 cores
+    vqserve bench all --quick --out /tmp/b  # tiny model, 1 s windows: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+DOC_NAME = "BENCHMARKS.md"
+ASSETS = "bench"
+JSON_NAME = "benchmarks.json"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+PACKAGES = ("torch", "onnxruntime", "numpy", "grpcio", "protobuf", "torchserve",
+            "torch-model-archiver", "matplotlib")
+
+# quick: a smoke run for the test (seconds); full: what `make bench` publishes (~15 minutes)
+PROFILES = {
+    "quick": dict(model="tiny", size=64, duration=1.0, warmup=0.2, prime=0.5, rounds=1,
+                  backends="eager,torchscript", dtypes="fp32,bf16", batches="1,8",
+                  min_time=0.1, runtime_rounds=1, load_every=1.0),
+    "full": dict(model="default", size=128, duration=6.0, warmup=1.0, prime=5.0, rounds=4,
+                 backends="eager,torchscript,onnx,pt2", dtypes="fp32,bf16,fp16", batches="1,8",
+                 min_time=1.0, runtime_rounds=3, load_every=5.0),
+}
+TARGETS = {  # ratio key -> (comparison, target, what it compares)
+    "served_v1_vs_in_process": (">=", 0.9, "vqserve v1 / in-process throughput"),
+    "served_oip_vs_in_process": (">=", 0.9, "vqserve OIP / in-process throughput"),
+    "vqserve_vs_torchserve_throughput": (">=", 2.0, "vqserve v1 / TorchServe throughput"),
+    "vqserve_vs_torchserve_p99": ("<=", 0.5, "vqserve v1 / TorchServe p99 latency"),
+    "batching_on_vs_off": (">=", 3.0, "batching on / off throughput (docs/SERVING.md)"),
+}
+LABELS = {"in-process": "in-process runtime", "served-v1": "vqserve, v1",
+          "served-oip": "vqserve, OIP v2", "served-v1-no-batching": "vqserve, v1, no batching",
+          "torchserve": "TorchServe"}
+
+
+# ---- machine -------------------------------------------------------------------------------
+def _cpuinfo() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("unknown", "", platform.machine()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def _meminfo_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def _run_text(cmd: list[str], cwd: Path | None = None) -> str | None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=cwd)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return ((proc.stdout or "") + (proc.stderr or "")).strip() if proc.returncode == 0 else None
+
+
+def machine() -> dict:
+    """CPU (with the flags probed, not assumed), memory, GPU, OS, versions, source revision."""
+    import torch
+
+    import vqserve
+
+    model, flags = _cpuinfo()
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    java = _run_text(["java", "-version"]) if shutil.which("java") else None
+    root = Path(__file__).resolve().parents[1]
+    commit = _run_text(["git", "rev-parse", "--short", "HEAD"], root)
+    if commit and _run_text(["git", "status", "--porcelain", "--untracked-files=no"], root):
+        commit += " + uncommitted changes"
+    return {
+        "cpu": model, "logical_cpus": os.cpu_count(),
+        "cpu_flags": {f: f in flags for f in CPU_FLAGS},
+        "memory_gib": _meminfo_gib(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "versions": {"vqserve": vqserve.__version__, **versions},
+        "java": java.splitlines()[0] if java else None,
+        "commit": commit,
+    }
+
+
+class LoadSampler:
+    """The 1-minute load average, sampled in a thread while the benchmarks run: the machine
+    is shared, and a reader needs to know how busy it was."""
+
+    def __init__(self, every: float):
+        self.every, self.samples = every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(self.every):
+                return
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        s = self.samples or [float("nan")]
+        return {"min": min(s), "mean": sum(s) / len(s), "max": max(s), "samples": len(self.samples)}
+
+
+# ---- ratios and targets --------------------------------------------------------------------
+def _pick(rows: list[dict], mode: str, level: int) -> dict | None:
+    return next((r for r in rows if r["mode"] == mode and r["level"] == level), None)
+
+
+def compute_ratios(best: list[dict], memory: dict, top: int) -> dict:
+    """Every headline ratio, from the kept (best-round) rows at ``top`` clients."""
+    get = lambda mode: _pick(best, mode, top)  # noqa: E731
+    ip, v1, oip, off, ts = (get(m) for m in ("in-process", "served-v1", "served-oip",
+                                              "served-v1-no-batching", "torchserve"))
+    ratios: dict[str, float | None] = dict.fromkeys(TARGETS)
+    if ip and v1:
+        ratios["served_v1_vs_in_process"] = v1["throughput"] / ip["throughput"]
+    if ip and oip:
+        ratios["served_oip_vs_in_process"] = oip["throughput"] / ip["throughput"]
+    if v1 and off:
+        ratios["batching_on_vs_off"] = v1["throughput"] / off["throughput"]
+    if v1 and ts and ts["throughput"] > 0:
+        ratios["vqserve_vs_torchserve_throughput"] = v1["throughput"] / ts["throughput"]
+        ratios["vqserve_vs_torchserve_p99"] = v1["p99_ms"] / ts["p99_ms"]
+        ratios["vqserve_vs_torchserve_p50"] = v1["p50_ms"] / ts["p50_ms"]
+    if "vqserve" in memory and "torchserve" in memory:
+        ratios["vqserve_vs_torchserve_peak_rss"] = (memory["vqserve"]["peak_mb"]
+                                                    / memory["torchserve"]["peak_mb"])
+    return ratios
+
+
+def spread(rows: list[dict], key: tuple[str, ...], value: str) -> dict | None:
+    """Round-to-round spread of ``value`` per point ((max - min) / max over the rounds of
+    each ``key``), as median and max over the points: how noisy this machine was."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        if value in r:
+            groups.setdefault(tuple(r[k] for k in key), []).append(r[value])
+    spreads = [(max(v) - min(v)) / max(v) for v in groups.values() if len(v) > 1 and max(v) > 0]
+    if not spreads:
+        return None
+    return {"median": float(np.median(spreads)), "max": max(spreads), "points": len(spreads)}
+
+
+def verdict(key: str, value: float | None) -> dict:
+    """Met or missed, and by how much (absolute and relative to the target)."""
+    op, target, what = TARGETS[key]
+    if value is None:
+        return {"key": key, "what": what, "target": f"{op} {target:g}", "value": None,
+                "met": None, "text": "not measured"}
+    met = value >= target if op == ">=" else value <= target
+    if met:
+        text = "met"
+    elif op == ">=":
+        text = f"missed: {_f(target - value, 3)} short ({100 * (1 - value / target):.1f}% below the target)"
+    else:
+        text = f"missed: {_f(value - target, 3)} over ({value / target:.2f}× the target)"
+    return {"key": key, "what": what, "target": f"{op} {target:g}", "value": value, "met": met,
+            "text": text}
+
+
+# ---- plots ---------------------------------------------------------------------------------
+def plot_all(result: dict, assets: Path) -> list[str]:
+    """PNG plots of the rows; returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    assets.mkdir(parents=True, exist_ok=True)
+    written = []
+    runtime_rows = [r for r in result["runtimes"] if "encode_img_s" in r]
+    if runtime_rows:
+        top = max(r["batch"] for r in runtime_rows)
+        rows = [r for r in runtime_rows if r["batch"] == top]
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 3.6))
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r["encode_img_s"] for r in rows], 0.4, label="encode")
+        ax.bar(x + 0.2, [r["decode_img_s"] for r in rows], 0.4, label="decode")
+        ax.set_xticks(x, [f"{r['backend']}\n{r['dtype']}" for r in rows], fontsize=8)
+        ax.set_ylabel("images/s")
+        ax.set_title(f"Runtimes at batch {top}, {result['settings']['size']}px")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(assets / "runtimes.png", dpi=110)
+        plt.close(fig)
+        written.append("runtimes.png")
+    best = result["serving"]["best"]
+    modes = list(dict.fromkeys(r["mode"] for r in best))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for mode in modes:
+        rows = sorted((r for r in best if r["mode"] == mode), key=lambda r: r["level"])
+        levels = [r["level"] for r in rows]
+        line, = ax1.plot(levels, [r["throughput"] for r in rows], marker="o", label=LABELS[mode])
+        ax2.plot(levels, [r["p99_ms"] for r in rows], marker="o", color=line.get_color(),
+                 label=f"{LABELS[mode]} p99")
+        ax2.plot(levels, [r["p50_ms"] for r in rows], marker=".", linestyle=":",
+                 color=line.get_color())
+    levels = sorted({r["level"] for r in best})
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(v) for v in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent clients (in-process: batch size)")
+    ax1.set_ylim(bottom=0)
+    ax1.set_ylabel("images/s")
+    ax1.set_title("Throughput")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("ms per request (solid p99, dotted p50)")
+    ax2.set_title("Latency")
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(assets / "serving.png", dpi=110)
+    plt.close(fig)
+    written.append("serving.png")
+    memory = result["serving"]["memory"]
+    if memory:
+        fig, ax = plt.subplots(figsize=(7, 0.6 + 0.55 * len(memory)))
+        names = list(memory)
+        for i, name in enumerate(names):
+            left = 0.0
+            for proc in memory[name]["processes"]:
+                ax.barh(i, proc["peak_mb"], left=left, color="tab:orange" if proc["name"] == "java"
+                        else "tab:blue", edgecolor="white")
+                left += proc["peak_mb"]
+        ax.set_yticks(range(len(names)), names)
+        ax.set_xlabel("peak RSS, MiB (blue: Python processes, orange: Java)")
+        ax.set_title("Server memory")
+        fig.tight_layout()
+        fig.savefig(assets / "memory.png", dpi=110)
+        plt.close(fig)
+        written.append("memory.png")
+    return written
+
+
+# ---- the document --------------------------------------------------------------------------
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def _machine_lines(result: dict) -> list[str]:
+    m, load = result["machine"], result["load"]
+    flags = m["cpu_flags"]
+    have = [f for f in CPU_FLAGS if flags.get(f)] or ["none of those probed"]
+    lack = [f for f in CPU_FLAGS if not flags.get(f)]
+    v = m["versions"]
+    ver = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    return [
+        "| | |", "| --- | --- |",
+        f"| CPU | {m['cpu']}, {m['logical_cpus']} logical CPUs |",
+        f"| CPU flags (from /proc/cpuinfo) | has {', '.join(have)}; lacks {', '.join(lack) or '-'} |",
+        f"| memory | {_f(m['memory_gib'], 1)} GiB |",
+        f"| GPU | {m['gpu'] or 'none'} |",
+        f"| OS, Python | {m['os']}, Python {m['python']} |",
+        f"| versions | {ver} |",
+        f"| Java (TorchServe's frontend) | {m['java'] or 'not found'} |",
+        f"| source | {m['commit'] or 'not a git checkout'} |",
+        f"| load average during the run | {_f(load['min'])} – {_f(load['max'])} (mean {_f(load['mean'])}, "
+        f"{load['samples']} samples, 1-minute average) |",
+        f"| run | {result['started_utc']}, {result['wall_s'] / 60:.1f} minutes (runtimes "
+        f"{result['phases_s']['runtimes'] / 60:.1f}, serving {result['phases_s']['serving'] / 60:.1f}) |",
+    ]
+
+
+def _noise_line(result: dict) -> str:
+    """How far a single figure can be trusted on this machine, from the run's own rounds."""
+    load, cpus = result["load"], result["machine"]["logical_cpus"] or 1
+    parts = [f"The machine is shared: a mean load average of {_f(load['mean'])} on {cpus} logical "
+             "CPUs means other processes competed for the cores during the run."]
+    for name, sp in (("serving points", result["noise"].get("serving")),
+                     ("runtime cells (encode)", result["noise"].get("runtimes"))):
+        if sp:
+            parts.append(f"Across rounds, the {name} moved by a median {100 * sp['median']:.0f}% "
+                         f"(at most {100 * sp['max']:.0f}%) between their best and worst round.")
+    parts.append("Read ratios between rows of one table (measured in the same rounds), not single "
+                 "figures, and treat differences smaller than that spread as noise.")
+    return " ".join(parts)
+
+
+def _serving_table(best: list[dict], modes: list[str], base_mode: str = "in-process") -> list[str]:
+    lines = ["| mode | clients (in-process: batch) | images/s | × in-process | p50 ms | p99 ms | tokens = in-process |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for mode in modes:
+        for r in sorted((r for r in best if r["mode"] == mode), key=lambda r: r["level"]):
+            base = _pick(best, base_mode, r["level"])
+            rel = r["throughput"] / base["throughput"] if base else None
+            agree = "-" if "agreement" not in r else f"{100 * r['agreement']:.2f}%"
+            lines.append(f"| {LABELS[mode]} | {r['level']} | {r['throughput']:.1f} | {_f(rel)} "
+                         f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {agree} |")
+    return lines
+
+
+def _why_served(result: dict, top: int) -> list[str]:
+    best = result["serving"]["best"]
+    ip = _pick(best, "in-process", top)
+    one = _pick(best, "in-process", 1)
+    lines = []
+    for mode in ("served-v1", "served-oip"):
+        row = _pick(best, mode, top)
+        if not (ip and row) or row["throughput"] >= 0.9 * ip["throughput"]:
+            continue
+        extra = 1e3 / row["throughput"] - 1e3 / ip["throughput"]
+        lines.append(f"- **{LABELS[mode]} at {top} clients is {row['throughput'] / ip['throughput']:.2f}× "
+                     f"in-process** ({row['throughput']:.1f} vs {ip['throughput']:.1f} images/s): each "
+                     f"served image costs {extra:.1f} ms more of the machine than the "
+                     f"{1e3 / ip['throughput']:.1f} ms it costs in-process.")
+    if lines:
+        gain = ip["throughput"] / one["throughput"] if ip and one else None
+        lines.append(
+            f"- Why: the server calls the same runtime, but on the same {result['machine']['logical_cpus']} "
+            "shared cores it also runs gRPC (de)serialization and its Python event loop, and the load "
+            f"generator's {top} asyncio clients run there too; the in-process row pays none of that. "
+            f"Batching cannot buy it back: the model itself gains only {_f(gain)}× from batch 1 to "
+            f"batch {top} in-process. A GPU node gives the model its own device and the event loop "
+            "the CPU cores.")
+    return lines
+
+
+def _why_batching(result: dict, top: int, ratios: dict) -> list[str]:
+    value = ratios.get("batching_on_vs_off")
+    best = result["serving"]["best"]
+    ips = sorted((r for r in best if r["mode"] == "in-process"), key=lambda r: r["level"])
+    if value is None or value >= 3.0 or not ips:
+        return []
+    peak = max(ips, key=lambda r: r["throughput"])
+    return [f"- **Batching on / off, {value:.2f}× (target ≥ 3×).** Batching pays in two ways: "
+            "the model runs faster per image on larger batches, and the server's one worker "
+            "thread makes fewer calls. In-process, the best batch here "
+            f"({peak['level']}) runs at {peak['throughput'] / ips[0]['throughput']:.2f}× the "
+            "images/s of batch 1, so on this CPU the model contributes little and the gain that "
+            "remains is per-call overhead saved. On a GPU, where batch 1 leaves the device mostly "
+            "idle, the model's own gain is expected to be much larger (not measured here)."]
+
+
+def _why_torchserve(result: dict, top: int, ratios: dict) -> list[str]:
+    best = result["serving"]["best"]
+    ip, v1, oip, ts = (_pick(best, m, top) for m in ("in-process", "served-v1", "served-oip", "torchserve"))
+    if not (ip and v1 and ts):
+        return []
+    lines = []
+    per_image = 1e3 / ip["throughput"]
+    extra = {name: 1e3 / row["throughput"] - per_image for name, row in (("vqserve", v1), ("TorchServe", ts))}
+    if (ratios.get("vqserve_vs_torchserve_throughput") or 0) < 2.0:
+        lead = ("TorchServe came out ahead" if ts["throughput"] > v1["throughput"]
+                else "vqserve came out ahead")
+        same = (f" vqserve's own two protocols, one process and one batcher, measured "
+                f"{abs(1 - oip['throughput'] / v1['throughput']) * 100:.0f}% apart at the same load"
+                if oip else "")
+        lines.append(
+            f"- **Throughput, {ratios['vqserve_vs_torchserve_throughput']:.2f}× (target ≥ 2×).** Both servers "
+            f"run the same runtime on the same cores, so the model bounds both: in-process at batch "
+            f"{top} encodes {ip['throughput']:.1f} images/s ({per_image:.1f} ms per image); vqserve "
+            f"reaches {100 * v1['throughput'] / ip['throughput']:.0f}% of that and TorchServe "
+            f"{100 * ts['throughput'] / ip['throughput']:.0f}%, that is {extra['vqserve']:+.1f} and "
+            f"{extra['TorchServe']:+.1f} ms per image over in-process. {lead} by "
+            f"{abs(1 - ts['throughput'] / v1['throughput']) * 100:.0f}%;{same} — see the spread "
+            "above. Being 2× TorchServe would need TorchServe to spend more than half the machine "
+            "on its own overhead (its gRPC → Java frontend → local socket → Python worker hop, its "
+            f"JVM); next to {per_image:.0f} ms of model time per image that overhead is a few "
+            "ms (the figures just given), so neither server can be twice the other on this model.")
+    if (ratios.get("vqserve_vs_torchserve_p99") or 0) > 0.5:
+        lines.append(
+            f"- **p99 latency, {ratios['vqserve_vs_torchserve_p99']:.2f}× (target ≤ 0.5×).** With "
+            f"{top} clients each keeping one request in flight, latency is mostly queueing: about "
+            f"{top} / throughput per request (vqserve {1e3 * top / v1['throughput']:.0f} ms, TorchServe "
+            f"{1e3 * top / ts['throughput']:.0f} ms; measured p50 {v1['p50_ms']:.0f} and "
+            f"{ts['p50_ms']:.0f} ms). p99 therefore follows throughput, and halving it needs the 2× "
+            "throughput the model does not leave room for.")
+    if lines:
+        lines.append("- Issue 15 adds a faster execution plan for the model; the less time the model "
+                     "takes per image, the larger the share of each request that is serving overhead, "
+                     "which is where the two servers differ. Rerun `make bench` then.")
+    return lines
+
+
+def render(result: dict) -> str:
+    """The whole BENCHMARKS.md, from the measured result only."""
+    s, serving, ratios = result["settings"], result["serving"], result["ratios"]
+    best, memory, info = serving["best"], serving["memory"], serving["model_info"]
+    top = max(s["clients"])
+    served_modes = list(dict.fromkeys(r["mode"] for r in best))
+    out = [
+        "# Benchmarks",
+        "",
+        f"Generated by `{result['command']}` — do not edit by hand; rerun `make bench`. Raw rows: "
+        f"[`{ASSETS}/{JSON_NAME}`]({ASSETS}/{JSON_NAME}).",
+        "",
+        "## Machine",
+        "",
+        *_machine_lines(result),
+        "",
+        _noise_line(result),
+        "",
+        "## Settings",
+        "",
+        f"- Model: `{s['model']}` ({info['quantizer']}, codebook {info['codebook_size']}, factor "
+        f"{info['factor']}, sha256 `{info['model_hash'][:16]}…`), {info['backend']} {info['dtype']} on "
+        f"{info['device']} for every server and the in-process rows.",
+        f"- Images: {len(s['photos'])} whole scikit-image photographs ({', '.join(s['photos'])}), "
+        f"centre-cropped square and resized to {s['size']}×{s['size']}; client *i* sends photograph "
+        f"*i* mod {len(s['photos'])}, one image per request, back to back, each client on its own gRPC channel.",
+        f"- Threads: {s['threads']} torch thread(s) for the in-process runtime, each `vqserve serve` "
+        "and the TorchServe worker (`OMP_NUM_THREADS`).",
+        f"- Batching: `vqserve serve --max-batch-size {s['max_batch_size']} --max-delay-ms "
+        f"{s['max_delay_ms']:g}`; TorchServe `batch_size={s['max_batch_size']}`, "
+        f"`max_batch_delay={int(round(s['max_delay_ms']))}` (ms), 1 worker; batching off is "
+        "`--max-batch-size 1 --max-delay-ms 0`.",
+        f"- Windows: the calls each client starts within {s['duration']:g} s (after {s['warmup']:g} s of "
+        "warm-up calls), throughput = the sum over clients of calls / the time they took; each "
+        f"server primed for {s['prime']:g} s after it starts; {s['rounds']} interleaved round(s) with "
+        "the mode order rotated each round, each point keeping its best round (all rounds are in "
+        "the JSON). Runtimes: "
+        f"{s['runtime_rounds']} interleaved round(s), ≥ {s['min_time']:g} s of timed calls per cell.",
+        "",
+        "## Targets",
+        "",
+        f"| ratio (at {top} clients) | target | measured | |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for v in result["verdicts"]:
+        out.append(f"| {v['what']} | {v['target']} | {_f(v['value'], 3)} | {v['text']} |")
+    if ratios.get("vqserve_vs_torchserve_peak_rss") is not None:
+        out.append(f"| vqserve / TorchServe peak RSS | - | {_f(ratios['vqserve_vs_torchserve_peak_rss'], 3)} "
+                   "| (no target) |")
+    why = (_why_served(result, top) + _why_batching(result, top, ratios)
+           + _why_torchserve(result, top, ratios))
+    if why:
+        out += ["", "### Where a target is missed, and why", "", *why]
+
+    out += ["", "## 1. Runtimes per backend and dtype", ""]
+    if result["runtimes"]:
+        from vqserve.export.bench import markdown_table
+
+        out += ["`vqserve bench runtimes` on the same photographs, encode and decode, "
+                "ratios against eager fp32 at the same batch size.", "",
+                markdown_table(result["runtimes"], s["size"]), ""]
+        if "runtimes.png" in result["plots"]:
+            out += [f"![runtimes]({ASSETS}/runtimes.png)", ""]
+        flags = result["machine"]["cpu_flags"]
+        bf = next((r for r in result["runtimes"] if r.get("backend") == "eager"
+                   and r.get("dtype") == "bf16" and "encode_vs_eager_fp32" in r
+                   and r["batch"] == max(int(b) for b in s["batches"].split(","))), None)
+        if bf:
+            out += [f"On this CPU (AMX {'present' if flags.get('amx_bf16') else 'absent'}, "
+                    f"AVX-512-BF16 {'present' if flags.get('avx512_bf16') else 'absent'}) eager bf16 "
+                    f"encodes at {bf['encode_vs_eager_fp32']:.2f}× fp32.", ""]
+    else:
+        out += ["Skipped (`--no-runtimes`).", ""]
+
+    out += ["## 2. Served vs in-process, v1 and OIP v2", "",
+            "One `vqserve serve` process answers both protocols (same batcher); the in-process "
+            "row at *n* calls the runtime with a batch of *n*.", "",
+            *_serving_table(best, [m for m in served_modes if m != "served-v1-no-batching"
+                                   and m != "torchserve"]), "",
+            f"![serving]({ASSETS}/serving.png)", ""]
+    out += ["## 3. Dynamic batching on vs off", ""]
+    lines = ["| clients | on: images/s | off: images/s | on / off | on p99 ms | off p99 ms |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for level in s["clients"]:
+        on, off = _pick(best, "served-v1", level), _pick(best, "served-v1-no-batching", level)
+        if on and off:
+            lines.append(f"| {level} | {on['throughput']:.1f} | {off['throughput']:.1f} | "
+                         f"{on['throughput'] / off['throughput']:.2f} | {on['p99_ms']:.1f} | {off['p99_ms']:.1f} |")
+    ip1, ipn = _pick(best, "in-process", 1), _pick(best, "in-process", top)
+    out += lines + ["", "The model's own gain from batching, for comparison: in-process, batch "
+                        f"{top} runs at {_f(ipn['throughput'] / ip1['throughput'] if ip1 and ipn else None)}× "
+                        "the images/s of batch 1 here.", ""]
+
+    out += ["## 4. The same tokenizer in TorchServe", ""]
+    if "torchserve" in served_modes:
+        out += ["Archives built by `vqserve export --format torchserve` from the same model "
+                "(`vqserve.export.torchserve.build_archives`), TorchServe "
+                f"{result['machine']['versions'].get('torchserve')} started like the tests start it "
+                "(`vqserve.export.torchserve_server.TorchServe`: loopback ports 19000-19099, private "
+                "run directory, TorchServe's default JVM settings, token authorization off, system "
+                "metrics off), called over its gRPC `Predictions` API with `.npy` bodies by the same "
+                "asyncio load generator.", "",
+                "| clients | vqserve images/s | TorchServe images/s | vqserve / TorchServe | "
+                "vqserve p50 / p99 ms | TorchServe p50 / p99 ms | p99 ratio |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for level in s["clients"]:
+            v1, ts = _pick(best, "served-v1", level), _pick(best, "torchserve", level)
+            if v1 and ts:
+                thr = v1["throughput"] / ts["throughput"] if ts["throughput"] else None
+                out.append(f"| {level} | {v1['throughput']:.1f} | {ts['throughput']:.1f} | {_f(thr)} | "
+                           f"{v1['p50_ms']:.1f} / {v1['p99_ms']:.1f} | {ts['p50_ms']:.1f} / "
+                           f"{ts['p99_ms']:.1f} | {_f(v1['p99_ms'] / ts['p99_ms'])} |")
+        out += ["", *_serving_table(best, ["torchserve"]), ""]
+    else:
+        out += [f"Not measured: {result['torchserve_skipped']}.", ""]
+    if memory:
+        out += ["### Memory", "",
+                "Peak RSS of each server's process tree over the whole run (the sum of each "
+                "process's `VmHWM`): `vqserve serve` is one process; TorchServe is its Java "
+                "frontend plus its Python worker(s) (the `torchserve` launcher script, which only "
+                "waits on Java, is not counted).", "",
+                "| server | processes | peak RSS MiB | RSS at the end MiB |", "| --- | --- | ---: | ---: |"]
+        for name, mem in memory.items():
+            procs = ", ".join(f"{p['name']} {p['peak_mb']:.0f}" for p in mem["processes"])
+            out.append(f"| {name} | {procs} | {mem['peak_mb']:.0f} | {mem['rss_mb']:.0f} |")
+        if "memory.png" in result["plots"]:
+            out += ["", f"![memory]({ASSETS}/memory.png)"]
+        out.append("")
+    out += ["## Reproduce", "", f"This file: `{result['command']}`.", "", "```",
+            "make bench                                   # the full run: vqserve bench all --out docs",
+            "vqserve bench all --quick --out /tmp/bench   # smoke run: tiny model, 1 s windows",
+            "vqserve bench serve --help                   # one section at a time",
+            "```", "",
+            "Not measured here: the servers' decode path (the runtime table has decode), "
+            + ("CUDA (this machine has no GPU; run the same command on a GPU node)."
+               if not result["machine"]["gpu"] else "other GPUs."), ""]
+    return "\n".join(out)
+
+
+# ---- the run -------------------------------------------------------------------------------
+def torchserve_unavailable() -> str | None:
+    """Why TorchServe cannot run here, or None."""
+    if shutil.which("java") is None:
+        return "java is not on PATH (TorchServe's frontend is a Java program)"
+    for module in ("ts", "model_archiver", "grpc_tools"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not installed (pip install 'vqserve[bench]')"
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vqserve bench all", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 64 px, 1 s windows, one round: a smoke run in seconds")
+    p.add_argument("--out", default="docs", help=f"writes {DOC_NAME} and {ASSETS}/ here (default docs)")
+    p.add_argument("--model", default=None,
+                   help="default | tiny | random | checkpoint dir (default: default; --quick: tiny)")
+    p.add_argument("--size", type=int, default=None, help="image side (default 128; --quick 64)")
+    p.add_argument("--duration", type=float, default=None, help="seconds per point (default 6; --quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved serving rounds (default 3; --quick 1)")
+    p.add_argument("--clients", default="1,8,32", help="concurrent clients (default 1,8,32)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads everywhere (default 1)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="both servers (default 32)")
+    p.add_argument("--max-delay-ms", type=float, default=5.0, help="both servers (default 5)")
+    p.add_argument("--torchserve", action=argparse.BooleanOptionalAction, default=None,
+                   help="include TorchServe (default: when java and the packages are present)")
+    p.add_argument("--runtimes", action=argparse.BooleanOptionalAction, default=True,
+                   help="include the runtime table (default on)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    prof = dict(PROFILES["quick" if args.quick else "full"])
+    for key in ("model", "size", "duration", "rounds"):
+        if getattr(args, key) is not None:
+            prof[key] = getattr(args, key)
+    clients = [int(c) for c in args.clients.split(",")]
+    skipped = torchserve_unavailable()
+    use_ts = args.torchserve if args.torchserve is not None else skipped is None
+    if args.torchserve is False:
+        skipped = "left out with --no-torchserve"
+    elif use_ts and skipped:
+        raise ValueError(f"--torchserve: {skipped}")
+    out = Path(args.out)
+    assets = out / ASSETS
+
+    import tempfile
+
+    import torch
+
+    from vqserve.export import bench as runtime_bench
+    from vqserve.serve import bench as serve_bench
+
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.monotonic()
+    command = "vqserve bench all " + " ".join(argv if argv is not None else sys.argv[1:])
+    result: dict = {"command": command.strip(), "started_utc": _dt.datetime.now(_dt.timezone.utc)
+                    .isoformat(timespec="seconds"), "machine": machine()}
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="vqserve-bench-all-") as tmp, \
+            LoadSampler(prof["load_every"]) as load:
+        model = serve_bench.bench_model(prof["model"], Path(tmp))
+        photos = serve_bench.bench_photos(prof["size"])
+        runtime_rows: list[dict] = []
+        runtime_raw: list[dict] = []
+        if args.runtimes:
+            log("== runtimes per backend and dtype")
+            rargs = SimpleNamespace(model=model, backends=prof["backends"], dtypes=prof["dtypes"],
+                                    batches=prof["batches"], size=prof["size"], device="cpu",
+                                    threads=args.threads, min_time=prof["min_time"], min_repeats=2,
+                                    artifacts=None, rounds=prof["runtime_rounds"])
+            runtime_rows = runtime_bench.run_bench(rargs, log, images=photos, raw=runtime_raw)
+        phases = {"runtimes": time.monotonic() - started}
+        log("== serving: in-process, vqserve v1/OIP, batching off" + (", TorchServe" if use_ts else ""))
+        sargs = serve_bench.build_parser().parse_args([
+            "--model", model, "--device", "cpu", "--size", str(prof["size"]),
+            "--clients", args.clients, "--duration", str(prof["duration"]),
+            "--warmup", str(prof["warmup"]), "--prime", str(prof["prime"]),
+            "--repeats", str(prof["rounds"]), "--max-batch-size", str(args.max_batch_size),
+            "--max-delay-ms", str(args.max_delay_ms), "--threads", str(args.threads),
+            *(["--torchserve"] if use_ts else [])])
+        serving = serve_bench.run(sargs, log)
+        phases["serving"] = time.monotonic() - started - phases["runtimes"]
+    result.update(
+        wall_s=time.monotonic() - started, phases_s=phases, load=load.summary(),
+        runtimes=runtime_rows, runtime_rounds=runtime_raw,
+        noise={"serving": spread(serving["rows"], ("mode", "level"), "throughput"),
+               "runtimes": spread(runtime_raw, ("backend", "dtype", "batch"), "encode_img_s")},
+        serving=serving, torchserve_skipped=None if use_ts else skipped,
+        settings={"model": prof["model"], "size": prof["size"], "clients": clients,
+                  "duration": prof["duration"], "warmup": prof["warmup"], "prime": prof["prime"],
+                  "rounds": prof["rounds"], "threads": args.threads,
+                  "max_batch_size": args.max_batch_size, "max_delay_ms": args.max_delay_ms,
+                  "photos": list(serve_bench.PHOTOS), "backends": prof["backends"],
+                  "dtypes": prof["dtypes"], "batches": prof["batches"],
+                  "min_time": prof["min_time"], "runtime_rounds": prof["runtime_rounds"]})
+    result["ratios"] = compute_ratios(serving["best"], serving["memory"], max(clients))
+    result["verdicts"] = [verdict(k, result["ratios"][k]) for k in TARGETS]
+    result["plots"] = plot_all(result, assets)
+    (assets / JSON_NAME).write_text(json.dumps(result, indent=2) + "\n")
+    (out / DOC_NAME).write_text(render(result))
+    log(f"wrote {out / DOC_NAME}, {assets}/ ({', '.join(result['plots'])}, {JSON_NAME}) "
+        f"in {result['wall_s'] / 60:.1f} minutes")
+    for v in result["verdicts"]:
+        log(f"  {v['what']}: {_f(v['value'])} (target {v['target']}): {v['text']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""``python -m vqserve.serve.soak`` (``make soak``): the verdict rules, and a short real run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vqserve.serve.soak import OPS, Report, Window, main, rss_growth, verdict
+
+pytestmark = pytest.mark.timeout(300)
+
+rss = st.lists(st.integers(50 << 20, 8 << 30), min_size=1, max_size=60)
+
+
+@given(rss, st.floats(-0.5, 2.0))
+def test_rss_growth_is_the_relative_change_of_the_medians(first, change):
+    last = [round(r * (1 + change)) for r in first]
+    assert rss_growth(first, last) == pytest.approx(change, abs=1e-6)
+    assert rss_growth(first, first) == 0
+
+
+@given(st.integers(0, 10), st.floats(-0.2, 0.2), st.sampled_from([0, None, 1, -15]), st.floats(0.001, 0.5))
+def test_verdict_passes_only_without_errors_growth_or_a_bad_exit(errors, growth, exit_code, limit):
+    ok = verdict(errors, growth, exit_code, limit)
+    assert ok == (errors == 0 and growth < limit and exit_code in (0, None))
+
+
+def test_growth_at_the_limit_fails():
+    assert verdict(0, 0.0499, 0) and not verdict(0, 0.05, 0)
+
+
+def test_one_line_summary_says_pass_or_fail():
+    report = Report(minutes=5.0, clients=64, window_s=60)
+    report.calls = 1234
+    report.windows = [Window([0.010, 0.020], [200 << 20, 200 << 20]), Window([0.030], [209 << 20])]
+    report.exit_code = 0
+    line = report.line()
+    assert re.fullmatch(r"soak: 5\.0 min, 64 clients, 1234 calls, 0 errors, p99/min ms \[20, 30\], "
+                        r"RSS first-min 200 MB last-min 209 MB \(\+4\.5%\), PASS", line), line
+    report.windows[-1].rss = [210 << 20]
+    assert report.line().endswith("(+5.0%), FAIL")
+    report.windows[-1].rss = [200 << 20]
+    report.errors["v1-encode:UNAVAILABLE"] += 1
+    assert "1 errors" in report.line() and report.line().endswith("FAIL")
+
+
+def test_a_short_soak_runs_every_path_and_passes(tiny_checkpoint, tmp_path, capsys):
+    """A quarter-minute soak on the tiny model: every operation ran, no error, a window of
+    p99 and RSS figures each few seconds, and one summary line (RSS growth is not judged
+    here: a few seconds are all warm-up)."""
+    out = tmp_path / "soak.json"
+    code = main(["--model", tiny_checkpoint, "--device", "cpu", "--duration", "0.2", "--warmup", "2",
+                 "--clients", "6", "--window", "4", "--threads", "1", "--max-growth", "10",
+                 "--json", str(out)])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    report = json.loads(out.read_text())
+    assert code == 0, (line, report["examples"])
+    assert re.match(r"soak: 0\.20 min, 6 clients, \d+ calls, 0 errors, p99/4s ms \[[\d, ]+\], RSS first-4s "
+                    r"\d+ MB last-4s \d+ MB \([+-]\d+\.\d%\), PASS$", line), line
+    assert set(report["by_op"]) == set(OPS) and report["calls"] > 6 * len(OPS)
+    assert len(report["p99_ms"]) == 3 and all(len(w) >= 2 for w in report["rss_mb"])
+    assert report["exit_code"] == 0
+
+
+def test_module_entry_point():
+    help_text = subprocess.run([sys.executable, "-m", "vqserve.serve.soak", "--help"], check=True,
+                               capture_output=True, text=True).stdout
+    assert "--duration" in help_text and "--clients" in help_text
+
+
+def test_codebook_window_memory_does_not_grow_with_traffic():
+    import tracemalloc
+
+    import numpy as np
+
+    from vqserve.serve.metrics import CodebookUsage
+
+    usage = CodebookUsage(64000)  # what it allocates up front is not counted
+    tokens = np.random.default_rng(0).integers(0, 64000, (100, 64)).astype(np.uint16)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range((1 << 20) // 64):  # one 64x64 image per request, factor 8
+            usage.add(tokens[i % 100])
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 1 << 20, f"the window's memory grew by {grown / 2**20:.1f} MB as it filled"
