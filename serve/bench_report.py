@@ -406,10 +406,13 @@ def _why_torchserve(result: dict, top: int, ratios: dict) -> list[str]:
             f"{100 * ts['throughput'] / ip['throughput']:.0f}%, that is {extra['vqserve']:+.1f} and "
             f"{extra['TorchServe']:+.1f} ms per image over in-process. {lead} by "
             f"{abs(1 - ts['throughput'] / v1['throughput']) * 100:.0f}%;{same} — see the spread "
-            "above. Being 2× TorchServe would need TorchServe to spend more than half the machine "
-            "on its own overhead (its gRPC → Java frontend → local socket → Python worker hop, its "
-            f"JVM); next to {per_image:.0f} ms of model time per image that overhead is a few "
-            "ms (the figures just given), so neither server can be twice the other on this model.")
+            "above. Where vqserve is ahead it is by its execution plan: it runs one model call per "
+            "core at once, while TorchServe's one worker (its default) and the in-process row run one "
+            f"call at a time. On {result['machine']['logical_cpus']} cores that can approach but not "
+            "reach 2× a one-call server, because the same cores also carry gRPC, the event loop and "
+            "the load generator's clients; TorchServe with one worker per core was not measured. "
+            "The per-request overhead of either server (TorchServe's gRPC → Java frontend → local "
+            f"socket → Python worker hop) is a few ms next to {per_image:.0f} ms of model time per image.")
     if (ratios.get("vqserve_vs_torchserve_p99") or 0) > 0.5:
         lines.append(
             f"- **p99 latency, {ratios['vqserve_vs_torchserve_p99']:.2f}× (target ≤ 0.5×).** With "
@@ -452,7 +455,10 @@ def render(result: dict) -> str:
         f"centre-cropped square and resized to {s['size']}×{s['size']}; client *i* sends photograph "
         f"*i* mod {len(s['photos'])}, one image per request, back to back, each client on its own gRPC channel.",
         f"- Threads: {s['threads']} torch thread(s) for the in-process runtime, each `vqserve serve` "
-        "and the TorchServe worker (`OMP_NUM_THREADS`).",
+        "and the TorchServe worker (`OMP_NUM_THREADS`). `vqserve serve` runs its default execution "
+        "plan (docs/SERVING.md, \"Tokens do not depend on the batch\"): one intra-op thread per model "
+        f"call and one call per core at once ({result['machine']['logical_cpus']} here); the in-process "
+        "rows and TorchServe's single worker make one call at a time.",
         f"- Batching: `vqserve serve --max-batch-size {s['max_batch_size']} --max-delay-ms "
         f"{s['max_delay_ms']:g}`; TorchServe `batch_size={s['max_batch_size']}`, "
         f"`max_batch_delay={int(round(s['max_delay_ms']))}` (ms), 1 worker; batching off is "
