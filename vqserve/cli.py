@@ -35,6 +35,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("tokenize", "offline: tokenize datasets (folders, lists, WebDataset, Parquet) into shards"),
     ("detokenize", "offline: turn index shards back into images"),
     ("verify", "offline: check a tokenized dataset (sha256, schema, keys, re-encoded samples)"),
+    ("plan", "measure dtype x micro-batch plans on this machine; print the fastest exact one"),
     ("bench", "benchmarks: quantizers, runtimes, serving, batch tokenization"),
 ]
 
