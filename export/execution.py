@@ -28,21 +28,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 import threading
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from vqserve.machine import available_cores
 
-def default_workers(device: str) -> int:
+
+def default_model_workers(device: str) -> int:
     """One call per core on CPU (each single-threaded); one stream of calls on a GPU."""
-    if device.startswith("cuda"):
-        return 1
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    return 1 if device.startswith("cuda") else available_cores()
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,7 @@ def default_plan(device: str) -> ExecutionPlan:
     (kernel choice depends on the batch shape there, so the shape never changes)."""
     if device.startswith("cuda"):
         return ExecutionPlan(micro_batch=8, workers=1, intra_op_threads=1)
-    return ExecutionPlan(micro_batch=1, workers=default_workers(device), intra_op_threads=1)
+    return ExecutionPlan(micro_batch=1, workers=default_model_workers(device), intra_op_threads=1)
 
 
 def plan_for(device: str, micro_batch: int | None = None, workers: int | None = None) -> ExecutionPlan:

@@ -249,6 +249,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
                                        f"tiles {parity_size}px", compositions=2)
         manifest["determinism"] = certificate.to_dict()
         served.close()
+        eager_fp32.close()
         del runtime, served
         parity["min_decode_psnr_db"] = min_decode_psnr
         if parity["index_agreement"] < required:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 
@@ -39,14 +38,6 @@ def _photos(size: int, count: int) -> np.ndarray:
     return np.ascontiguousarray(np.stack(out)).astype(np.uint8)
 
 
-def _rate(fn, batch: np.ndarray, seconds: float) -> float:
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn(batch)
-        n += len(batch)
-    return n / (time.perf_counter() - t0)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="vqserve bench plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,15 +52,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from vqserve.export.execution import (
-        PlannedRuntime,
-        apply_intra_op_threads,
-        default_workers,
-        plan_for,
-    )
+    from vqserve.export.execution import PlannedRuntime, apply_intra_op_threads, plan_for
+    from vqserve.export.planner import images_per_second
     from vqserve.export.runtime import load_runtime
+    from vqserve.machine import available_cores
 
-    cores = default_workers("cpu")
+    cores = available_cores()
     batches = [int(b) for b in args.batches.split(",")]
     photos = _photos(args.size, max(batches))
     rows = []
@@ -84,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for mode, (fn, threads) in modes.items():
                     apply_intra_op_threads(threads)
-                    fn(batch)  # warm-up at this shape
-                    rates[mode].append(_rate(fn, batch, args.seconds))
+                    rates[mode].append(images_per_second(fn, batch, args.seconds))
             for mode, (fn, threads) in modes.items():
                 apply_intra_op_threads(threads)
                 together = np.asarray(fn(batch))

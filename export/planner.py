@@ -26,22 +26,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from vqserve.export.determinism import check_invariance, synthetic_images
-from vqserve.export.execution import ExecutionPlan, PlannedRuntime, default_workers
+from vqserve.export.execution import ExecutionPlan, PlannedRuntime, default_model_workers
+from vqserve.machine import available_cores, cpu_info
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 
 
 def probe_device(device: str) -> dict:
     """What the hardware offers, read, not assumed."""
-    info: dict = {"device": device, "cores": default_workers("cpu")}
-    try:
-        text = open("/proc/cpuinfo").read()
-        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-        flags = set(line.split(":", 1)[-1].split())
-        model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-    except OSError:
-        flags, model = set(), ""
-    info["cpu"] = model
+    model, flags = cpu_info()
+    info: dict = {"device": device, "cores": available_cores(), "cpu": model}
     info["cpu_flags"] = {f: f in flags for f in CPU_FLAGS}
     if device.startswith("cuda"):
         import torch
@@ -69,15 +63,16 @@ class Candidate:
 
 def candidates(device: str, micro_batches: tuple[int, ...] = (1, 4)) -> list[Candidate]:
     """Every dtype this build can run, each at the given micro-batches, one call per core."""
-    workers = default_workers(device)
+    workers = default_model_workers(device)
     return [Candidate(dtype, mb, workers) for dtype in ("fp32", "bf16", "fp16") for mb in micro_batches]
 
 
-def _rate(runtime, images: np.ndarray, seconds: float) -> float:
-    runtime.encode(images)  # warm-up at this shape
+def images_per_second(encode, images: np.ndarray, seconds: float) -> float:
+    """``encode(images)`` back to back for ``seconds`` after one warm-up call at this shape."""
+    encode(images)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        runtime.encode(images)
+        encode(images)
         n += len(images)
     return n / (time.perf_counter() - t0)
 
@@ -109,7 +104,7 @@ def measure(model, size: int, device: str = "cpu", min_agreement: float = 0.995,
             if reference is None:  # fp32 comes first
                 reference = tokens
             cand.agreement = float(np.mean(tokens == reference))
-            cand.images_per_s = _rate(runtime, batch, seconds)
+            cand.images_per_s = images_per_second(runtime.encode, batch, seconds)
             cert = check_invariance(raw, cand.plan(), images[:6], "calibration", batch_sizes=(1, 2, 5),
                                     compositions=1)
             cand.batch_invariant = cert.batch_invariant and cert.decode_batch_invariant

@@ -185,12 +185,10 @@ def interleaved_speed(fns: dict[str, Callable[[], object]], rounds: int, repeats
 
 
 def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in flags if f.startswith(("avx512_bf16", "avx512_fp16", "amx", "avx512f", "avx_vnni")))
+    """The flags that decide low-precision speed, as reported in the frontier's JSON."""
+    from vqserve.machine import cpu_flags as all_flags
+
+    return sorted(f for f in all_flags() if f.startswith(("avx512_bf16", "avx512_fp16", "amx", "avx512f", "avx_vnni")))
 
 
 def run(args: argparse.Namespace, log=print) -> dict:

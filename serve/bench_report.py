@@ -34,6 +34,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from vqserve.machine import cpu_info
+
 DOC_NAME = "BENCHMARKS.md"
 ASSETS = "bench"
 JSON_NAME = "benchmarks.json"
@@ -64,17 +66,8 @@ LABELS = {"in-process": "in-process runtime", "served-v1": "vqserve, v1",
 
 # ---- machine -------------------------------------------------------------------------------
 def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("unknown", "", platform.machine()):
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return model, flags
+    model, flags = cpu_info()
+    return model or platform.processor() or "unknown", flags
 
 
 def _meminfo_gib() -> float | None:

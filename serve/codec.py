@@ -101,10 +101,15 @@ def decode_images(blobs: Sequence[bytes], field: str, max_pixels: int) -> np.nda
         except images.ImageError as exc:
             raise BadInput(name, str(exc)) from None
         if arrays and arr.shape != arrays[0].shape:
-            raise BadInput(name, f"has size {arr.shape[0]}x{arr.shape[1]}, but {field}[0] has "
-                                 f"{arrays[0].shape[0]}x{arrays[0].shape[1]}; one request holds one size")
+            raise size_mismatch(name, arr.shape[:2], arrays[0].shape[:2], field)
         arrays.append(arr)
     return np.stack(arrays)
+
+
+def size_mismatch(name: str, size: tuple[int, int], first: tuple[int, int], field: str) -> BadInput:
+    """The one-size-per-request rule, worded once for decoded images and for headers."""
+    return BadInput(name, f"has size {size[0]}x{size[1]}, but {field}[0] has {first[0]}x{first[1]}; "
+                          "one request holds one size")
 
 
 def encode_png(batch: np.ndarray, compress_level: int = 1) -> list[bytes]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from vqserve import images
 from vqserve.serve.batcher import DeadlineExpired
-from vqserve.serve.codec import WIRE_IMAGE_FORMATS, BadInput
+from vqserve.serve.codec import WIRE_IMAGE_FORMATS, BadInput, size_mismatch
 
 
 def default_decode_threads() -> int:
@@ -111,8 +111,7 @@ class ImageDecoder:
             if size is None:
                 size = (header.height, header.width)
             elif (header.height, header.width) != size:
-                raise BadInput(name, f"has size {header.height}x{header.width}, but {field}[0] has "
-                                     f"{size[0]}x{size[1]}; one request holds one size")
+                raise size_mismatch(name, (header.height, header.width), size, field)
         return size
 
     @contextlib.asynccontextmanager

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve import __version__, images
+from vqserve.machine import available_cores
 from vqserve.serve import shards, sources
 
 MANIFEST = "manifest.json"
@@ -304,8 +304,7 @@ def default_workers(device: str) -> int:
     CPU the model is (a 256x256 image costs ~100 ms to encode and ~4 ms to decode), and torch
     already uses every core: a decode process beside it stalls its threads more than it hides
     (measured in docs/TOKENIZE.md), so decoding runs inline between batches."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(32, cores - 1)) if device.startswith("cuda") else 0
+    return max(1, min(32, available_cores() - 1)) if device.startswith("cuda") else 0
 
 
 def planned_runtime(runtime, device: str, decode_workers: int, model_workers: int = 0):
@@ -313,10 +312,10 @@ def planned_runtime(runtime, device: str, decode_workers: int, model_workers: in
     model call, fixed micro-batches; vqserve.export.execution), so a file gets the server's
     tokens. On a CPU the model calls get the cores the decode processes leave
     (oversubscribed threads stall each other)."""
-    from vqserve.export.execution import PlannedRuntime, default_workers, plan_for
+    from vqserve.export.execution import PlannedRuntime, plan_for
 
     if not model_workers and device == "cpu":
-        model_workers = max(1, default_workers(device) - decode_workers)
+        model_workers = max(1, available_cores() - decode_workers)
     return PlannedRuntime(runtime, plan_for(device, workers=model_workers))
 
 

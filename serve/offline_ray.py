@@ -23,19 +23,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
 from vqserve import images
+from vqserve.machine import available_cores
 from vqserve.serve import offline, shards, sources
 
 _RAY_BARS_LOG = logging.getLogger("ray.data._internal.progress")  # "Progress bars disabled"
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # ---- stage 1: decode (Ray CPU tasks) --------------------------------------------------------
@@ -134,7 +130,7 @@ def _init_ray(address: str | None):
         return ray, False
     kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
     if address is None:
-        kwargs["num_cpus"] = _cores()  # a local instance: this machine's cores, no more
+        kwargs["num_cpus"] = available_cores()  # a local instance: this machine's cores, no more
     ray.init(address=address, **kwargs)
     return ray, True
 

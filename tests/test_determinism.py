@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from vqserve.export.determinism import check_invariance, synthetic_images
 from vqserve.export.execution import ExecutionPlan, PlannedRuntime, default_plan
 from vqserve.export.runtime import EagerRuntime
+from vqserve.machine import available_cores, cpu_flags
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -320,16 +321,7 @@ def test_every_path_gives_the_same_bf16_tokens(tiny_checkpoint, photos, tmp_path
         assert np.array_equal(np.asarray(tokens).astype(np.int64), expected.astype(np.int64)), path
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
-@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2 or "avx512_bf16" not in _cpu_flags(),
+@pytest.mark.skipif(available_cores() < 2 or "avx512_bf16" not in cpu_flags(),
                     reason="reproduced on a multi-core AVX-512-BF16 CPU; other CPUs split work differently")
 def test_original_situation_is_real_and_the_plan_removes_it(whole_photos):
     """The bug: bf16 tokens of whole photos, torch's default threads (one per core), one call

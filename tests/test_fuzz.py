@@ -551,14 +551,7 @@ def test_v1_encode_stream(served, messages):
             allowed.append(_bytes_rule(pb.EncodeRequest, payload))
     keep = [i for i, w in enumerate(wire) if len(w) <= LIMIT]  # one too big would end the call
     wire, allowed = [wire[i] for i in keep], [allowed[i] for i in keep]
-    if not wire:
-        return
-    code, details, replies = served.stream(V1 + "EncodeStream", wire)
-    expect("EncodeStream(call)", code, details, {OK})
-    assert len(replies) == len(wire)
-    for reply, ok_codes in zip(replies, allowed, strict=True):
-        got = pb.EncodeResponse.FromString(reply)
-        expect("EncodeStream", _code(got.error.code), got.error.message, ok_codes)
+    _check_stream(served, "EncodeStream", pb.EncodeResponse, wire, allowed)
 
 
 @FUZZ
@@ -577,14 +570,20 @@ def test_v1_decode_stream(served, messages):
         else:
             wire.append(payload)
             allowed.append(_bytes_rule(pb.DecodeRequest, payload))
+    _check_stream(served, "DecodeStream", pb.DecodeResponse, wire, allowed)
+
+
+def _check_stream(served, method: str, response_cls, wire: list[bytes], allowed: list[set]) -> None:
+    """Send ``wire`` down one stream: the call ends OK, one response per message, in order,
+    each with a status in its ``allowed`` set."""
     if not wire:
         return
-    code, details, replies = served.stream(V1 + "DecodeStream", wire)
-    expect("DecodeStream(call)", code, details, {OK})
+    code, details, replies = served.stream(V1 + method, wire)
+    expect(f"{method}(call)", code, details, {OK})
     assert len(replies) == len(wire)
     for reply, ok_codes in zip(replies, allowed, strict=True):
-        got = pb.DecodeResponse.FromString(reply)
-        expect("DecodeStream", _code(got.error.code), got.error.message, ok_codes)
+        got = response_cls.FromString(reply)
+        expect(method, _code(got.error.code), got.error.message, ok_codes)
 
 
 def _code(value: int) -> grpc.StatusCode:

@@ -21,7 +21,8 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
+
+from vqserve.machine import cpu_flags  # noqa: F401 - re-exported: `vqserve info` reports it
 
 LOW_PRECISION = ("bf16", "fp16")
 # CPU flags for native arithmetic in each dtype: x86 lists them under "flags", Arm under
@@ -38,19 +39,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--no-probe", dest="probe", action="store_false",
                         help="skip running bf16/fp16 on each device (report CPU flags only)")
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU feature flags of the first processor, or an empty set where not readable."""
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
 
 
 def _time_median(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 5) -> float:
