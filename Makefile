@@ -38,6 +38,7 @@ help:
 	@echo "make soak    - 64 clients for 5 minutes on MODEL=$(MODEL); one PASS/FAIL line (SOAK_ARGS=)"
 	@echo "make docker  - build the GPU image (needs a Docker engine); make docker-cpu for the CPU one"
 	@echo "make clean   - remove .venv and caches"
+	@echo "make data    - fetch the pinned Debian package photographs for training/selection/test (~165 MB)"
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +48,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# the training / selection / test photographs from pinned Debian packages (docs/TRAINING.md);
+# VQSERVE_DATA_DIR overrides the cache (~/.cache/vqserve/data)
+.PHONY: data
+data: $(STAMP)
+	$(BIN)/python -m vqserve.model.datasets fetch
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import threading
 from dataclasses import asdict, dataclass
 
@@ -45,19 +46,52 @@ def default_model_workers(device: str) -> int:
 class ExecutionPlan:
     """``micro_batch``: images per model call (fixed; the last call is padded).
     ``workers``: model calls running at once. ``intra_op_threads``: threads inside one call
-    (1 keeps tokens independent of the batch on CPU; see the module docstring)."""
+    (1 keeps tokens independent of the batch on CPU; see the module docstring).
+
+    ``micro_batch_by_pixels``: measured micro-batches per image size, as ``(pixels, micro)``
+    pairs (e.g. ``((4096, 4), (65536, 1))``: batching pays at 64x64 on a CPU, not at
+    256x256). An image takes the entry whose pixel count is nearest on a log scale, so one
+    image shape always gets the same micro-batch (and the same kernels); empty: ``micro_batch``
+    for every size."""
 
     micro_batch: int = 1
     workers: int = 1
     intra_op_threads: int = 1
+    micro_batch_by_pixels: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         for name in ("micro_batch", "workers", "intra_op_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        pairs = tuple(sorted((int(p), int(m)) for p, m in self.micro_batch_by_pixels))
+        if any(p < 1 or m < 1 for p, m in pairs):
+            raise ValueError(f"micro_batch_by_pixels needs positive (pixels, micro) pairs, got {pairs}")
+        object.__setattr__(self, "micro_batch_by_pixels", pairs)
+
+    def micro_batch_at(self, pixels: int) -> int:
+        """The micro-batch for images of ``pixels`` (H*W): the measured size nearest on a log
+        scale (ties go to the larger size), else ``micro_batch``."""
+        if not self.micro_batch_by_pixels:
+            return self.micro_batch
+        target = math.log(max(1, pixels))
+        return min(self.micro_batch_by_pixels, key=lambda pm: (abs(math.log(pm[0]) - target), -pm[0]))[1]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["micro_batch_by_pixels"] = [list(p) for p in self.micro_batch_by_pixels]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ExecutionPlan:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: (tuple(tuple(p) for p in v) if k == "micro_batch_by_pixels" else v)
+                      for k, v in data.items() if k in known})
+
+    def describe(self) -> str:
+        """One line for GetModelInfo and logs."""
+        sizes = ", ".join(f"{int(math.isqrt(p))}^2:{m}" for p, m in self.micro_batch_by_pixels)
+        micro = f"micro_batch={self.micro_batch}" + (f" ({sizes})" if sizes else "")
+        return f"{micro} workers={self.workers} intra_op_threads={self.intra_op_threads}"
 
 
 def default_plan(device: str) -> ExecutionPlan:
@@ -68,11 +102,14 @@ def default_plan(device: str) -> ExecutionPlan:
     return ExecutionPlan(micro_batch=1, workers=default_model_workers(device), intra_op_threads=1)
 
 
-def plan_for(device: str, micro_batch: int | None = None, workers: int | None = None) -> ExecutionPlan:
-    """:func:`default_plan` with the caller's settings (None or 0 keeps the default)."""
-    plan = default_plan(device)
+def plan_for(device: str, micro_batch: int | None = None, workers: int | None = None,
+             threads: int | None = None, base: ExecutionPlan | None = None) -> ExecutionPlan:
+    """``base`` (default: :func:`default_plan`) with the caller's settings (None or 0 keeps
+    the base's). A micro-batch given by hand applies to every image size."""
+    plan = base or default_plan(device)
+    by_pixels = () if micro_batch else plan.micro_batch_by_pixels
     return ExecutionPlan(micro_batch=micro_batch or plan.micro_batch, workers=workers or plan.workers,
-                         intra_op_threads=plan.intra_op_threads)
+                         intra_op_threads=threads or plan.intra_op_threads, micro_batch_by_pixels=by_pixels)
 
 
 _threads_lock = threading.Lock()
@@ -89,31 +126,42 @@ def apply_intra_op_threads(threads: int) -> None:
 
 class PlannedRuntime:
     """A Runtime that runs ``inner`` by an :class:`ExecutionPlan` (same ``info``; the plan
-    is added to ``info.extra['plan']``)."""
+    is added to ``info.extra['plan']``, and as one line with where it came from,
+    ``source``, to ``info.extra['plan_line']``)."""
 
-    def __init__(self, inner, plan: ExecutionPlan):
+    def __init__(self, inner, plan: ExecutionPlan, source: str = ""):
         self.inner = inner
         self.plan = plan
-        self.info = dataclasses.replace(inner.info, extra={**inner.info.extra, "plan": plan.to_dict()})
+        line = f"{inner.info.dtype} {plan.describe()}" + (f" [{source}]" if source else "")
+        self.info = dataclasses.replace(inner.info, extra={**inner.info.extra, "plan": plan.to_dict(),
+                                                           "plan_line": line})
         apply_intra_op_threads(plan.intra_op_threads)
         self._max_call_pixels: int | None = None
-        self._pixels_per_item = None
+        self._pixels_per_item = self._image_pixels
         self._pool = (concurrent.futures.ThreadPoolExecutor(plan.workers, thread_name_prefix="vqserve-model")
                       if plan.workers > 1 else None)
 
     def __getattr__(self, name):  # everything else (fp32_layers, tokenizer, ...) is the inner's
         return getattr(self.inner, name)
 
-    def limit_call_pixels(self, max_pixels: int | None, pixels_per_item) -> None:
+    def _image_pixels(self, method: str, item_shape: tuple[int, ...]) -> int:
+        """Pixels of the image one item is: H*W to encode, (h*f)*(w*f) to decode."""
+        scale = 1 if method == "encode" else int(self.inner.info.factor) ** 2
+        return int(np.prod(item_shape[:2])) * scale if len(item_shape) >= 2 else 1
+
+    def limit_call_pixels(self, max_pixels: int | None, pixels_per_item=None) -> None:
         """Cap a call's pixels (``pixels_per_item(method, item_shape)`` each): for large
         images the micro-batch shrinks, to the same size every time for one image shape, so
         the call shape stays a function of the image shape alone."""
-        self._max_call_pixels, self._pixels_per_item = max_pixels, pixels_per_item
+        self._max_call_pixels = max_pixels
+        self._pixels_per_item = pixels_per_item or self._image_pixels
 
     def micro_batch_for(self, method: str, item_shape: tuple[int, ...]) -> int:
-        step = self.plan.micro_batch
-        if self._max_call_pixels and self._pixels_per_item is not None:
-            per_item = max(1, self._pixels_per_item(method, item_shape))
+        """Images (or index grids) per call for this item shape: the plan's micro-batch
+        for the image size, lowered by the pixel budget; a function of the shape alone."""
+        per_item = max(1, self._pixels_per_item(method, item_shape))
+        step = self.plan.micro_batch_at(per_item)
+        if self._max_call_pixels:
             step = max(1, min(step, self._max_call_pixels // per_item))
         return step
 

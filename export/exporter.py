@@ -133,7 +133,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
                  fp32_stream: bool | None = None,
                  min_decode_psnr: float = DEFAULT_MIN_DECODE_PSNR,
                  allow_batch_variance: bool = False, log=None) -> dict:
-    """Export ``model`` (``"default"`` or a checkpoint dir) and return the manifest.
+    """Export ``model`` (``"default"`` or a model directory of any family) and return the manifest.
 
     ``fp32_stream``: run only the encoder's residual-branch convolutions in ``dtype`` and
     keep its residual stream in fp32 (None: on for bf16 and fp16, where it lifts whole-photo
@@ -201,6 +201,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
             "exported_on": device,
             "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "fp32_layers": fp32_layers,
+            "family": getattr(cfg, "family", "vqserve"),  # vqserve.model.families
             "quantizer": cfg.quantizer,
             "levels": list(cfg.levels) if cfg.quantizer in ("fsq", "rfsq") else [],
             "codebook_size": cfg.codebook_size,

@@ -1,35 +1,59 @@
-"""Choose an execution plan by measuring it: ``vqserve plan`` (issue 15, first step).
+"""Choose the execution plan by measuring it: ``vqserve serve --plan auto`` and ``vqserve plan``.
 
-A plan is a dtype plus an :class:`~vqserve.export.execution.ExecutionPlan` (micro-batch,
-parallel calls, one intra-op thread each). What is fastest depends on the hardware (bf16 is
-3x faster than fp32 on a CPU with AMX and slower than fp32 without it) and on the image
+A plan is a dtype plus an :class:`~vqserve.export.execution.ExecutionPlan` (micro-batch per
+image size, parallel calls, intra-op threads). What is fastest depends on the hardware (bf16
+is 3x faster than fp32 on a CPU with AMX and slower than fp32 without it) and on the image
 size (batching pays at 64x64 on a CPU and not at 256x256), so the planner does not guess:
 
 1. **probe** the device: CPU instruction sets from ``/proc/cpuinfo`` (AVX2, AVX-512 BF16 /
    FP16, AMX), CUDA capability;
-2. **measure** each candidate on calibration images of the requested size: images/s with
-   enough work in flight to keep every worker busy, token agreement with fp32 on the same
-   images, and batch invariance (``vqserve.export.determinism``);
-3. **choose** the fastest candidate whose agreement is at least ``min_agreement`` and whose
-   tokens do not depend on the batch; fp32 is always a candidate, so there is always one.
+2. **measure**, for each dtype the model can run in (a checkpoint: fp32, bf16, fp16, the
+   quantizer always fp32; an exported artifact: its own dtype), on calibration images:
+   token agreement with fp32 (photo tiles when scikit-image is installed, else synthetic
+   images), batch invariance (:mod:`vqserve.export.determinism`), and images/s as the
+   server runs it — one call per core with one thread each, at each micro-batch, at each
+   calibration size (64 and 256 by default) — plus one call at a time with every core's
+   threads inside it;
+3. **choose** the dtype with the best throughput (geometric mean over the sizes) among
+   those whose agreement is at least ``min_agreement`` and whose tokens do not depend on
+   the batch (fp32 always qualifies, so there is always a choice), and for it the fastest
+   micro-batch per size and the faster of workers-vs-threads.
 
-Wiring the choice into ``vqserve serve --plan auto`` (with a cache keyed by hardware, model
-hash and version) is the next step; today ``vqserve plan`` prints the measurements and the
-choice, and ``vqserve serve --dtype --micro-batch --model-workers`` applies one by hand.
+The result is cached on disk (:func:`cache_dir`), keyed by everything that could change it:
+the hardware probe, torch / onnxruntime / vqserve versions, the model's hash, backend,
+device, pinned dtype and the constraints. A restart reads the cache in milliseconds; a new
+machine, model or version measures again (tens of seconds for the default tokenizer on a
+2-core CPU).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
 from vqserve.export.determinism import check_invariance, synthetic_images
-from vqserve.export.execution import ExecutionPlan, PlannedRuntime, default_model_workers
+from vqserve.export.execution import (
+    ExecutionPlan,
+    PlannedRuntime,
+    apply_intra_op_threads,
+    default_model_workers,
+)
 from vqserve.machine import available_cores, cpu_info
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+DTYPES = ("fp32", "bf16", "fp16")
+CALIBRATION_SIDES = (64, 256)
+MICRO_BATCHES = (1, 2, 4, 8)
+PLANNER_VERSION = 2        # bump when the measurement or the choice rule changes
+MAX_CALL_PIXELS = 4 << 20  # candidates above this many pixels per call are not tried
 
 
 def probe_device(device: str) -> dict:
@@ -48,23 +72,30 @@ def probe_device(device: str) -> dict:
 
 @dataclass
 class Candidate:
+    """One way to run the model, and what it measured."""
+
     dtype: str
+    side: int
     micro_batch: int
     workers: int
+    threads: int = 1
     images_per_s: float = 0.0
-    agreement: float = 0.0            # tokens equal to fp32's on the calibration images
-    batch_invariant: bool = False
-    eligible: bool = False
-    why_not: str = ""
 
     def plan(self) -> ExecutionPlan:
-        return ExecutionPlan(micro_batch=self.micro_batch, workers=self.workers)
+        return ExecutionPlan(micro_batch=self.micro_batch, workers=self.workers, intra_op_threads=self.threads)
 
 
-def candidates(device: str, micro_batches: tuple[int, ...] = (1, 4)) -> list[Candidate]:
-    """Every dtype this build can run, each at the given micro-batches, one call per core."""
-    workers = default_model_workers(device)
-    return [Candidate(dtype, mb, workers) for dtype in ("fp32", "bf16", "fp16") for mb in micro_batches]
+@dataclass
+class DtypeResult:
+    """Exactness of one dtype (every candidate of that dtype shares it)."""
+
+    dtype: str
+    agreement: float = 0.0        # share of tokens equal to fp32's on the calibration images
+    batch_invariant: bool = False
+    threads_invariant: bool = False  # the one-call-with-all-threads variant, checked too
+    eligible: bool = False
+    why_not: str = ""
+    score: float = 0.0            # geometric mean over sizes of the best images/s
 
 
 def images_per_second(encode, images: np.ndarray, seconds: float) -> float:
@@ -77,49 +108,248 @@ def images_per_second(encode, images: np.ndarray, seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def measure(model, size: int, device: str = "cpu", min_agreement: float = 0.995,
-            seconds: float = 2.0, micro_batches: tuple[int, ...] = (1, 4), images: np.ndarray | None = None,
-            log=None) -> dict:
-    """Measure every candidate on ``images`` (default: 8 synthetic ``size`` x ``size``
-    images) and choose one. Returns ``{"device": probe, "candidates": [...], "choice": ...}``."""
+def calibration_images(side: int = 128) -> tuple[np.ndarray, str]:
+    """Every ``side`` tile of the validation photographs of scikit-image where it is
+    installed (18 tiles at 128), else 8 synthetic images: agreement with fp32 is a property
+    of photographs, so they come first."""
+    try:
+        from vqserve.export.parity import validation_photos
+
+        tiles, info = validation_photos(side)
+        return tiles, f"{len(tiles)} photo tiles {side}x{side} (skimage {', '.join(info['photos'])})"
+    except (ImportError, ValueError):
+        return synthetic_images(8, side, seed=1), f"8 synthetic images {side}x{side}"
+
+
+def _exactness(raw, dtype: str, reference: np.ndarray | None, photos: np.ndarray, side_small: int,
+               workers: int, min_agreement: float) -> tuple[DtypeResult, np.ndarray]:
+    res = DtypeResult(dtype)
+    runtime = PlannedRuntime(raw, ExecutionPlan(1, workers))
+    try:
+        tokens = runtime.encode(photos)
+    finally:
+        runtime.close()
+    res.agreement = 1.0 if reference is None else float(np.mean(tokens == reference))
+    small = synthetic_images(6, side_small, seed=2)
+    cert = check_invariance(raw, ExecutionPlan(2, workers), small, "calibration", batch_sizes=(1, 2, 5),
+                            compositions=1)
+    res.batch_invariant = cert.batch_invariant and cert.decode_batch_invariant
+    if workers > 1:
+        cert = check_invariance(raw, ExecutionPlan(1, 1, workers), small, "calibration",
+                                batch_sizes=(1, 5), compositions=1)
+        res.threads_invariant = cert.batch_invariant and cert.decode_batch_invariant
+    if res.agreement < min_agreement:
+        res.why_not = f"agreement {res.agreement:.4%} < {min_agreement:.2%}"
+    elif not res.batch_invariant:
+        res.why_not = "tokens depend on the batch"
+    res.eligible = not res.why_not
+    return res, tokens
+
+
+def _speeds(raw, dtype: str, sides: tuple[int, ...], micro_batches: tuple[int, ...], workers: int,
+            seconds: float, say) -> list[Candidate]:
+    """Images/s per (size, micro-batch) with ``workers`` single-threaded calls, and per size
+    with one call using ``workers`` threads. Micro-batches stop growing once one is slower
+    than the best so far by 3% (throughput is unimodal in the micro-batch)."""
+    rows: list[Candidate] = []
+    for side in sides:
+        images = synthetic_images(4, side, seed=3)
+        best = 0.0
+        for micro in micro_batches:
+            if micro * side * side > MAX_CALL_PIXELS:
+                break
+            cand = Candidate(dtype, side, micro, workers)
+            rows.append(_timed(raw, cand, images, seconds))
+            say(f"{dtype} {side}x{side} micro-batch {micro} x {workers} workers: {cand.images_per_s:.1f} img/s")
+            if cand.images_per_s < 0.97 * best:
+                break
+            best = max(best, cand.images_per_s)
+        if workers > 1:
+            cand = Candidate(dtype, side, 1, 1, threads=workers)
+            rows.append(_timed(raw, cand, images, seconds))
+            say(f"{dtype} {side}x{side} micro-batch 1 x 1 worker x {workers} threads: {cand.images_per_s:.1f} img/s")
+    return rows
+
+
+def _timed(raw, cand: Candidate, images: np.ndarray, seconds: float) -> Candidate:
+    runtime = PlannedRuntime(raw, cand.plan())
+    try:
+        batch = np.resize(images, (cand.micro_batch * cand.workers * 2, *images.shape[1:]))
+        cand.images_per_s = images_per_second(runtime.encode, batch, seconds)
+    finally:
+        runtime.close()
+        apply_intra_op_threads(1)  # the next candidate starts from one thread again
+    return cand
+
+
+def _choose(rows: list[Candidate], results: dict[str, DtypeResult], sides: tuple[int, ...],
+            workers: int) -> tuple[str, ExecutionPlan]:
+    def best(dtype: str, side: int, threads: int | None = None) -> Candidate | None:
+        pool = [c for c in rows if c.dtype == dtype and c.side == side and (threads is None or c.threads == threads)]
+        return max(pool, key=lambda c: c.images_per_s) if pool else None
+
+    for res in results.values():
+        tops = [best(res.dtype, s) for s in sides]
+        res.score = math.exp(sum(math.log(max(c.images_per_s, 1e-9)) for c in tops) / len(tops)) if all(tops) else 0
+    eligible = [r for r in results.values() if r.eligible]
+    choice = max(eligible, key=lambda r: r.score)
+    parallel = [best(choice.dtype, s, 1) for s in sides]
+    threaded = [best(choice.dtype, s, workers) for s in sides] if workers > 1 else []
+    use_threads = (choice.threads_invariant and threaded and all(threaded)
+                   and sum(math.log(t.images_per_s / p.images_per_s) for t, p in zip(threaded, parallel, strict=True)) > 0)
+    if use_threads:
+        return choice.dtype, ExecutionPlan(1, 1, workers)
+    by_pixels = tuple((s * s, c.micro_batch) for s, c in zip(sides, parallel, strict=True))
+    return choice.dtype, ExecutionPlan(micro_batch=parallel[-1].micro_batch, workers=workers,
+                                       micro_batch_by_pixels=by_pixels)
+
+
+def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
+            min_agreement: float = 0.995, sides: tuple[int, ...] = CALIBRATION_SIDES,
+            micro_batches: tuple[int, ...] = MICRO_BATCHES, seconds: float = 0.6,
+            workers: int | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """Measure every candidate and choose. ``dtype`` pins the dtype (or an artifact's own);
+    ``workers`` (default one per core on CPU, one on CUDA) is the parallel calls to try.
+    Returns a JSON-able dict with ``dtype``, ``plan``, ``dtypes``, ``candidates``, ``device``."""
     from vqserve.export.runtime import load_runtime
 
     say = log or (lambda msg: None)
-    probe = probe_device(device)
-    if images is None:
-        images = synthetic_images(8, size, seed=1)
+    t0 = time.perf_counter()
+    workers = workers or default_model_workers(device)
+    is_artifact = (Path(str(model)) / "manifest.json").is_file()
+    dtypes = (dtype,) if dtype else ((None,) if is_artifact else DTYPES)
+    photos, source = calibration_images()
     reference = None
-    rows = []
-    for cand in candidates(device, micro_batches):
+    results: dict[str, DtypeResult] = {}
+    rows: list[Candidate] = []
+    for want in dtypes:
         try:
-            raw = load_runtime(model, dtype=cand.dtype, device=device)
+            raw = load_runtime(model, backend=backend, dtype=want, device=device)
         except (ValueError, RuntimeError) as exc:
-            cand.why_not = f"cannot run: {exc}"
-            rows.append(cand)
+            results[want] = DtypeResult(want, why_not=f"cannot run: {exc}")
             continue
-        runtime = PlannedRuntime(raw, cand.plan())
-        try:
-            batch = np.resize(images, (cand.micro_batch * cand.workers * 2, *images.shape[1:]))
-            tokens = runtime.encode(images)
-            if reference is None:  # fp32 comes first
-                reference = tokens
-            cand.agreement = float(np.mean(tokens == reference))
-            cand.images_per_s = images_per_second(runtime.encode, batch, seconds)
-            cert = check_invariance(raw, cand.plan(), images[:6], "calibration", batch_sizes=(1, 2, 5),
-                                    compositions=1)
-            cand.batch_invariant = cert.batch_invariant and cert.decode_batch_invariant
-        finally:
-            runtime.close()
-        if cand.agreement < min_agreement:
-            cand.why_not = f"agreement {cand.agreement:.4%} < {min_agreement:.2%}"
-        elif not cand.batch_invariant:
-            cand.why_not = "tokens depend on the batch"
-        cand.eligible = not cand.why_not
-        say(f"{cand.dtype} micro-batch {cand.micro_batch} x {cand.workers} workers: "
-            f"{cand.images_per_s:.1f} img/s, agreement {cand.agreement:.4%}, "
-            f"{'invariant' if cand.batch_invariant else 'NOT invariant'}")
-        rows.append(cand)
-    eligible = [c for c in rows if c.eligible]
-    choice = max(eligible, key=lambda c: c.images_per_s) if eligible else None
-    return {"device": probe, "size": size, "min_agreement": min_agreement,
-            "candidates": [asdict(c) for c in rows], "choice": asdict(choice) if choice else None}
+        name = raw.info.dtype
+        if want is None or name == "fp32":
+            res, tokens = _exactness(raw, name, None, photos, min(sides), workers, min_agreement)
+            reference = tokens if name == "fp32" else reference
+        else:
+            res, _ = _exactness(raw, name, reference, photos, min(sides), workers, min_agreement)
+        say(f"{name}: agreement with fp32 {res.agreement:.4%}, "
+            f"{'batch-invariant' if res.batch_invariant else 'NOT batch-invariant'}")
+        results[name] = res
+        rows += _speeds(raw, name, tuple(sides), tuple(micro_batches), workers, seconds, say)
+        raw_close = getattr(raw, "close", None)
+        if raw_close:
+            raw_close()
+    if not any(r.eligible for r in results.values()):
+        raise RuntimeError("no dtype met the constraints: " +
+                           "; ".join(f"{r.dtype}: {r.why_not}" for r in results.values()))
+    chosen_dtype, plan = _choose(rows, results, tuple(sides), workers)
+    return {"planner_version": PLANNER_VERSION, "device": probe_device(device), "dtype": chosen_dtype,
+            "plan": plan.to_dict(), "min_agreement": min_agreement, "sides": list(sides),
+            "calibration": source, "dtypes": [asdict(r) for r in results.values()],
+            "candidates": [asdict(c) for c in rows], "measure_s": round(time.perf_counter() - t0, 2)}
+
+
+# ---- the on-disk cache ------------------------------------------------------------------
+def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """``explicit``, else ``$VQSERVE_PLAN_CACHE``, else ``$XDG_CACHE_HOME/vqserve/plans``
+    (``~/.cache/vqserve/plans``)."""
+    if explicit:
+        return Path(explicit)
+    if os.environ.get("VQSERVE_PLAN_CACHE"):
+        return Path(os.environ["VQSERVE_PLAN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vqserve" / "plans"
+
+
+def cache_key(model, device: str, backend: str, dtype: str | None, min_agreement: float,
+              sides: tuple[int, ...] = CALIBRATION_SIDES, micro_batches: tuple[int, ...] = MICRO_BATCHES,
+              workers: int | None = None) -> dict:
+    """Everything a measured plan depends on; its sha256 names the cache file."""
+    import torch
+
+    import vqserve
+    from vqserve.export.runtime import model_hash_of
+
+    try:
+        import onnxruntime
+
+        ort = onnxruntime.__version__
+    except ImportError:  # pragma: no cover - a dependency, but a plan does not need it
+        ort = None
+    return {"planner_version": PLANNER_VERSION, "vqserve": vqserve.__version__, "torch": torch.__version__,
+            "onnxruntime": ort, "hardware": probe_device(device), "model_hash": model_hash_of(model),
+            "backend": backend, "dtype": dtype, "min_agreement": min_agreement, "sides": list(sides),
+            "micro_batches": list(micro_batches), "workers": workers or default_model_workers(device)}
+
+
+def _key_file(directory: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return directory / f"plan-{digest[:24]}.json"
+
+
+def read_cached(directory: Path, key: dict) -> dict | None:
+    """The cached result for ``key``, or None (absent, unreadable, or for another key)."""
+    path = _key_file(directory, key)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("key") != key or "plan" not in data:
+        return None
+    return data
+
+
+def write_cached(directory: Path, key: dict, result: dict) -> Path | None:
+    """Store atomically (write beside, rename); a cache that cannot be written is skipped:
+    the plan still serves, the next start measures again."""
+    path = _key_file(directory, key)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({**result, "key": key}, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
+
+
+@dataclass
+class PlanChoice:
+    """What ``--plan auto`` decided and where it came from (``measured`` or ``cache``)."""
+
+    dtype: str
+    plan: ExecutionPlan
+    source: str
+    cache_file: str | None
+    result: dict
+
+    def why(self) -> str:
+        """One line for the log: the choice and the figures behind it."""
+        rows = {r["dtype"]: r for r in self.result.get("dtypes", [])}
+        parts = []
+        for name, r in rows.items():
+            state = f"{r['score']:.1f} img/s" if r["eligible"] else f"refused: {r['why_not']}"
+            parts.append(f"{name} {state}")
+        return (f"{self.dtype} {self.plan.describe()} ({self.source}; " + ", ".join(parts) +
+                f"; agreement >= {self.result.get('min_agreement', 0):.2%})")
+
+
+def choose_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
+                min_agreement: float = 0.995, cache: str | os.PathLike | None = None,
+                log: Callable[[str], None] | None = None, **measure_kw) -> PlanChoice:
+    """The plan for serving ``model`` here: from the cache when this hardware, versions and
+    model were measured before, else measured now and cached."""
+    directory = cache_dir(cache)
+    key = cache_key(model, device, backend, dtype, min_agreement,
+                    tuple(measure_kw.get("sides", CALIBRATION_SIDES)),
+                    tuple(measure_kw.get("micro_batches", MICRO_BATCHES)), measure_kw.get("workers"))
+    cached = read_cached(directory, key)
+    if cached is not None:
+        return PlanChoice(cached["dtype"], ExecutionPlan.from_dict(cached["plan"]), "cache",
+                          str(_key_file(directory, key)), cached)
+    result = measure(model, device, backend, dtype, min_agreement, log=log, **measure_kw)
+    written = write_cached(directory, key, result)
+    return PlanChoice(result["dtype"], ExecutionPlan.from_dict(result["plan"]), "measured",
+                      str(written) if written else None, result)

@@ -90,11 +90,13 @@ def files_hash(digests: dict[str, str]) -> str:
 
 
 def checkpoint_hash(path: str | os.PathLike) -> str:
-    """``model_hash`` of a checkpoint directory: its ``config.json`` and ``model.safetensors``
-    (the config decides the architecture and quantizer, so it is part of the model)."""
-    from vqserve.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME
+    """``model_hash`` of a model directory: every file its family loads (vqserve's own:
+    ``config.json`` and ``model.safetensors``; a diffusers VQModel: ``config.json`` and
+    ``diffusion_pytorch_model.safetensors``). The config decides the architecture and
+    quantizer, so it is part of the model."""
+    from vqserve.model.checkpoint import model_files
 
-    return files_hash({name: sha256_file(Path(path) / name) for name in (CONFIG_NAME, WEIGHTS_NAME)})
+    return files_hash({name: sha256_file(Path(path) / name) for name in model_files(path)})
 
 
 class ModelHashMismatch(ValueError):
@@ -153,6 +155,7 @@ class EagerRuntime:
             levels=tuple(cfg.levels) if cfg.quantizer in ("fsq", "rfsq") else (),
             index_dtype=self._index_dtype.name,
             model_hash=model_hash,
+            extra={"family": getattr(cfg, "family", "vqserve")},
         )
 
     def encode(self, images: np.ndarray) -> np.ndarray:

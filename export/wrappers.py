@@ -84,6 +84,7 @@ class EncodeGraph(nn.Module):
         super().__init__()
         self.dtype = parse_dtype(dtype)
         self.factor = int(tokenizer.config.factor)
+        self.pixel_range = tuple(tokenizer.pixel_range)
         self.encoder, kept = low_precision_encoder(tokenizer.encoder, self.dtype, fp32_stream)
         self.fp32_layers = [f"encoder.{name}" for name in kept]
         self.island = Fp32Island(_quantizer_copy(tokenizer))
@@ -91,7 +92,7 @@ class EncodeGraph(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         # the eager model's own normalisation (fp32); the encoder's door casts it explicitly
         # to its first convolution's dtype (fp32 under the fp32-stream policy)
-        latents = self.encoder(pixels_to_float(images))
+        latents = self.encoder(pixels_to_float(images, self.pixel_range))
         return self.island(latents.permute(0, 2, 3, 1))
 
 
@@ -102,13 +103,14 @@ class DecodeGraph(nn.Module):
         super().__init__()
         self.dtype = parse_dtype(dtype)
         self.factor = int(tokenizer.config.factor)
+        self.pixel_range = tuple(tokenizer.pixel_range)
         self.island = Fp32CodesIsland(_quantizer_copy(tokenizer))
         self.decoder = _network_copy(tokenizer, "decoder", self.dtype)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         codes = self.island(indices).permute(0, 3, 1, 2)
         x = self.decoder(codes.to(self.dtype))  # border cast out of the island
-        return float_to_pixels(x)  # clamp and round in fp32, as the eager model does
+        return float_to_pixels(x, self.pixel_range)  # clamp and round in fp32, as the eager model does
 
 
 def build_graphs(tokenizer: nn.Module, dtype: str | torch.dtype = "fp32",

@@ -1,5 +1,8 @@
 """Checkpoints as a directory: ``config.json`` + ``model.safetensors``. Never a pickle.
 
+``load_tokenizer`` also opens the model directories of other families (a diffusers
+VQModel, an imported LlamaGen model, ...) through ``vqserve.model.families``.
+
 Writes go to a temporary sibling directory that is renamed into place, so a killed
 process leaves either the old checkpoint or the new one, never half of each.
 """
@@ -16,11 +19,11 @@ from safetensors.torch import load_file, save_file
 
 from vqserve.model.atomic import atomic_directory
 from vqserve.model.config import TokenizerConfig
+from vqserve.model.families import CONFIG_NAME, FamilyConfig, family_for
+from vqserve.model.families.vqserve_native import VQSERVE, WEIGHTS_NAME
 from vqserve.model.precision import parse_dtype
-from vqserve.model.tokenizer import Tokenizer
+from vqserve.model.tokenizer import Tokenizer, TokenizerBase
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 DEFAULT_NAME = "default"
 
 
@@ -68,15 +71,25 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, extra: dict | 
     return path
 
 
-def read_config(path: str | os.PathLike) -> tuple[TokenizerConfig, dict]:
-    """(config, meta) from a checkpoint directory."""
+def read_native_config(path: str | os.PathLike) -> tuple[TokenizerConfig, dict]:
+    """(config, meta) from a vqserve checkpoint directory."""
     data = json.loads((Path(path) / CONFIG_NAME).read_text())
     meta = data.pop("meta", {}) or {}
     return TokenizerConfig.from_dict(data), meta
 
 
+def read_config(path: str | os.PathLike) -> tuple[TokenizerConfig | FamilyConfig, dict]:
+    """(config, meta) from a model directory of any family (``vqserve.model.families``);
+    a foreign family's config carries the same facts (factor, codebook size, ...)."""
+    family = family_for(path)
+    if family is VQSERVE:
+        return read_native_config(path)
+    return family.read_config(Path(path)), {}
+
+
 def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """``"default"`` -> the packaged directory; anything else must be a checkpoint directory."""
+    """``"default"`` -> the packaged directory; anything else must be a model directory of a
+    known family (vqserve's own checkpoint, a diffusers VQModel, ...) holding its files."""
     if str(name_or_path) == DEFAULT_NAME:
         if not default_tokenizer_available():
             raise FileNotFoundError(
@@ -90,16 +103,19 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"model {str(path)!r} does not exist (use 'default' or a checkpoint directory)")
     if not path.is_dir():
         raise ValueError(f"model {str(path)!r} must be a directory holding {CONFIG_NAME} and {WEIGHTS_NAME}")
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"model directory {str(path)!r} has no {name}")
+    family_for(path).check_files(path)
     return path
 
 
-def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_NAME, device: str | torch.device = "cpu") -> Tokenizer:
-    """Load a tokenizer in eval mode. Only safetensors are read: nothing is unpickled."""
-    path = resolve_model_path(name_or_path)
-    config, _ = read_config(path)
+def model_files(path: str | os.PathLike) -> tuple[str, ...]:
+    """The files (names inside ``path``) that make up the model: what ``model_hash`` covers."""
+    return family_for(path).model_files(Path(path))
+
+
+def load_native_tokenizer(path: str | os.PathLike, device: str | torch.device = "cpu") -> Tokenizer:
+    """A vqserve checkpoint directory (already resolved) -> its Tokenizer in eval mode."""
+    path = Path(path)
+    config, _ = read_native_config(path)
     tokenizer = Tokenizer(config)
     state = load_file(str(path / WEIGHTS_NAME), device="cpu")
     try:
@@ -113,3 +129,12 @@ def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_NAME, device: str |
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     return tokenizer.to(device).eval()
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_NAME,
+                   device: str | torch.device = "cpu") -> TokenizerBase:
+    """Load a tokenizer of any family in eval mode: ``"default"``, a vqserve checkpoint, a
+    diffusers VQModel directory, ... (``vqserve.model.families``). Only safetensors are
+    read: nothing is unpickled."""
+    path = resolve_model_path(name_or_path)
+    return family_for(path).load(path, device)

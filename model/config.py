@@ -17,7 +17,7 @@ class TokenizerConfig:
 
     quantizer: ``fsq`` (levels), ``lfq`` (lfq_dim bits), ``vq`` (vq_codebook_size x vq_dim),
     ``rfsq`` (levels x num_quantizers). ``attention`` adds a TransformerEncoderLayer in the
-    middle of encoder and decoder.
+    middle of encoder and decoder. ``norm``: ``group`` (GroupNorm) or ``pixel`` (per-position).
     """
 
     quantizer: str = "fsq"
@@ -31,12 +31,18 @@ class TokenizerConfig:
     attention: bool = False
     attention_heads: int = 4
     patch_size: int = 1   # >1: pixel (un)shuffle stem, no full-resolution convolutions
+    # "group": GroupNorm, statistics over the whole image (every checkpoint before issue 17;
+    # a config.json without the key loads as this); "pixel": per-position channel norm,
+    # the same output for a pixel whatever the image size (docs/TRAINING.md)
+    norm: str = "group"
 
     def __post_init__(self) -> None:
         self.levels = [int(v) for v in self.levels]
         self.channels = [int(c) for c in self.channels]
         if self.quantizer not in QUANTIZERS:
             raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
+        if self.norm not in ("group", "pixel"):
+            raise ValueError(f"norm must be 'group' or 'pixel', got {self.norm!r}")
         if self.patch_size not in (1, 2, 4):
             raise ValueError(f"patch_size must be 1, 2 or 4, got {self.patch_size}")
         if not self.channels or min(self.channels) < 1 or self.factor not in (4, 8, 16):

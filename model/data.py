@@ -8,6 +8,9 @@ Two sources, one interface (``ImageSource.images``: a list of uint8 ``[H,W,3]`` 
 * ``builtin_source("train" | "val")`` - the photographs bundled with scikit-image
   (``skimage.data``, no download), with a FIXED split (see ``BUILTIN_TRAIN`` /
   ``BUILTIN_VAL`` and docs/TRAINING.md). Grayscale photographs are repeated to RGB.
+* ``photos:train`` / ``photos:select`` - the scikit-image split plus the pinned Debian
+  package photographs (``vqserve.model.datasets``; ``make data`` fetches them), and
+  ``heldout`` / ``heldout:pip`` - the evaluation-only test photographs (training refuses them).
 
 ``RandomCrops`` draws batches of random crops with random horizontal flips; the batch for
 step ``s`` depends only on ``(seed, s)``, so a resumed run sees exactly the batches an
@@ -102,8 +105,40 @@ def image_folder(root: str | os.PathLike, min_size: int = 1) -> ImageSource:
     return ImageSource(images, names, skipped, description=f"image folder {root}")
 
 
+HELDOUT_SPECS = ("heldout", "heldout:pip")
+PHOTO_SPECS = ("photos:train", "photos:select")
+
+
+def photos_source(role: str) -> ImageSource:
+    """scikit-image's split plus the package photographs of ``role`` ("train" or "select")."""
+    from vqserve.model.datasets import package_images
+
+    sk = builtin_source("train" if role == "train" else "val")
+    images, names = package_images(role)
+    return ImageSource(sk.images + images, sk.names + names,
+                       description=f"scikit-image + Debian package photographs ({role})")
+
+
+def heldout_source(spec: str) -> ImageSource:
+    """The test photographs: KDE wallpapers (``heldout``) plus matplotlib's and scikit-learn's."""
+    from vqserve.model.datasets import package_images, pip_heldout_images
+
+    images, names = pip_heldout_images()
+    if spec == "heldout":
+        kde, kde_names = package_images("test")
+        images, names = kde + images, kde_names + names
+    return ImageSource(images, names, description=f"held-out test photographs ({spec})")
+
+
 def open_source(spec: str, split: str = "train", min_size: int = 1) -> ImageSource:
-    """``"builtin"`` (or ``"builtin:val"``) or a folder path."""
+    """``"builtin"`` (or ``"builtin:val"``), ``"photos:train|select"``, ``"heldout[:pip]"``
+    or a folder path."""
+    if spec in HELDOUT_SPECS:
+        return heldout_source(spec)
+    if spec in PHOTO_SPECS:
+        return photos_source(spec.partition(":")[2])
+    if spec.startswith("photos") or spec.startswith("heldout:"):
+        raise DataError(f"unknown image set {spec!r}; known: {', '.join(PHOTO_SPECS + HELDOUT_SPECS)}")
     if spec.startswith("builtin"):
         _, _, explicit = spec.partition(":")
         return builtin_source(explicit or split)

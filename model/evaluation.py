@@ -8,7 +8,12 @@ torch and numpy at the top (no scikit-image, no matplotlib).
   perplexity (``2**entropy``, the effective number of codes) of a set of indices;
 * ``index_agreement`` - the fraction of token indices a bf16/fp16 encode shares with the
   fp32 eager encode of the same pixels;
-* ``evaluate_tokenizer`` - all of the above over a list of images, as one dict.
+* ``mean_colour_error`` - mean of reconstruction minus mean of original per R/G/B channel
+  (a colour cast a PSNR figure hides);
+* ``tiled_round_trip`` - the same pixels encoded as independent tiles (a tokenizer whose
+  output depends on the image size scores differently whole and tiled);
+* ``evaluate_tokenizer`` - all of the above over a list of images, as one dict, with
+  ``TARGETS`` (issue 17) checked.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -85,6 +90,27 @@ def ssim(a, b, data_range: float = 255.0) -> float:
     return float(s.mean())
 
 
+def mean_colour_error(original, reconstruction) -> list[float]:
+    """Per channel (R, G, B): mean of ``reconstruction`` minus mean of ``original``, in levels.
+
+    uint8 ``[H,W,3]`` or ``[B,H,W,3]`` inputs. +10 on R is a red cast of 10 levels over the
+    whole image, invisible in a PSNR figure that a textured region dominates.
+    """
+    a, b = _to_float255(original), _to_float255(reconstruction)
+    dims = tuple(range(a.ndim - 1))
+    return [float(v) for v in (b.mean(dim=dims) - a.mean(dim=dims))]
+
+
+def side_by_side(*images: np.ndarray, gap: int = 4) -> np.ndarray:
+    """uint8 ``[H,W,3]`` images of one size laid out left to right with white gaps."""
+    h = images[0].shape[0]
+    spacer = np.full((h, gap, 3), 255, np.uint8)
+    parts: list[np.ndarray] = []
+    for i, img in enumerate(images):
+        parts += ([spacer] if i else []) + [np.asarray(img, dtype=np.uint8)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
 # -- codebook metrics -------------------------------------------------------------------
 
 
@@ -142,7 +168,7 @@ def encode_in_precision(tokenizer, images_u8: torch.Tensor, precision: str,
     from vqserve.model.precision import policy
     from vqserve.model.tokenizer import pixels_to_float
 
-    x = pixels_to_float(tokenizer.check_images(images_u8)).to(tokenizer.device)
+    x = pixels_to_float(tokenizer.check_images(images_u8), tokenizer.pixel_range).to(tokenizer.device)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
@@ -164,10 +190,57 @@ def _memory_format(module: torch.nn.Module, channels_last: bool):
         module.to(memory_format=torch.contiguous_format)
 
 
+def tiled_round_trip(tokenizer, batch_u8: torch.Tensor, tile: int) -> torch.Tensor:
+    """Encode and decode ``tile x tile`` pieces of uint8 ``[1,H,W,3]`` independently, stitched
+    back (edge pieces are smaller; H and W are multiples of the factor, so every piece is)."""
+    out = torch.empty_like(batch_u8)
+    _, h, w, _ = batch_u8.shape
+    for y in range(0, h, tile):
+        for x in range(0, w, tile):
+            piece = batch_u8[:, y : y + tile, x : x + tile].contiguous()
+            out[:, y : y + tile, x : x + tile] = tokenizer.decode(tokenizer.encode(piece)).cpu()
+    return out
+
+
+# issue 17: what a default tokenizer must reach on whole held-out photographs
+TARGETS = {
+    "psnr_over_baseline_db": 0.5,       # PSNR at least this far above area x factor + bicubic
+    "max_abs_mean_error": 3.0,          # every photo, every channel: |mean colour error| below
+    "whole_minus_tiled_db": -0.2,       # whole-photo PSNR at most 0.2 dB below 128-px tiles
+    "bf16_agreement": 0.995,            # served bf16 tokens identical to fp32
+}
+
+
+def check_targets(result: dict) -> dict:
+    """Which of ``TARGETS`` ``result`` (from ``evaluate_tokenizer``) meets: name -> (value, ok)."""
+    out: dict = {}
+    if "baseline_psnr" in result:
+        v = result["psnr"] - result["baseline_psnr"]
+        out["psnr_over_baseline_db"] = {"value": v, "ok": v >= TARGETS["psnr_over_baseline_db"]}
+    v = result["max_abs_mean_error"]
+    out["max_abs_mean_error"] = {"value": v, "ok": v < TARGETS["max_abs_mean_error"]}
+    if "tiled_psnr" in result:
+        v = result["psnr"] - result["tiled_psnr"]
+        out["whole_minus_tiled_db"] = {"value": v, "ok": v >= TARGETS["whole_minus_tiled_db"]}
+    if "bf16" in result["agreement"]:
+        v = result["agreement"]["bf16"]
+        out["bf16_agreement"] = {"value": v, "ok": v >= TARGETS["bf16_agreement"]}
+    return out
+
+
+ImageCallback = Callable[[str, np.ndarray, np.ndarray, "np.ndarray | None"], None]
+
+
 def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[str] | None = None,
                        precisions: Sequence[str] = ("bf16", "fp16"),
-                       channels_last: bool = True, baseline: bool = True) -> dict:
-    """PSNR/SSIM (fp32 eager round trip), codebook stats, and agreement per precision.
+                       channels_last: bool = True, baseline: bool = True, tile: int = 128,
+                       on_image: ImageCallback | None = None) -> dict:
+    """PSNR/SSIM (fp32 eager round trip), colour error, whole vs tiled PSNR, codebook stats,
+    and agreement per precision, against the area x factor + bicubic baseline.
+
+    ``tile``: also round-trip each image as independent ``tile``-pixel pieces (0: skip).
+    ``on_image(name, original, reconstruction, baseline)`` is called with uint8 ``[H,W,3]``
+    arrays per image (side-by-side PNGs), so no caller has to hold every reconstruction.
 
     ``agreement[p]``: the encoder as serving and exports run it in ``p``
     (``low_precision_encoder``: fp32 residual stream for bf16 and fp16); ``agreement_autocast[p]``:
@@ -186,7 +259,7 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     per_image = []
     counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
     sq_err, n_px = 0.0, 0
-    base_sq_err = 0.0
+    base_sq_err, tiled_sq_err = 0.0, 0.0
     # (result key, precision, encoder copy or None for autocast)
     runs = [(p, p, served[p]) for p in precisions] + [(f"{p}_autocast", p, None) for p in precisions]
     agree = {name: [0, 0] for name, _, _ in runs}
@@ -204,11 +277,21 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
         sq_err += float(err.sum())
         n_px += err.numel()
         row = {"name": name, "height": img.shape[0], "width": img.shape[1],
-               "psnr": psnr(batch, recon), "ssim": ssim(batch, recon)}
+               "psnr": psnr(batch, recon), "ssim": ssim(batch, recon),
+               "mean_error_rgb": mean_colour_error(batch, recon)}
+        row["max_abs_mean_error"] = max(abs(v) for v in row["mean_error_rgb"])
+        base = None
         if baseline:
             base = downsample_bicubic_baseline(batch, f)
             row["baseline_psnr"] = psnr(batch, base)
+            row["baseline_ssim"] = ssim(batch, base)
             base_sq_err += float(((batch.to(torch.float64) - base.to(torch.float64)) ** 2).sum())
+        if tile:
+            tiled = tiled_round_trip(tokenizer, batch, tile)
+            row["tiled_psnr"] = psnr(batch, tiled)
+            tiled_sq_err += float(((batch.to(torch.float64) - tiled.to(torch.float64)) ** 2).sum())
+        if on_image is not None:
+            on_image(name, batch[0].numpy(), recon[0].numpy(), None if base is None else base[0].numpy())
         with _memory_format(tokenizer, channels_last):
             for name, precision, encoder in runs:
                 t0 = time.perf_counter()
@@ -223,7 +306,7 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
         "images": len(per_image),
         "factor": f,
         "codebook_size": tokenizer.codebook_size,
-        "psnr": 10 * math.log10(255.0**2 / (sq_err / n_px)) if sq_err > 0 else float("inf"),
+        "psnr": _psnr_from(sq_err, n_px),
         "ssim": float(np.mean([r["ssim"] for r in per_image])),
         "codebook": codebook_stats(counts),
         "agreement": {p: agree[p][0] / max(agree[p][1], 1) for p in precisions},
@@ -232,12 +315,22 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
         "encode_seconds": timings,
         "per_image": per_image,
     }
+    result["max_abs_mean_error"] = max(r["max_abs_mean_error"] for r in per_image)
     if baseline:
-        result["baseline_psnr"] = 10 * math.log10(255.0**2 / (base_sq_err / n_px))
+        result["baseline_psnr"] = _psnr_from(base_sq_err, n_px)
+        result["baseline_ssim"] = float(np.mean([r["baseline_ssim"] for r in per_image]))
+    if tile:
+        result["tile"] = tile
+        result["tiled_psnr"] = _psnr_from(tiled_sq_err, n_px)
+    result["targets"] = check_targets(result)
     result["utilization"] = result["codebook"]["utilization"]
     result["entropy_bits"] = result["codebook"]["entropy_bits"]
     result["perplexity"] = result["codebook"]["perplexity"]
     return result
+
+
+def _psnr_from(sq_err: float, n: int) -> float:
+    return 10 * math.log10(255.0**2 / (sq_err / n)) if sq_err > 0 else float("inf")
 
 
 def _centre_crop_multiple(img: np.ndarray, factor: int) -> np.ndarray:

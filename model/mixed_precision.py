@@ -68,8 +68,15 @@ def default_fp32_stream(dtype: str | torch.dtype) -> bool:
 
 def branch_convolutions(encoder: nn.Module, which: tuple[str, ...] = BRANCH_CONVS) -> list[str]:
     """Names of ``encoder``'s residual-branch convolutions (``ResBlock.conv1``/``conv2``, or
-    only those named in ``which``), in module order."""
-    return [f"{name}.{conv}" for name, m in encoder.named_modules() if isinstance(m, ResBlock)
+    only those named in ``which``), in module order.
+
+    A model family's encoder names its own residual block classes in
+    ``residual_block_types`` (diffusers' ``ResnetBlock2D`` has the same ``norm1 -> conv1 ->
+    norm2 -> conv2`` branch added to an untouched input), so foreign encoders get the same
+    fp32 residual stream; an encoder with no known blocks has no branch convolutions and
+    runs wholly in fp32 under this policy."""
+    blocks = (ResBlock, *getattr(encoder, "residual_block_types", ()))
+    return [f"{name}.{conv}" for name, m in encoder.named_modules() if isinstance(m, blocks)
             for conv in which]
 
 

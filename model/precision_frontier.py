@@ -96,7 +96,7 @@ def encode_with(tokenizer, encoder: nn.Module, images_u8: np.ndarray) -> torch.T
     """uint8 ``[B,H,W,3]`` -> indices, exactly as ``Tokenizer.encode`` (NCHW, quantizer fp32)."""
     from vqserve.model.tokenizer import pixels_to_float
 
-    x = pixels_to_float(torch.from_numpy(np.ascontiguousarray(images_u8)))
+    x = pixels_to_float(torch.from_numpy(np.ascontiguousarray(images_u8)), tokenizer.pixel_range)
     with torch.no_grad():
         return tokenizer.quantize(encoder(x))[1]
 

@@ -7,13 +7,15 @@ training path. Every input is checked with an error that names the rule it broke
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
 
 from vqserve.model.config import TokenizerConfig
 from vqserve.model.networks import Decoder, Encoder
-from vqserve.model.precision import cast_to
+from vqserve.model.precision import cast_to, module_dtype
 from vqserve.model.quantizers import FSQ, LFQ, VQ, ResidualFSQ
 
 
@@ -35,14 +37,31 @@ def _as_tensor(x, what: str) -> torch.Tensor:
     raise ValueError(f"{what} must be a torch.Tensor or numpy array, got {type(x).__name__}")
 
 
-def pixels_to_float(images: torch.Tensor) -> torch.Tensor:
-    """uint8 NHWC -> fp32 NCHW in [-1, 1] (computed in fp32, cast later by each network)."""
-    return images.permute(0, 3, 1, 2).to(torch.float32) / 127.5 - 1.0
+PixelRange = tuple[float, float]
+SIGNED_UNIT: PixelRange = (-1.0, 1.0)  # what vqserve's own networks (and most VQ models) see
 
 
-def float_to_pixels(x: torch.Tensor) -> torch.Tensor:
-    """float NCHW ~[-1, 1] -> uint8 NHWC, clamped and rounded in fp32."""
-    x = ((x.to(torch.float32) + 1.0) * 127.5).clamp(0, 255).round()
+def pixels_to_float(images: torch.Tensor, pixel_range: PixelRange = SIGNED_UNIT) -> torch.Tensor:
+    """uint8 NHWC -> fp32 NCHW in ``pixel_range`` (computed in fp32, cast later by each network).
+
+    [-1, 1] keeps the exact arithmetic vqserve has always used, so tokens of existing
+    checkpoints and exports do not move by one ulp."""
+    x = images.permute(0, 3, 1, 2).to(torch.float32)
+    low, high = pixel_range
+    if (low, high) == SIGNED_UNIT:
+        return x / 127.5 - 1.0
+    return x * ((high - low) / 255.0) + low
+
+
+def float_to_pixels(x: torch.Tensor, pixel_range: PixelRange = SIGNED_UNIT) -> torch.Tensor:
+    """float NCHW ~``pixel_range`` -> uint8 NHWC, clamped and rounded in fp32."""
+    x = x.to(torch.float32)
+    low, high = pixel_range
+    if (low, high) == SIGNED_UNIT:
+        x = (x + 1.0) * 127.5
+    else:
+        x = (x - low) * (255.0 / (high - low))
+    x = x.clamp(0, 255).round()
     return x.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
@@ -78,16 +97,25 @@ def check_index_shape(shape: tuple, codes_per_position: int) -> None:
         raise ValueError(f"indices is empty, got shape {shape}")
 
 
-class Tokenizer(nn.Module):
-    def __init__(self, config: TokenizerConfig):
-        super().__init__()
-        self.config = config
-        dim = config.latent_dim
-        self.encoder = Encoder(config.channels, config.num_res_blocks, dim,
-                               config.attention, config.attention_heads, config.patch_size)
-        self.quantizer = build_quantizer(config)
-        self.decoder = Decoder(config.channels, config.num_res_blocks, dim,
-                               config.attention, config.attention_heads, config.patch_size)
+class TokenizerBase(nn.Module):
+    """encoder -> fp32 quantizer island -> decoder, with the uint8 serving paths.
+
+    Everything downstream (exports, runtimes, the server, ``vqserve tokenize``/``eval``)
+    relies only on what this class holds, so a model family (``vqserve.model.families``)
+    subclasses it and supplies three modules and a config:
+
+    * ``encoder``: float NCHW pixels in ``pixel_range`` -> latents NCHW. It casts its input
+      to its own parameter dtype (the dtype door), since it may run in bf16/fp16;
+    * ``quantizer``: an fp32-island module like ``vqserve.model.quantizers.VQ``:
+      ``forward(z_nhwc, return_aux=False) -> (codes, indices[, aux])``,
+      ``indices_to_codes(indices, dtype)``, ``check_indices(indices)``, ``codebook_size``;
+    * ``decoder``: codes NCHW -> float NCHW pixels ~``pixel_range`` (also with a door);
+    * ``config``: ``factor``, ``codes_per_position``, ``codebook_size``, ``latent_dim``,
+      ``quantizer``, ``levels`` and ``to_dict()``.
+    """
+
+    config: Any  # TokenizerConfig, or a family's config with the same facts
+    pixel_range: PixelRange = SIGNED_UNIT  # what ``encoder`` takes and ``decoder`` returns
 
     # -- facts ---------------------------------------------------------------------------
     @property
@@ -101,15 +129,15 @@ class Tokenizer(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         # the decoder's: a bf16 encoder may keep its stem in fp32 (vqserve.model.mixed_precision)
-        return self.decoder.conv_in.weight.dtype
+        return module_dtype(self.decoder)
 
     @property
     def device(self) -> torch.device:
-        return self.encoder.conv_in.weight.device
+        return next(self.encoder.parameters()).device
 
     # -- float paths (training, export) -------------------------------------------------
     def encode_latents(self, x: torch.Tensor) -> torch.Tensor:
-        """float NCHW pixels in [-1,1] -> pre-quantizer latents NCHW (network dtype)."""
+        """float NCHW pixels in ``pixel_range`` -> pre-quantizer latents NCHW (network dtype)."""
         return self.encoder(x)
 
     def quantize(self, latents: torch.Tensor, return_aux: bool = False):
@@ -124,7 +152,7 @@ class Tokenizer(nn.Module):
     def indices_to_codes(self, indices: torch.Tensor) -> torch.Tensor:
         """indices [B,h,w(,Q)] -> codes NCHW in the decoder's dtype."""
         codes = self.quantizer.indices_to_codes(indices)
-        return cast_to(codes.permute(0, 3, 1, 2), self.decoder.conv_in.weight.dtype)
+        return cast_to(codes.permute(0, 3, 1, 2), self.compute_dtype)
 
     def forward(self, x: torch.Tensor, return_aux: bool = True):
         """Training path: float NCHW -> (reconstruction, indices, aux losses)."""
@@ -163,11 +191,27 @@ class Tokenizer(nn.Module):
     def encode(self, images) -> torch.Tensor:
         """uint8 ``[B,H,W,3]`` -> int64 indices ``[B,H/f,W/f]`` (``[...,Q]`` for residual)."""
         images = self.check_images(images).to(self.device)
-        latents = self.encode_latents(pixels_to_float(images))
+        latents = self.encode_latents(pixels_to_float(images, self.pixel_range))
         return self.quantize(latents)[1]
 
     @torch.no_grad()
     def decode(self, indices) -> torch.Tensor:
         """integer indices ``[B,h,w]`` -> uint8 ``[B,h*f,w*f,3]``; out-of-range is a ValueError."""
         indices = self.check_indices(indices).to(self.device)
-        return float_to_pixels(self.decode_codes(self.indices_to_codes(indices)))
+        return float_to_pixels(self.decode_codes(self.indices_to_codes(indices)), self.pixel_range)
+
+
+class Tokenizer(TokenizerBase):
+    """vqserve's own tokenizer: ``vqserve.model.networks`` around an FSQ/LFQ/VQ/RFSQ quantizer."""
+
+    def __init__(self, config: TokenizerConfig):
+        super().__init__()
+        self.config = config
+        dim = config.latent_dim
+        self.encoder = Encoder(config.channels, config.num_res_blocks, dim,
+                               config.attention, config.attention_heads, config.patch_size,
+                               norm=config.norm)
+        self.quantizer = build_quantizer(config)
+        self.decoder = Decoder(config.channels, config.num_res_blocks, dim,
+                               config.attention, config.attention_heads, config.patch_size,
+                               norm=config.norm)

@@ -9,7 +9,8 @@
 * the quantizer always computes in fp32 inside its own island (failures 1 and 2), and
   the losses are computed on fp32 upcasts.
 
-Losses: L1 + L2 reconstruction, the quantizer's aux losses (commitment / entropy for
+Losses: L1 + L2 reconstruction, optionally L1 on the factor x factor block means
+(``block_mean_weight``: colour and smooth regions), the quantizer's aux losses (commitment / entropy for
 VQ / LFQ), and, optionally, the low-precision robustness **margin** term for FSQ: the
 bounded pre-rounding latent of every channel is pushed at least ``margin`` away from its
 rounding boundaries (the half-integers), so the small drift a bf16/fp16 encoder adds does
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from vqserve.model.atomic import atomic_directory
@@ -56,8 +58,8 @@ MODEL_KEYS = {f.name for f in dataclasses.fields(TokenizerConfig)}
 @dataclass
 class TrainConfig:
     # data
-    data: str = "builtin"            # "builtin" (skimage.data train split) or an image folder
-    val_data: str = "builtin:val"    # "builtin:val", a folder, or "" for none
+    data: str = "builtin"            # "builtin" (skimage.data train split), "photos:train", or a folder
+    val_data: str = "builtin:val"    # "builtin:val", "photos:select", a folder, or "" for none
     crop_size: int = 64
     sampling: str = "area"           # area (images drawn by pixel count) | uniform
     batch_size: int = 16
@@ -76,6 +78,7 @@ class TrainConfig:
     l1_weight: float = 1.0
     l2_weight: float = 1.0
     aux_weight: float = 1.0
+    block_mean_weight: float = 0.0   # L1 on factor x factor block means (colour and smooth regions)
     margin: float = 0.0              # robustness: min distance of bounded FSQ latents to a boundary
     margin_weight: float = 0.0
     margin_start: float = 0.0        # fraction of training before the margin term switches on
@@ -101,6 +104,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
         policy(self.precision)  # validates the name
+        from vqserve.model.data import HELDOUT_SPECS
+
+        for name in ("data", "val_data"):
+            if getattr(self, name) in HELDOUT_SPECS:
+                raise ValueError(f"{name}={getattr(self, name)!r}: the held-out photographs are reserved "
+                                 "for evaluation (vqserve eval); train on 'photos:train', select on "
+                                 "'photos:select'")
         unknown = sorted(set(self.model) - MODEL_KEYS)
         if unknown:
             raise ValueError(f"unknown model keys {unknown}; known: {sorted(MODEL_KEYS)}")
@@ -198,6 +208,17 @@ def margin_loss(bounded: torch.Tensor, margin: float) -> torch.Tensor:
     return (torch.relu(margin - boundary_distance(bounded)) / margin).mean()
 
 
+def block_mean_loss(recon: torch.Tensor, target: torch.Tensor, factor: int) -> torch.Tensor:
+    """L1 between the ``factor x factor`` block means of reconstruction and target.
+
+    The bicubic baseline keeps every block's mean colour exactly; the per-pixel L1 + L2 let
+    the default drift by 5-27 levels per channel on whole photographs (issue 17). This term
+    weighs that low-frequency error on its own, so colour casts and smooth regions cost as
+    much as they look.
+    """
+    return (F.avg_pool2d(recon, factor) - F.avg_pool2d(target, factor)).abs().mean()
+
+
 class Trainer:
     """One training run. ``run()`` trains to ``cfg.steps`` (resuming if asked)."""
 
@@ -275,6 +296,10 @@ class Trainer:
         l2 = (recon32 - x).pow(2).mean()
         loss = cfg.l1_weight * l1 + cfg.l2_weight * l2
         parts = {"l1": l1.item(), "l2": l2.item()}
+        if cfg.block_mean_weight > 0:
+            bm = block_mean_loss(recon32, x, tok.factor)
+            loss = loss + cfg.block_mean_weight * bm
+            parts["block_mean"] = bm.item()
         for k, v in (aux or {}).items():
             if torch.is_tensor(v) and v.numel() == 1:
                 loss = loss + cfg.aux_weight * v.to(torch.float32)

@@ -1,18 +1,26 @@
-"""Dynamic batcher, generic over the ``Runtime`` interface.
+"""Dynamic batcher, generic over the ``Runtime`` interface, run by the execution plan.
 
-Requests queue per (method, per-item shape, dtype). A batch runs when its queue holds
-a full batch or when its oldest request has waited ``max_delay``; results are split back
-per request. A full batch is ``max_batch_size`` items, fewer where ``max_batch_pixels``
-says so: peak memory grows with the pixels in one model call (about 250 MB per megapixel
-to encode with the default tokenizer in fp32), so a budget in pixels, not a count, is
-what keeps a batch of large images inside the device. A single request larger than the
-budget runs in chunks that fit it. One worker thread runs the model, so the event loop never
-blocks on inference and batches form naturally while the model is busy.
+Requests queue per (method, per-item shape, dtype). A model call takes up to one call's
+rows from the queue whose head is oldest, splitting a request across calls when it is
+larger, and results are put back together per request. How many rows a call holds and how
+many calls run at once come from the runtime's execution plan when it has one (a
+``PlannedRuntime``: ``micro_batch_for(method, shape)`` rows per call — measured per image
+size by ``--plan auto`` — and ``plan.workers`` calls at once); otherwise one call at a time
+of up to ``max_batch_size`` items, fewer where ``max_batch_pixels`` says so (peak memory
+grows with the pixels in one model call, about 250 MB per megapixel to encode with the
+default tokenizer in fp32).
+
+When a call may start: as soon as a model slot is free and its queue holds a full call, or
+its oldest request has waited ``max_delay``. The server's default delay is 0: a padded
+micro-batch costs what a full one costs, so waiting can only add latency at low load, and
+under load calls fill by themselves because every slot is busy while requests arrive. Each
+free slot takes work as it frees, so closed-loop clients do not settle into alternating
+small and large batches (one worker that took everything queued each time did).
 
 - a full queue refuses at once (:class:`QueueFull`);
-- a request that was cancelled, or whose deadline passed, is dropped before its batch
-  runs (:class:`DeadlineExpired`) and never takes a seat in it;
-- a failing batch of several requests is retried one request at a time, so only the
+- a request that was cancelled, or whose deadline passed, is dropped before its first rows
+  run (:class:`DeadlineExpired`) and never takes a seat in a call;
+- a failing call holding several requests is retried one request at a time, so only the
   request that breaks the model fails.
 """
 
@@ -47,10 +55,31 @@ class _Item:
     future: asyncio.Future
     enqueued: float
     deadline: float | None  # time.monotonic() value, or None
+    taken: int = 0          # rows handed to model calls so far
+    answered: int = 0
+    parts: list[tuple[int, np.ndarray]] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
         return int(self.array.shape[0])
+
+    @property
+    def left(self) -> int:
+        return self.rows - self.taken
+
+    def deliver(self, start: int, out: np.ndarray) -> None:
+        """One call's rows of this request; the request completes with its last rows."""
+        if self.future.done():
+            return
+        self.parts.append((start, out))
+        self.answered += int(out.shape[0])
+        if self.answered == self.rows:
+            self.parts.sort(key=lambda p: p[0])
+            self.future.set_result(self.parts[0][1] if len(self.parts) == 1
+                                   else np.concatenate([p for _, p in self.parts]))
+
+
+Segment = tuple[_Item, int, int]  # rows [start, stop) of one request in one call
 
 
 @dataclass
@@ -69,8 +98,9 @@ class Batcher:
     """``await batcher.submit("encode", array)`` -> the runtime's output for ``array``.
 
     ``runtime`` is anything with ``encode``/``decode`` methods taking and returning numpy
-    batches (the ``Runtime`` protocol). ``max_delay_s=0`` and ``max_batch_size=1`` turn
-    batching off. ``max_queue`` bounds the queued items (images), over all queues.
+    batches (the ``Runtime`` protocol); a ``PlannedRuntime`` also sets the rows per call and
+    the calls at once (see the module docstring). ``max_delay_s=0`` and ``max_batch_size=1``
+    turn batching off. ``max_queue`` bounds the queued items (images), over all queues.
     """
 
     def __init__(self, runtime, max_batch_size: int = 32, max_delay_s: float = 0.005,
@@ -96,9 +126,14 @@ class Batcher:
         self.max_queue = max_queue
         self.observer = observer
         self._fns = {m: getattr(runtime, m) for m in methods}
+        plan = getattr(runtime, "plan", None)
+        self._micro_batch_for = getattr(runtime, "micro_batch_for", None) if plan is not None else None
+        self.slots = int(plan.workers) if plan is not None else 1
+        self._free = self.slots
+        self._running: set[asyncio.Task] = set()
         self._queues: dict[tuple, collections.deque[_Item]] = {}
         self._queued_rows = 0
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vqserve-infer")
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.slots, thread_name_prefix="vqserve-infer")
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._accepting = True
@@ -111,7 +146,7 @@ class Batcher:
             self._task = asyncio.get_running_loop().create_task(self._schedule(), name="vqserve-batcher")
 
     async def close(self) -> None:
-        """Stop taking work, run everything already queued, then stop the worker."""
+        """Stop taking work, run everything already queued, then stop the workers."""
         self._accepting = False
         if self._task is not None:
             self._wakeup.set()
@@ -124,8 +159,10 @@ class Batcher:
         return self._queued_rows
 
     def rows_per_call(self, method: str, item_shape: tuple[int, ...]) -> int:
-        """How many items of this shape one model call may hold: the count limit, lowered
-        by the pixel budget (never below one)."""
+        """How many items of this shape one model call holds: the plan's micro-batch for
+        the shape; without a plan, the count limit lowered by the pixel budget (never < 1)."""
+        if self._micro_batch_for is not None:
+            return max(1, int(self._micro_batch_for(method, item_shape)))
         if self.max_batch_pixels is None:
             return self.max_batch_size
         per_item = max(1, self._pixels_per_item(method, item_shape))
@@ -157,12 +194,12 @@ class Batcher:
 
     # ---- scheduling -----------------------------------------------------------------
     def _ready(self, now: float) -> tuple | None:
-        """The key of the queue to run now (oldest head first), or None."""
+        """The key of the queue a free slot should run now (oldest head first), or None."""
         best, best_t = None, None
         for key, q in self._queues.items():
             if not q:
                 continue
-            rows = sum(it.rows for it in q)
+            rows = sum(it.left for it in q)
             head = q[0].enqueued
             if rows >= self.rows_per_call(key[0], key[1]) or now - head >= self.max_delay_s or not self._accepting:
                 if best_t is None or head < best_t:
@@ -175,79 +212,91 @@ class Batcher:
             return None
         return max(0.0, min(heads) + self.max_delay_s - now)
 
-    def _take(self, key: tuple, now: float) -> list[_Item]:
+    def _take(self, key: tuple, now: float) -> list[Segment]:
+        """Up to one call's rows from the queue, splitting the last request if it is larger."""
         q = self._queues[key]
         cap = self.rows_per_call(key[0], key[1])
-        batch: list[_Item] = []
+        segments: list[Segment] = []
         rows = 0
-        while q and (not batch or rows + q[0].rows <= cap):
-            item = q.popleft()
-            self._queued_rows -= item.rows
-            if item.future.done():  # cancelled by the client
+        while q and rows < cap:
+            item = q[0]
+            if item.future.done():  # cancelled by the client (or failed in an earlier call)
+                q.popleft()
+                self._queued_rows -= item.left
                 continue
-            if item.deadline is not None and now >= item.deadline:
+            if item.taken == 0 and item.deadline is not None and now >= item.deadline:
+                q.popleft()
+                self._queued_rows -= item.rows
                 item.future.set_exception(DeadlineExpired("the deadline passed while the request was queued"))
                 continue
-            batch.append(item)
-            rows += item.rows
+            n = min(item.left, cap - rows)
+            segments.append((item, item.taken, item.taken + n))
+            item.taken += n
+            rows += n
+            self._queued_rows -= n
+            if item.left == 0:
+                q.popleft()
         if not q:
             del self._queues[key]
-        return batch
+        return segments
 
     async def _schedule(self) -> None:
         while True:
             now = time.monotonic()
-            key = self._ready(now)
+            key = self._ready(now) if self._free > 0 else None
             if key is None:
-                if not self._accepting and not any(self._queues.values()):
+                if not self._accepting and not self._running and not any(self._queues.values()):
                     return
                 self._wakeup.clear()
-                timeout = self._next_due(now)
+                timeout = self._next_due(now) if self._free > 0 else None
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
                 continue
-            batch = self._take(key, now)
-            if batch:
-                await self._execute(key[0], batch)
+            segments = self._take(key, now)
+            if segments:
+                self._free -= 1
+                task = asyncio.get_running_loop().create_task(self._execute(key[0], segments))
+                self._running.add(task)
+                task.add_done_callback(self._slot_freed)
 
-    async def _execute(self, method: str, batch: list[_Item]) -> None:
+    def _slot_freed(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._free += 1
+        self._wakeup.set()
+
+    async def _execute(self, method: str, segments: list[Segment]) -> None:
         loop = asyncio.get_running_loop()
         fn = self._fns[method]
         start = time.monotonic()
-        waits = [start - it.enqueued for it in batch]
-        arrays = [it.array for it in batch]
-        stacked = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        step = self.rows_per_call(method, tuple(stacked.shape[1:]))
+        waits = [start - it.enqueued for it, a, _ in segments if a == 0]
+        parts = [it.array if (a, b) == (0, it.rows) else it.array[a:b] for it, a, b in segments]
+        stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        requests = len({id(it) for it, _, _ in segments})
 
         def call():
             t0 = time.perf_counter()
-            if stacked.shape[0] <= step:
-                out = fn(stacked)
-            else:  # one request over the pixel budget: run it in chunks that fit
-                out = np.concatenate([np.asarray(fn(stacked[i:i + step]))
-                                      for i in range(0, stacked.shape[0], step)])
+            out = np.asarray(fn(stacked))
             return out, time.perf_counter() - t0
 
         try:
             out, infer_s = await loop.run_in_executor(self._executor, call)
         except Exception as exc:  # noqa: BLE001 - the runtime's error goes to its requests
-            self._observe(BatchStats(method, stacked.shape[0], len(batch), waits, time.monotonic() - start, ok=False))
-            if len(batch) == 1:
-                if not batch[0].future.done():
-                    batch[0].future.set_exception(exc)
-                return
-            # Isolate the culprit: run each request on its own.
-            for item in batch:
+            self._observe(BatchStats(method, stacked.shape[0], requests, waits, time.monotonic() - start, ok=False))
+            if requests == 1:
+                item = segments[0][0]
                 if not item.future.done():
-                    await self._execute(method, [item])
+                    item.future.set_exception(exc)
+                return
+            # Isolate the culprit: run each request's rows on their own.
+            for seg in segments:
+                if not seg[0].future.done():
+                    await self._execute(method, [seg])
             return
-        self._observe(BatchStats(method, stacked.shape[0], len(batch), waits, infer_s))
+        self._observe(BatchStats(method, stacked.shape[0], requests, waits, infer_s))
         offset = 0
-        for item in batch:
-            part = out[offset: offset + item.rows]
-            offset += item.rows
-            if not item.future.done():
-                item.future.set_result(part)
+        for item, a, b in segments:
+            item.deliver(a, out[offset: offset + (b - a)])
+            offset += b - a
 
     def _observe(self, stats: BatchStats) -> None:
         if self.observer is not None:

@@ -11,6 +11,12 @@ a shared machine's load changes do not favour one mode; each point keeps its bes
   ``ModelInfer`` (same process, same batcher);
 * ``served-v1-no-batching``: a second ``vqserve serve`` with ``--max-batch-size 1
   --max-delay-ms 0``;
+* ``in-process-plan`` (``--plan-modes``): the runtime run by the execution plan ``vqserve
+  serve --plan auto`` chose on this machine (its dtype, micro-batch per size, workers), at
+  batch sizes 1, 8, 32: the best in-process path the served numbers are compared with;
+* ``served-v1-before`` (``--baseline-pythonpath DIR``): a ``vqserve serve`` from another
+  install (e.g. the previous commit, ``pip install --no-deps --target DIR <checkout>``),
+  with its own defaults, over v1: "never slower than before";
 * ``torchserve`` (``--torchserve``): the same model in TorchServe archives
   (``vqserve.export.torchserve``), with TorchServe's batching set to the same size and
   delay, called over TorchServe's gRPC ``Predictions`` (``.npy`` bodies).
@@ -164,17 +170,21 @@ def bench_in_process(runtime, inputs: np.ndarray, bs: int, duration: float, meth
 
 
 # ---- servers -------------------------------------------------------------------------------
-def start_server(model: str, args, max_batch_size: int, max_delay_ms: float,
-                 extra: list[str] | None = None, log: list[str] | None = None):
+def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | None,
+                 extra: list[str] | None = None, log: list[str] | None = None,
+                 pythonpath: str | None = None):
     """A ``vqserve serve`` subprocess on a free loopback port, metrics on as deployed;
-    returns (process, port). ``extra``: more flags (later ones win); ``log``: collects the
-    server's stderr lines."""
+    returns (process, port). ``max_delay_ms`` None keeps the server's default; ``extra``:
+    more flags (later ones win); ``log``: collects the server's stderr lines; ``pythonpath``:
+    run the vqserve installed there instead of this one."""
     cmd = [sys.executable, "-m", "vqserve", "serve", "--model", model, "--backend", args.backend,
            *(["--dtype", args.dtype] if args.dtype else []), "--device", args.device,
            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-           "--max-batch-size", str(max_batch_size), "--max-delay-ms", str(max_delay_ms),
+           "--max-batch-size", str(max_batch_size),
+           *(["--max-delay-ms", str(max_delay_ms)] if max_delay_ms is not None else []),
            "--max-queue", "4096", "--grace", "5", *(extra or [])]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     port: list[int] = []
     ready = threading.Event()
     log = [] if log is None else log
@@ -350,6 +360,21 @@ def bench_served(protocol: str, target: str, method: str, inputs: np.ndarray, ex
             "requests": len(lat), "agreement": same / total}
 
 
+def planned_in_process(model: str, args):
+    """The runtime as ``vqserve serve --plan auto`` runs it here: the cached plan's dtype and
+    plan (measured now if the server did not), wrapped in ``PlannedRuntime``."""
+    from vqserve.export.execution import PlannedRuntime
+    from vqserve.export.planner import choose_plan
+    from vqserve.export.runtime import load_runtime, resolve_device
+
+    device = resolve_device(args.device)
+    chosen = choose_plan(model, device=device, backend=args.backend, dtype=args.dtype)
+    is_artifact = (Path(model) / "manifest.json").is_file()
+    raw = load_runtime(model, backend=args.backend, dtype=args.dtype or (None if is_artifact else chosen.dtype),
+                       device=device)
+    return PlannedRuntime(raw, chosen.plan)
+
+
 # ---- the run -------------------------------------------------------------------------------
 @dataclass
 class Served:
@@ -382,7 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of unmeasured load on each server after it starts")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each point keeps its best")
     p.add_argument("--max-batch-size", type=int, default=32, help="both servers' batch size")
-    p.add_argument("--max-delay-ms", type=float, default=5.0, help="both servers' batch delay")
+    p.add_argument("--max-delay-ms", type=float, default=None,
+                   help="vqserve's batch delay (default: the server's own, 0) and TorchServe's (default 5)")
+    p.add_argument("--plan-modes", action="store_true",
+                   help="also measure in-process-plan: the runtime run by the plan --plan auto chose")
+    p.add_argument("--baseline-pythonpath", default=None,
+                   help="also serve with the vqserve installed in this directory (served-v1-before)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for the in-process runtime and every server (0 = torch default)")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -426,9 +456,18 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
     memory: dict[str, dict] = {}
     rows: list[dict] = []
     try:
-        proc, port = start_server(model, args, args.max_batch_size, args.max_delay_ms)
+        server_log: list[str] = []
+        proc, port = start_server(model, args, args.max_batch_size, args.max_delay_ms, log=server_log)
         procs.append(proc)
         servers["vqserve"] = (proc.pid, True)
+        plan_line = next((json.loads(x)["msg"] for x in server_log if '"event": "plan"' in x), None)
+        if plan_line:
+            log(plan_line)
+        if args.baseline_pythonpath:
+            proc, port_b = start_server(model, args, args.max_batch_size, None, pythonpath=args.baseline_pythonpath)
+            procs.append(proc)
+            servers["vqserve-before"] = (proc.pid, True)
+            served.append(Served("served-v1-before", "v1", f"127.0.0.1:{port_b}"))
         served += [Served(f"served-{p}", p, f"127.0.0.1:{port}") for p in protocols]
         if args.no_batching_mode:
             proc, port = start_server(model, args, 1, 0.0)
@@ -436,21 +475,26 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
             servers["vqserve-no-batching"] = (proc.pid, True)
             served.append(Served("served-v1-no-batching", "v1", f"127.0.0.1:{port}"))
         if args.torchserve:
-            torchserve = start_torchserve(model, args, Path(tmp.name), log)
+            ts_args = argparse.Namespace(**{**vars(args), "max_delay_ms": args.max_delay_ms or 5.0})
+            torchserve = start_torchserve(model, ts_args, Path(tmp.name), log)
             # the launcher script only waits on Java: count the frontend and its workers
             servers["torchserve"] = (torchserve.proc.pid, False)
             served.append(Served("torchserve", "torchserve", f"127.0.0.1:{torchserve.grpc}"))
         for m in served:  # first calls are slow (JVM JIT, lazy allocations): not measured
             bench_served(m.protocol, m.target, args.method, inputs, expected, max(clients),
                          args.prime, 0.0, m.mode)
-        modes: list[str | Served] = ["in-process", *served]
+        in_process = {"in-process": runtime}
+        if args.plan_modes:
+            in_process["in-process-plan"] = planned_in_process(model, args)
+        modes: list[str | Served] = [*in_process, *served]
         for r in range(args.repeats):
             for level in clients:
                 k = r % len(modes)
                 results = []
                 for m in modes[k:] + modes[:k]:
-                    if m == "in-process":
-                        row = bench_in_process(runtime, inputs, level, args.duration, args.method)
+                    if isinstance(m, str):
+                        row = bench_in_process(in_process[m], inputs, level, args.duration, args.method)
+                        row["mode"] = m
                     else:
                         row = bench_served(m.protocol, m.target, args.method, inputs, expected,
                                            level, args.duration, args.warmup, m.mode)
@@ -477,7 +521,7 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
         key = (row["mode"], row["level"])
         if key not in best or row["throughput"] > best[key]["throughput"]:
             best[key] = row
-    order = ["in-process", *(m.mode for m in served)]
+    order = [*in_process, *(m.mode for m in served)]
     kept = [best[(m, level)] for m in order for level in clients]
     return {"rows": rows, "best": kept, "memory": memory, "model_info": _info_dict(info)}
 

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -143,6 +144,11 @@ class Metrics:
                                      "tokens (what=tokens) or decoded pixels (what=pixels) "
                                      "independent of the batch; 0 when not; -1 not checked.",
                                      ["what"], registry=r)
+        self.plan_info = Gauge("vqserve_execution_plan", "1 for the execution plan every model call "
+                               "runs by; the plan is in the labels (micro_batch: per image side when "
+                               "measured, e.g. '64:8 256:1'; source: --plan auto from the cache or "
+                               "measured, or --plan default, and whether flags overrode it).",
+                               ["dtype", "micro_batch", "workers", "intra_op_threads", "source"], registry=r)
         self.usage: dict[str, CodebookUsage] = {}
         if codebook_size:
             self.set_codebook(codebook_size, window)
@@ -171,6 +177,11 @@ class Metrics:
     def set_model(self, info) -> None:
         """Publish the served model's identity (a ``RuntimeInfo``) as ``vqserve_model_info``."""
         self.model_info.labels(info.model_hash, info.backend, info.dtype, info.device).set(1)
+
+    def set_plan(self, dtype: str, plan, source: str) -> None:
+        """Publish the execution plan (an ``ExecutionPlan``) as ``vqserve_execution_plan``."""
+        micro = " ".join(f"{math.isqrt(p)}:{m}" for p, m in plan.micro_batch_by_pixels) or str(plan.micro_batch)
+        self.plan_info.labels(dtype, micro, str(plan.workers), str(plan.intra_op_threads), source).set(1)
 
     def set_determinism(self, certificate) -> None:
         """Publish the start-up batch-invariance check (a ``Certificate`` or None)."""

@@ -307,16 +307,18 @@ def default_workers(device: str) -> int:
     return max(1, min(32, available_cores() - 1)) if device.startswith("cuda") else 0
 
 
-def planned_runtime(runtime, device: str, decode_workers: int, model_workers: int = 0):
-    """The runtime run by the same execution plan as the server (one intra-op thread per
-    model call, fixed micro-batches; vqserve.export.execution), so a file gets the server's
+def planned_runtime(runtime, device: str, decode_workers: int, model_workers: int = 0, base=None,
+                    source: str = ""):
+    """The runtime run by the same execution plan as the server (``base``: the one ``--plan
+    auto`` measured, else the device's default; one intra-op thread per model call, fixed
+    micro-batches per image size; vqserve.export.execution), so a file gets the server's
     tokens. On a CPU the model calls get the cores the decode processes leave
     (oversubscribed threads stall each other)."""
     from vqserve.export.execution import PlannedRuntime, plan_for
 
-    if not model_workers and device == "cpu":
+    if not model_workers and device == "cpu" and decode_workers:
         model_workers = max(1, available_cores() - decode_workers)
-    return PlannedRuntime(runtime, plan_for(device, workers=model_workers))
+    return PlannedRuntime(runtime, plan_for(device, workers=model_workers or None, base=base), source)
 
 
 def _decoded_stream(job: Job, workers: int, prefetch: int) -> Iterator[DecodedTask]:

@@ -56,7 +56,7 @@ class ServerConfig:
     metrics_port: int = 50052        # 0 = ephemeral, negative = no metrics endpoint
     metrics_host: str = "0.0.0.0"
     max_batch_size: int = 32
-    max_delay_ms: float = 5.0
+    max_delay_ms: float = 0.0        # a free model slot never waits for a fuller call (serve/batcher.py)
     max_queue: int = 1024            # queued items (images), over all queues
     max_message_mb: int = 64         # per gRPC message, each way
     tls_cert: str | None = None
@@ -74,6 +74,16 @@ class ServerConfig:
     micro_batch: int | None = None   # images per model call (fixed, padded); None: default_plan(device)
     model_workers: int | None = None  # model calls at once, one thread each; None: default_plan(device)
     self_check: bool = True          # measure batch invariance at start (GetModelInfo.determinism)
+    threads: int | None = None       # intra-op threads per model call; None: the plan's (1 on CPU)
+    plan: str = "default"            # "auto": measure (or read from the cache) the fastest exact plan;
+    #                                  "default": default_plan(device). `vqserve serve` defaults to auto.
+    plan_cache: str | None = None    # where measured plans are kept; None: export.planner.cache_dir()
+    min_agreement: float = 0.995     # --plan auto: least token agreement with fp32 for a lower dtype
+
+
+def _is_artifact(model: str) -> bool:
+    """An exported artifact directory (its dtype was fixed at export)."""
+    return (Path(str(model)) / "manifest.json").is_file()
 
 
 class PortInUseError(OSError):
@@ -512,25 +522,39 @@ class TokenizerServer:
     async def _load(self) -> None:
         cfg = self.config
         t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
         runtime = self._runtime
+        chosen = None
         if runtime is None:
-            from vqserve.export.runtime import load_runtime
+            from vqserve.export.runtime import load_runtime, model_hash_of, resolve_device
+
+            device = resolve_device(cfg.device) if cfg.plan == "auto" else cfg.device
+            if cfg.plan == "auto":
+                if cfg.expect_hash:  # nothing of the model runs before its hash is checked
+                    from vqserve.export.runtime import check_expected_hash
+
+                    check_expected_hash(cfg.expect_hash, model_hash_of(cfg.model), cfg.model)
+                chosen = await loop.run_in_executor(None, self._choose_plan, device)
 
             def runtime():
-                return load_runtime(cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device,
+                dtype = cfg.dtype or (chosen.dtype if chosen and not _is_artifact(cfg.model) else None)
+                return load_runtime(cfg.model, backend=cfg.backend, dtype=dtype, device=device,
                                     expect_hash=cfg.expect_hash)  # checked before the files load
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
-            runtime = await asyncio.get_running_loop().run_in_executor(None, runtime)
+            runtime = await loop.run_in_executor(None, runtime)
         from vqserve.export.runtime import check_expected_hash
 
         check_expected_hash(cfg.expect_hash, runtime.info.model_hash, cfg.model)  # a runtime given ready-made
         self.metrics.set_model(runtime.info)
-        plan = self._plan(runtime.info.device)
+        plan = self._plan(runtime.info.device, chosen.plan if chosen else None)
+        source = (f"--plan auto ({chosen.source})" if chosen else "--plan default") + (
+            ", flags" if (cfg.micro_batch or cfg.model_workers or cfg.threads) else "")
+        self.metrics.set_plan(runtime.info.dtype, plan, source)
         certificate = None
         if cfg.self_check:  # before SERVING: a client never sees tokens from an unchecked plan
             certificate = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: start_up_check(runtime, plan))
-        runtime = PlannedRuntime(runtime, plan)
+        runtime = PlannedRuntime(runtime, plan, source)
         max_pixels = cfg.max_pixels or runtime.info.max_pixels
         engine = Engine(runtime, self.metrics, max_batch_size=cfg.max_batch_size,
                         max_delay_s=cfg.max_delay_ms / 1000.0, max_queue=cfg.max_queue,
@@ -560,9 +584,25 @@ class TokenizerServer:
                max_decoded_bytes=engine.decoder.budget.limit, plan=plan.to_dict(),
                determinism=certificate.summary() if certificate else "not checked (--no-self-check)")
 
-    def _plan(self, device: str) -> ExecutionPlan:
-        """The default plan for the device, with the settings the user gave."""
-        return plan_for(device, self.config.micro_batch, self.config.model_workers)
+    def _plan(self, device: str, base: ExecutionPlan | None = None) -> ExecutionPlan:
+        """The measured plan (``base``) or the device's default, with the settings the user gave."""
+        cfg = self.config
+        return plan_for(device, cfg.micro_batch, cfg.model_workers, cfg.threads, base=base)
+
+    def _choose_plan(self, device: str):
+        """``--plan auto``: the cached plan for this hardware + model + version, or measure one."""
+        from vqserve.export.planner import choose_plan
+
+        cfg = self.config
+        _event("planning", f"choosing an execution plan for {cfg.model} on {device} "
+               "(cached after the first start)")
+        chosen = choose_plan(cfg.model, device=device, backend=cfg.backend, dtype=cfg.dtype,
+                             min_agreement=cfg.min_agreement, cache=cfg.plan_cache,
+                             log=lambda msg: _event("plan_candidate", msg, level=logging.DEBUG))
+        _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, plan=chosen.plan.to_dict(),
+               source=chosen.source, cache_file=chosen.cache_file,
+               measure_s=chosen.result.get("measure_s"))
+        return chosen
 
     async def wait_loaded(self) -> None:
         """Wait for the model; re-raises a load failure."""

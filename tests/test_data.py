@@ -139,3 +139,82 @@ def test_sampling_by_area_by_default_or_uniform():
     np.testing.assert_allclose(RandomCrops(src, 16, 1, sampling="uniform").p, [0.5, 0.5])
     with pytest.raises(ValueError, match="sampling"):
         RandomCrops(src, 16, 1, sampling="sqrt")
+
+
+# -- issue 17: the pinned package photographs -----------------------------------------
+
+
+def _fake_deb(files: dict[str, bytes]) -> bytes:
+    """A real ar archive holding a data.tar.xz, as dpkg-deb builds one."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    members = {"debian-binary": b"2.0\n", "control.tar.xz": b"", "data.tar.xz": buf.getvalue()}
+    out = b"!<arch>\n"
+    for name, data in members.items():
+        out += f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode() + data
+        out += b"\n" if len(data) % 2 else b""
+    return out
+
+
+def test_deb_members_are_extracted_without_dpkg(tmp_path):
+    from vqserve.model.datasets import extract_members, local_path
+
+    deb = _fake_deb({"./usr/share/backgrounds/a.jpg": b"odd", "./usr/share/backgrounds/b.png": b"bb"})
+    written = extract_members(deb, ["./usr/share/backgrounds/a.jpg"], tmp_path, "pkg")
+    assert written == [local_path("pkg", "./usr/share/backgrounds/a.jpg", tmp_path)]
+    assert written[0].read_bytes() == b"odd" and written[0] == tmp_path / "pkg" / "backgrounds" / "a.jpg"
+    with pytest.raises(DataError, match="not found in the package"):
+        extract_members(deb, ["./usr/share/backgrounds/missing.jpg"], tmp_path, "pkg")
+    with pytest.raises(DataError, match="no ar header"):
+        extract_members(b"PK\x03\x04 a zip", [], tmp_path, "pkg")
+
+
+def test_a_deb_with_the_wrong_sha256_is_refused(tmp_path):
+    from vqserve.model.datasets import PACKAGES, fetch
+
+    debs = tmp_path / "debs"
+    debs.mkdir()
+    name = next(iter(PACKAGES))
+    (debs / f"{name}_0_all.deb").write_bytes(_fake_deb({"./x": b"tampered"}))
+    with pytest.raises(DataError, match="sha256 does not match"):
+        fetch(tmp_path / "cache", debs=debs, log=lambda *_: None)
+    assert not (tmp_path / "cache" / name).exists()
+
+
+def test_package_photographs_missing_is_a_clear_error_naming_make_data(tmp_path, monkeypatch):
+    from vqserve.model.data import open_source
+    from vqserve.model.training import TrainConfig
+
+    monkeypatch.setenv("VQSERVE_DATA_DIR", str(tmp_path / "empty"))
+    with pytest.raises(DataError, match="make data"):
+        open_source("photos:train")
+    with pytest.raises(DataError, match="unknown image set"):
+        open_source("photos:everything")
+    for key in ("data", "val_data"):
+        with pytest.raises(ValueError, match="reserved for evaluation"):
+            TrainConfig(**{key: "heldout"})
+
+
+def test_roles_never_share_a_file():
+    from vqserve.model.datasets import PIP_HELDOUT, ROLES
+
+    files = [f for role in ROLES.values() for f in role]
+    assert len(files) == len(set(files))
+    assert not {pkg for pkg, _ in ROLES["train"]} & {pkg for pkg, _ in ROLES["test"]}
+    assert {m for m, _ in PIP_HELDOUT} == {"matplotlib", "sklearn"}
+
+
+def test_reduce_keeps_the_long_side_within_bounds(tmp_path):
+    from vqserve.model.datasets import load_reduced
+
+    Image.fromarray(_photo(3, h=300, w=1000)).save(tmp_path / "wide.png")
+    img = load_reduced(tmp_path / "wide.png", max_side=400)
+    assert img.shape == (100, 334, 3) and img.dtype == np.uint8  # reduced by 3 (ceil 1000/400)
+    assert load_reduced(tmp_path / "wide.png", max_side=1000).shape == (300, 1000, 3)

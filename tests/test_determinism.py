@@ -89,7 +89,8 @@ def test_plan_pads_to_a_fixed_shape_and_keeps_order():
     planned.close()
     assert out[:, 0, 0].tolist() == list(range(10))
     assert rec.shapes == [4, 4, 4]  # 10 images: 4 + 4 + (2 padded to 4)
-    assert planned.info.extra["plan"] == {"micro_batch": 4, "workers": 2, "intra_op_threads": 1}
+    assert planned.info.extra["plan"] == {"micro_batch": 4, "workers": 2, "intra_op_threads": 1,
+                                          "micro_batch_by_pixels": []}
     assert "plan" not in rec.info.extra  # the inner runtime's info is not modified
 
 
@@ -162,12 +163,14 @@ def test_server_reports_its_plan_and_the_start_up_check(tiny_checkpoint):
 
     with _server(tiny_checkpoint, dtype="bf16") as srv:
         info = TokenizerClient(srv.target).model_info()
-        assert info["execution_plan"].startswith("micro_batch=1 workers=")
+        assert info["execution_plan"].startswith("bf16 micro_batch=1 workers=")
+        assert info["execution_plan"].endswith("[--plan default]")
         det = info["determinism"]
         assert det["batch_invariant"] and det["decode_batch_invariant"]
         assert det["summary"].startswith("batch-invariant")
         body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
         assert 'vqserve_batch_invariant{what="tokens"} 1.0' in body
+        assert 'vqserve_execution_plan{dtype="bf16",intra_op_threads="1",micro_batch="1",' in body
 
 
 def test_a_batch_dependent_runtime_is_reported_at_start_up(tiny_checkpoint, caplog):

@@ -162,3 +162,87 @@ def test_shipped_default_keeps_its_tokens_in_bf16_as_served():
     value = index_agreement(encode_in_precision(tok, batch, "bf16", channels_last=False, encoder=served),
                             tok.encode(batch))
     assert value >= DEFAULT_CHELSEA_BF16_AGREEMENT_FLOOR, value
+
+
+# -- issue 17: what a user should look at ---------------------------------------------
+
+
+def test_mean_colour_error_is_signed_per_channel_and_side_by_side_lays_out_panels():
+    from vqserve.model.evaluation import mean_colour_error, side_by_side
+
+    a = _rand_images(7, n=1)[0]
+    shifted = np.clip(a.astype(int) + np.array([10, 0, -10]), 0, 255).astype(np.uint8)
+    err = mean_colour_error(a, shifted)
+    assert err[0] > 5 and abs(err[1]) < 1e-9 and err[2] < -5  # red up, green same, blue down
+    assert mean_colour_error(a, a) == [0.0, 0.0, 0.0]
+    sheet = side_by_side(a, shifted, a, gap=4)
+    assert sheet.shape == (a.shape[0], 3 * a.shape[1] + 8, 3) and sheet.dtype == np.uint8
+    assert np.array_equal(sheet[:, : a.shape[1]], a) and (sheet[:, a.shape[1] : a.shape[1] + 4] == 255).all()
+
+
+def test_tiled_round_trip_with_one_tile_is_the_whole_round_trip():
+    from tests.conftest import make_tokenizer
+    from vqserve.model.evaluation import tiled_round_trip
+
+    tok = make_tokenizer()
+    batch = torch.from_numpy(_rand_images(8, n=1, h=48, w=64))
+    whole = tok.decode(tok.encode(batch))
+    assert torch.equal(tiled_round_trip(tok, batch, 64), whole)
+    pieces = tiled_round_trip(tok, batch, 16)  # 3 x 4 tiles, each encoded alone
+    assert pieces.shape == batch.shape
+    first = tok.decode(tok.encode(batch[:, :16, :16].contiguous()))
+    assert torch.equal(pieces[:, :16, :16], first)
+
+
+def test_check_targets_reports_each_target():
+    from vqserve.model.evaluation import TARGETS, check_targets
+
+    good = {"psnr": 30.0, "baseline_psnr": 29.0, "tiled_psnr": 30.1, "max_abs_mean_error": 1.0,
+            "agreement": {"bf16": 0.999}}
+    assert all(t["ok"] for t in check_targets(good).values()) and set(check_targets(good)) == set(TARGETS)
+    bad = {**good, "baseline_psnr": 29.8, "tiled_psnr": 30.5, "max_abs_mean_error": 3.5,
+           "agreement": {"bf16": 0.99}}
+    assert not any(t["ok"] for t in check_targets(bad).values())
+
+
+def test_eval_writes_side_by_side_pngs_and_never_overwrites_silently(tiny_checkpoint, tmp_path, capsys):
+    from vqserve.cli import main
+
+    src = tmp_path / "imgs"
+    src.mkdir()
+    for i, img in enumerate(_rand_images(9, n=2, h=40, w=48)):
+        Image.fromarray(img).save(src / f"photo {i}.png")
+    out = tmp_path / "new" / "report"
+    assert main(["eval", "--model", tiny_checkpoint, "--images", str(src), "--out", str(out),
+                 "--precisions", "", "--tile", "16", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert sorted(p.name for p in out.iterdir()) == ["00-photo_0.png", "01-photo_1.png", "eval.json"]
+    sheet = np.asarray(Image.open(out / "00-photo_0.png"))
+    assert sheet.shape == (40, 3 * 48 + 8, 3)  # original | reconstruction | bicubic
+    assert np.array_equal(sheet[:, :48], np.asarray(Image.open(src / "photo 0.png")))
+    row = r["per_image"][0]
+    assert len(row["mean_error_rgb"]) == 3 and row["max_abs_mean_error"] == max(map(abs, row["mean_error_rgb"]))
+    assert {"tiled_psnr", "baseline_ssim"} <= set(row) and r["tile"] == 16 and "tiled_psnr" in r
+    assert set(r["targets"]) == {"psnr_over_baseline_db", "max_abs_mean_error", "whole_minus_tiled_db"}
+    before = (out / "eval.json").read_bytes()
+    assert main(["eval", "--model", tiny_checkpoint, "--images", str(src), "--out", str(out),
+                 "--precisions", ""]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (out / "eval.json").read_bytes() == before
+    assert main(["eval", "--model", tiny_checkpoint, "--images", str(src), "--out", str(out),
+                 "--precisions", "bf16", "--overwrite"]) == 0
+    text = capsys.readouterr().out
+    for needle in ("PSNR as 128-px tiles", "worst mean colour error", "targets (issue 17", "bf16_agreement"):
+        assert needle in text
+    assert main(["eval", "--model", tiny_checkpoint, "--images", str(src), "--tile", "12"]) == 2
+    assert "multiple of the factor" in capsys.readouterr().err
+
+
+def test_heldout_pip_photographs_load_for_evaluation():
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    from vqserve.model.data import open_source
+
+    src = open_source("heldout:pip")
+    assert src.names == ["matplotlib/grace_hopper.jpg", "sklearn/china.jpg", "sklearn/flower.jpg"]
+    assert all(img.dtype == np.uint8 and img.ndim == 3 and min(img.shape[:2]) >= 400 for img in src.images)

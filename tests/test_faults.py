@@ -93,8 +93,11 @@ class Serving(ServerThread):
 
 
 def serve(tiny_checkpoint, rt, **kw) -> Serving:
+    # one model slot taking calls of up to 8 images: requests that arrive together share a
+    # model call, and one held call holds the server (the plan's default on a 2-core CPU is
+    # two slots of one image each, where nothing would ever share a call)
     base = dict(model=tiny_checkpoint, backend="eager", device="cpu", host="127.0.0.1", port=0,
-                metrics_port=0, max_batch_size=8, max_delay_ms=5, grace_s=5)
+                metrics_port=0, max_batch_size=8, max_delay_ms=5, grace_s=5, micro_batch=8, model_workers=1)
     return Serving(ServerConfig(**{**base, **kw}), runtime=rt)
 
 
@@ -192,7 +195,7 @@ def test_cancel_and_deadline_while_the_batch_runs_leave_the_others_right(tiny_ch
     deadline passes. The call finishes, the other two get their tokens, the two that gave
     up get CANCELLED / DEADLINE_EXCEEDED, and the server is left clean."""
     rt = FaultyRuntime(runtime)
-    with serve(tiny_checkpoint, rt, max_batch_size=4, max_delay_ms=2500) as srv, \
+    with serve(tiny_checkpoint, rt, max_batch_size=4, micro_batch=4, max_delay_ms=2500) as srv, \
             grpc.insecure_channel(srv.target) as ch:
         stub = pb_grpc.TokenizerStub(ch)
         images = [marked(photos, 20 + i, i) for i in range(4)]

@@ -1,47 +1,274 @@
-"""`vqserve plan` (issue 15, first step): measures every dtype x micro-batch candidate as the
-server runs it and chooses the fastest that is exact enough and batch-invariant."""
+"""The execution plan chosen by measuring (issue 15): `vqserve plan`, `vqserve serve --plan auto`,
+its on-disk cache, micro-batches per image size, and the batcher run by the plan."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import threading
+import time
+import urllib.request
+from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vqserve.cli import main
+from vqserve.export.execution import ExecutionPlan, PlannedRuntime
+from vqserve.export.runtime import RuntimeInfo
+from vqserve.serve.batcher import Batcher
 
 pytestmark = pytest.mark.timeout(300)
+FAST = ["--sizes", "16,32", "--micro-batches", "1,2", "--seconds", "0.05"]
 
 
-def test_plan_measures_every_candidate_and_chooses_the_fastest_eligible(tiny_checkpoint, capsys):
-    assert main(["plan", "--model", tiny_checkpoint, "--size", "32", "--seconds", "0.2", "--json"]) == 0
+def test_plan_measures_every_dtype_and_chooses_the_fastest_exact_one(tiny_checkpoint, tmp_path, capsys):
+    cache = tmp_path / "plans"
+    assert main(["plan", "--model", tiny_checkpoint, "--device", "cpu", *FAST, "--plan-cache", str(cache),
+                 "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    rows = result["candidates"]
-    assert {(r["dtype"], r["micro_batch"]) for r in rows} == {
-        (d, m) for d in ("fp32", "bf16", "fp16") for m in (1, 4)}
-    fp32 = [r for r in rows if r["dtype"] == "fp32"]
-    assert all(r["agreement"] == 1.0 and r["batch_invariant"] and r["eligible"] for r in fp32)
-    for r in rows:
-        assert r["images_per_s"] > 0
-        assert r["eligible"] == (r["agreement"] >= 0.995 and r["batch_invariant"])
-    eligible = [r for r in rows if r["eligible"]]
-    assert result["choice"] == max(eligible, key=lambda r: r["images_per_s"])
-    assert set(result["device"]["cpu_flags"]) >= {"avx2", "avx512_bf16", "amx_bf16"}
+    assert result["source"] == "measured"
+    dtypes = {d["dtype"]: d for d in result["dtypes"]}
+    assert set(dtypes) == {"fp32", "bf16", "fp16"}
+    assert dtypes["fp32"]["agreement"] == 1.0 and dtypes["fp32"]["eligible"]
+    for d in dtypes.values():
+        assert d["eligible"] == (d["agreement"] >= 0.995 and d["batch_invariant"])
+    best = max((d for d in dtypes.values() if d["eligible"]), key=lambda d: d["score"])
+    assert result["dtype"] == best["dtype"]
+    sides = {(c["dtype"], c["side"]) for c in result["candidates"]}
+    assert sides == {(d, s) for d in dtypes for s in (16, 32)}
+    assert all(c["images_per_s"] > 0 for c in result["candidates"])
+    plan = result["plan"]
+    assert [p for p, _ in plan["micro_batch_by_pixels"]] == [16 * 16, 32 * 32]
+    # the micro-batch chosen per size is the fastest single-threaded one of the chosen dtype
+    for pixels, micro in plan["micro_batch_by_pixels"]:
+        side = math.isqrt(pixels)
+        rows = [c for c in result["candidates"]
+                if c["dtype"] == result["dtype"] and c["side"] == side and c["threads"] == 1]
+        if plan["intra_op_threads"] == 1:
+            assert micro == max(rows, key=lambda c: c["images_per_s"])["micro_batch"]
+    assert len(list(cache.glob("plan-*.json"))) == 1
 
 
-def test_plan_prints_a_table_and_the_flags_to_apply(tiny_checkpoint, capsys):
-    assert main(["plan", "--model", tiny_checkpoint, "--size", "32", "--seconds", "0.1",
-                 "--micro-batches", "1", "--min-agreement", "1.0"]) == 0
+def test_a_second_plan_reads_the_cache_and_refresh_measures_again(tiny_checkpoint, tmp_path, capsys):
+    cache = str(tmp_path / "plans")
+    args = ["plan", "--model", tiny_checkpoint, "--device", "cpu", *FAST, "--plan-cache", cache]
+    assert main([*args, "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "choice: --dtype " in out and "--model-workers" in out
-    assert out.count("eligible") >= 1
+    assert "cache (--refresh to measure again)" in out and "choice: " in out
+    assert main([*args, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["source"] == "cache" and again["plan"] == first["plan"] and again["dtype"] == first["dtype"]
+    assert main([*args, "--json", "--refresh"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == "measured"
+
+
+def test_the_cache_key_covers_the_model_and_the_constraints(tiny_checkpoint, tmp_path):
+    from vqserve.export.planner import cache_key, choose_plan
+    from vqserve.model.checkpoint import load_tokenizer, save_tokenizer
+
+    other = tmp_path / "other"
+    tok = load_tokenizer(tiny_checkpoint)
+    with __import__("torch").no_grad():
+        tok.decoder.conv_out.bias.add_(0.01)
+    save_tokenizer(tok, other)
+    key = cache_key(tiny_checkpoint, "cpu", "auto", None, 0.995, (16,), (1,))
+    assert cache_key(str(other), "cpu", "auto", None, 0.995, (16,), (1,))["model_hash"] != key["model_hash"]
+    assert cache_key(tiny_checkpoint, "cpu", "auto", None, 0.999, (16,), (1,)) != key
+    assert {"hardware", "torch", "vqserve", "onnxruntime", "planner_version"} <= set(key)
+    kw = {"sides": (16,), "micro_batches": (1,), "seconds": 0.02, "dtype": "fp32"}
+    cache = tmp_path / "plans"
+    assert choose_plan(tiny_checkpoint, cache=cache, **kw).source == "measured"
+    assert choose_plan(tiny_checkpoint, cache=cache, **kw).source == "cache"
+    assert choose_plan(str(other), cache=cache, **kw).source == "measured"
+    for f in cache.glob("plan-*.json"):  # a damaged cache file is measured over, never trusted
+        f.write_text("{not json")
+    assert choose_plan(tiny_checkpoint, cache=cache, **kw).source == "measured"
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--size", "36"], "must be a multiple of the model's factor 8"),
+    (["--sizes", "36"], "must be multiples of the model's factor 8"),
     (["--micro-batches", "1,x"], "--micro-batches must be comma-separated integers"),
+    (["--sizes", "0"], "--sizes must be positive integers"),
     (["--min-agreement", "1.5"], "--min-agreement in (0, 1]"),
 ])
 def test_plan_refuses_bad_settings_in_one_line(tiny_checkpoint, capsys, args, says):
-    assert main(["plan", "--model", tiny_checkpoint, *args]) == 2
+    assert main(["plan", "--model", tiny_checkpoint, "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- micro-batch per image size -----------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(table=st.dictionaries(st.integers(1, 1 << 22), st.integers(1, 16), min_size=1, max_size=4),
+       pixels=st.integers(1, 1 << 24))
+def test_micro_batch_per_size_is_the_nearest_measured_size(table, pixels):
+    plan = ExecutionPlan(micro_batch=3, micro_batch_by_pixels=tuple(table.items()))
+    got = plan.micro_batch_at(pixels)
+    nearest = min(abs(math.log(p) - math.log(pixels)) for p in table)
+    assert got in {m for p, m in table.items() if math.isclose(abs(math.log(p) - math.log(pixels)), nearest)}
+    assert ExecutionPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert ExecutionPlan(micro_batch=3).micro_batch_at(pixels) == 3
+
+
+class Recorder:
+    """A runtime that records call sizes and answers 2 * x, taking ``per_row`` seconds a row."""
+
+    def __init__(self, per_row: float = 0.0):
+        self.per_row = per_row
+        self.calls: list[int] = []
+        self.lock = threading.Lock()
+        self.info = RuntimeInfo(backend="test", dtype="fp32", device="cpu", quantizer="fsq", codebook_size=256,
+                                levels=[256], factor=1, codes_per_position=1, index_dtype="uint8",
+                                max_pixels=1 << 20, model_hash="0" * 64)
+
+    def encode(self, x):
+        with self.lock:
+            self.calls.append(int(x.shape[0]))
+        time.sleep(self.per_row * x.shape[0])
+        return x.astype(np.int64) * 2
+
+    decode = encode
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.integers(1, 9), min_size=1, max_size=8), micro=st.integers(1, 4),
+       workers=st.integers(1, 3))
+def test_batcher_runs_calls_of_the_plans_micro_batch_and_reassembles_requests(rows, micro, workers):
+    rec = Recorder()
+    runtime = PlannedRuntime(rec, ExecutionPlan(micro_batch=micro, workers=workers))
+
+    async def scenario():
+        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
+        assert b.slots == workers and b.rows_per_call("encode", (2, 2, 3)) == micro
+        b.start()
+        arrays = [np.full((n, 2, 2, 3), i, np.uint8) for i, n in enumerate(rows)]
+        outs = await asyncio.gather(*(b.submit("encode", a) for a in arrays))
+        await b.close()
+        for a, o in zip(arrays, outs, strict=True):
+            assert np.array_equal(o, a.astype(np.int64) * 2)
+
+    asyncio.run(scenario())
+    runtime.close()
+    assert set(rec.calls) == {micro}, "every model call has the plan's fixed shape (padded)"
+    assert len(rec.calls) >= math.ceil(sum(rows) / micro)
+
+
+def test_a_lone_request_never_waits_and_a_large_one_uses_every_worker():
+    rec = Recorder(per_row=0.02)
+    runtime = PlannedRuntime(rec, ExecutionPlan(micro_batch=1, workers=2))
+    waits: list[float] = []
+
+    async def scenario():
+        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0, observer=lambda s: waits.extend(s.queue_waits))
+        b.start()
+        for _ in range(5):
+            await b.submit("encode", np.ones((1, 2, 2, 3), np.uint8))
+        t0 = time.perf_counter()
+        await b.submit("encode", np.ones((8, 2, 2, 3), np.uint8))
+        took = time.perf_counter() - t0
+        await b.close()
+        return took
+
+    took = asyncio.run(scenario())
+    runtime.close()
+    assert max(waits[:5]) < 0.004, f"a request alone waited {max(waits[:5]) * 1e3:.1f} ms for company"
+    assert took < 8 * 0.02 * 0.8, f"8 rows on 2 workers took {took:.3f} s: not split across workers"
+
+
+def test_closed_loop_clients_keep_calls_full_instead_of_alternating():
+    """32 closed-loop clients, micro-batch 4, 2 workers: once the queue is busy every call
+    is a full micro-batch (one worker that took everything queued alternated 5-8 / 17-32)."""
+    rec = Recorder(per_row=0.002)
+    runtime = PlannedRuntime(rec, ExecutionPlan(micro_batch=4, workers=2))
+    sizes: list[int] = []
+
+    async def scenario():
+        b = Batcher(runtime, max_batch_size=32, max_delay_s=0.0, observer=lambda s: sizes.append(s.size))
+        b.start()
+
+        async def client(i):
+            for _ in range(12):
+                await b.submit("encode", np.full((1, 2, 2, 3), i, np.uint8))
+
+        await asyncio.gather(*(client(i) for i in range(32)))
+        await b.close()
+
+    asyncio.run(scenario())
+    runtime.close()
+    full = sum(1 for s in sizes if s == 4)
+    assert full / len(sizes) >= 0.9, f"call sizes {sizes}"
+
+
+# ---- the server with --plan auto --------------------------------------------------------------
+def test_serve_plan_auto_measures_once_then_reads_the_cache(tiny_checkpoint, tmp_path):
+    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.server import ServerConfig, ServerThread
+
+    cache = str(tmp_path / "plans")
+
+    def start():
+        cfg = ServerConfig(model=tiny_checkpoint, device="cpu", host="127.0.0.1", port=0, metrics_port=0,
+                           grace_s=2, plan="auto", plan_cache=cache, min_agreement=1.0)
+        return ServerThread(cfg)
+
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    with start() as srv:
+        client = TokenizerClient(srv.target)
+        info = client.model_info()
+        first = client.encode(images)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+    measured = json.loads(next((tmp_path / "plans").glob("plan-*.json")).read_text())
+    rows = {d["dtype"]: d for d in measured["dtypes"]}
+    assert info["dtype"] == measured["dtype"] and rows[info["dtype"]]["agreement"] == 1.0, \
+        "min agreement 1.0: only a dtype whose tokens all equal fp32's may be served"
+    assert info["execution_plan"].startswith(f"{info['dtype']} micro_batch=") and "64^2:" in info["execution_plan"]
+    assert info["execution_plan"].endswith("[--plan auto (measured)]")
+    assert 'source="--plan auto (measured)"' in body and "vqserve_execution_plan{" in body
+    assert info["determinism"]["batch_invariant"]
+    with start() as srv:
+        client = TokenizerClient(srv.target)
+        info2 = client.model_info()
+        assert np.array_equal(client.encode(images), first)
+    assert info2["execution_plan"].endswith("[--plan auto (cache)]")
+    assert info2["execution_plan"].split(" [")[0] == info["execution_plan"].split(" [")[0]
+
+
+def test_tokenize_plan_auto_uses_the_servers_cached_plan_and_gives_its_tokens(tiny_checkpoint, tmp_path, capsys):
+    from PIL import Image
+
+    from vqserve.serve import shards
+    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.server import ServerConfig, ServerThread
+
+    cache = str(tmp_path / "plans")
+    rng = np.random.default_rng(1)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    pixels = {}
+    for i, side in enumerate((32, 64, 32, 64, 48)):
+        px = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+        Image.fromarray(px).save(folder / f"img{i}.png")
+        pixels[f"img{i}"] = px
+    cfg = ServerConfig(model=tiny_checkpoint, device="cpu", host="127.0.0.1", port=0, metrics_port=-1,
+                       grace_s=2, plan="auto", plan_cache=cache)
+    with ServerThread(cfg) as srv:
+        client = TokenizerClient(srv.target)
+        served_plan = client.model_info()["execution_plan"].split(" [")[0]
+        served = {k: client.encode(px[None])[0] for k, px in pixels.items()}
+    out = tmp_path / "tokens"
+    assert main(["tokenize", str(folder), "--out", str(out), "--model", tiny_checkpoint, "--device", "cpu",
+                 "--workers", "0", "--no-progress", "--plan", "auto", "--plan-cache", cache]) == 0
+    err = capsys.readouterr().err
+    assert "tokenize: plan: " in err and "(cache;" in err, err
+    assert served_plan in err, f"tokenize ran {err!r}, the server {served_plan!r}"
+    rows = [r for f in sorted(out.glob("*.parquet")) for r in shards.read_rows(f)]
+    assert len(rows) == len(pixels)
+    for r in rows:
+        key = Path(r["key"]).stem if "key" in r else None
+        assert np.array_equal(r["tokens"], served[key]), key

@@ -38,7 +38,9 @@ def runtime(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    with ServerThread(config(model=tiny_checkpoint)) as srv:
+    # micro-batch 4: a model call holds up to 4 images, and a free slot waits up to
+    # max_delay_ms (50) for a full call, so concurrent clients share calls
+    with ServerThread(config(model=tiny_checkpoint, micro_batch=4)) as srv:
         yield srv
 
 
@@ -261,8 +263,9 @@ def test_bad_input_errors_are_counted(server):
 @pytest.fixture(scope="module")
 def slow(tiny_checkpoint, runtime):
     rt = SlowRuntime(runtime, delay=0.5)
-    with ServerThread(config(model=tiny_checkpoint, max_batch_size=1, max_delay_ms=0, max_queue=2),
-                      runtime=rt) as srv:
+    # one model slot: a request arriving while it is busy waits in the queue
+    with ServerThread(config(model=tiny_checkpoint, max_batch_size=1, max_delay_ms=0, max_queue=2,
+                             model_workers=1), runtime=rt) as srv:
         yield srv, rt
 
 

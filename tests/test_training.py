@@ -256,3 +256,75 @@ def test_robust_quantize_path_matches_fsq_exactly_when_inactive(image_dir, tmp_p
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][2], results[1][2])
     for p, q in zip(plain.tokenizer.parameters(), robust.tokenizer.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+# -- issue 17: size-independent normalisation, block-mean loss -------------------------
+
+
+def test_pixel_norm_output_does_not_depend_on_the_image_around_a_pixel():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from vqserve.model.networks import GroupNorm, PixelNorm
+
+    pixel, group = PixelNorm(8), GroupNorm(4, 8, eps=1e-6)
+    with torch.no_grad():
+        pixel.weight.uniform_(0.5, 2)
+        pixel.bias.uniform_(-1, 1)
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.integers(0, 2**31 - 1), st.integers(2, 9), st.integers(2, 9))
+    def check(seed, h, w):
+        x = torch.randn(2, 8, 10, 12, generator=torch.Generator().manual_seed(seed)) * 3 + 1
+        assert torch.allclose(pixel(x)[..., :h, :w], pixel(x[..., :h, :w].contiguous()), atol=1e-5)
+        # GroupNorm's whole-image statistics: the same pixels come out differently
+        assert not torch.allclose(group(x)[..., :h, :w], group(x[..., :h, :w].contiguous()), atol=1e-3)
+
+    check()
+
+
+def test_norm_option_defaults_to_the_old_architecture_and_pixel_trains(image_dir, tmp_path):
+    from vqserve.model.config import TokenizerConfig
+    from vqserve.model.networks import PixelNorm
+
+    old = {k: v for k, v in TokenizerConfig().to_dict().items() if k != "norm"}
+    assert TokenizerConfig.from_dict(old).norm == "group"  # config.json written before issue 17
+    with pytest.raises(ValueError, match="norm must be"):
+        TokenizerConfig(norm="batch")
+    cfg = TrainConfig(data=str(image_dir), val_data="", crop_size=16, batch_size=2, steps=3,
+                      model={**TINY_MODEL, "norm": "pixel"}, block_mean_weight=1.0,
+                      out=str(tmp_path / "run"), progress=False, plots=False, warmup_steps=0)
+    trainer = Trainer(cfg)
+    assert any(isinstance(m, PixelNorm) for m in trainer.tokenizer.modules())
+    row = trainer.train_step(0)
+    assert row["block_mean"] > 0 and np.isfinite(row["loss"])
+    trainer.run()
+    loaded = load_tokenizer(tmp_path / "run" / "final")
+    assert loaded.config.norm == "pixel"
+    x = torch.randint(0, 256, (1, 16, 16, 3), dtype=torch.uint8)
+    assert torch.equal(loaded.encode(x), trainer.tokenizer.eval().encode(x))
+
+
+def test_block_mean_loss_sees_a_colour_cast_that_per_pixel_noise_hides():
+    from vqserve.model.training import block_mean_loss
+
+    x = torch.rand(1, 3, 16, 16) * 2 - 1
+    yy, xx = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    noise = x + torch.where((yy + xx) % 2 == 0, -0.2, 0.2)   # checkerboard: zero mean per block
+    cast = x + torch.tensor([0.2, 0.0, 0.0])[None, :, None, None]  # a red cast
+    assert float((noise - x).abs().mean()) == pytest.approx(float((cast - x).abs().mean()) * 3, rel=1e-5)
+    assert float(block_mean_loss(noise, x, 8)) < 1e-6 < float(block_mean_loss(cast, x, 8))
+
+
+def test_cli_norm_and_block_mean_flags_reach_the_config(tmp_path):
+    from vqserve.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["train", "--norm", "pixel", "--block-mean-weight", "0.5",
+                              "--data", "photos:train", "--out", str(tmp_path)])
+    from vqserve.commands.train import build_config
+
+    cfg = build_config(args)
+    assert cfg.model["norm"] == "pixel" and cfg.block_mean_weight == 0.5 and cfg.data == "photos:train"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--norm", "batch"])

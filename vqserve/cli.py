@@ -37,7 +37,10 @@ COMMANDS: list[tuple[str, str]] = [
     ("verify", "offline: check a tokenized dataset (sha256, schema, keys, re-encoded samples)"),
     ("plan", "measure dtype x micro-batch plans on this machine; print the fastest exact one"),
     ("bench", "benchmarks: quantizers, runtimes, serving, batch tokenization"),
+    ("import", "convert a tokenizer checkpoint from the field (LlamaGen .pt) into a model directory"),
 ]
+# Commands whose module is named differently (``import`` is a Python keyword).
+MODULE_NAMES = {"import": "importer"}
 
 
 DEBUG_ENV = "VQSERVE_DEBUG"
@@ -50,7 +53,7 @@ STATES_DEFAULT = re.compile(r"[(\[;,]\s*default\b|\bdefault:|%\(default\)")
 
 
 def _load(name: str):
-    return importlib.import_module(f"vqserve.commands.{name.replace('-', '_')}")
+    return importlib.import_module(f"vqserve.commands.{MODULE_NAMES.get(name, name.replace('-', '_'))}")
 
 
 class Parser(argparse.ArgumentParser):

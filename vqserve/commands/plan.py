@@ -1,15 +1,19 @@
-"""Measure the candidate execution plans on this machine and print the fastest exact one.
+"""Measure the candidate execution plans on this machine, print them and the choice.
 
-Each candidate is a dtype (fp32, bf16, fp16; the quantizer is always fp32) and a fixed
-micro-batch, run as the server runs it: one intra-op thread per model call, one call per
-core in parallel. For each, on calibration images of --size: images/s, token agreement with
-fp32, and whether tokens depend on the batch. The choice is the fastest candidate with
-agreement >= --min-agreement whose tokens do not depend on the batch. Nothing is served;
-apply a choice with `vqserve serve --dtype D --micro-batch M --model-workers W`.
+What `vqserve serve --plan auto` does at its first start, without serving: for each dtype
+the model can run in (fp32, bf16, fp16 for a checkpoint — the quantizer always fp32 —; an
+exported artifact's own), token agreement with fp32 on calibration photos and whether tokens
+depend on the batch; then images/s as the server runs it, at each calibration size, for each
+micro-batch with one single-threaded call per core, and for one call with every core's
+threads. The choice: the fastest dtype (geometric mean over sizes) with agreement >=
+--min-agreement whose tokens do not depend on the batch, its fastest micro-batch per size,
+and workers or threads, whichever was faster. The result is written to the plan cache, so
+a server started afterwards on this machine with this model and version uses it at once.
 
 Examples:
-  vqserve plan --model default --size 256
-  vqserve plan --model runs/mine --size 64 --min-agreement 0.999 --json
+  vqserve plan --model default
+  vqserve plan --model runs/mine --sizes 64,128,512 --min-agreement 0.999 --json
+  vqserve plan --model artifacts/onnx-fp16 --refresh      # measure again, replace the cached plan
 """
 
 from __future__ import annotations
@@ -19,53 +23,87 @@ import json
 import sys
 
 
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    from vqserve.commands.common import UsageError
+
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} must be positive integers, got {text!r}")
+    return values
+
+
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default",
-                        help="`default` (the shipped tokenizer) or a checkpoint directory")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
-    parser.add_argument("--size", type=int, default=256, help="calibration image side (default 256)")
+    from vqserve.commands.common import add_model_args
+
+    add_model_args(parser)
+    parser.add_argument("--sizes", default="64,256", help="calibration image sides (default 64,256)")
+    parser.add_argument("--micro-batches", default="1,2,4,8", help="micro-batches to try (default 1,2,4,8)")
     parser.add_argument("--min-agreement", type=float, default=0.995,
                         help="least share of tokens equal to fp32's (default 0.995)")
-    parser.add_argument("--seconds", type=float, default=2.0, help="timing window per candidate")
-    parser.add_argument("--micro-batches", default="1,4", help="micro-batches to try (default 1,4)")
+    parser.add_argument("--seconds", type=float, default=0.6, help="timing window per candidate (default 0.6)")
+    parser.add_argument("--plan-cache", default=None, help="plan cache directory (as `vqserve serve`)")
+    parser.add_argument("--refresh", action="store_true", help="measure even when a cached plan exists")
     parser.add_argument("--json", action="store_true", help="print every measurement as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     from vqserve.commands.common import UsageError, check_model_exists
 
-    if args.size <= 0 or not 0 < args.min_agreement <= 1 or args.seconds <= 0:
-        raise UsageError("--size and --seconds must be positive and --min-agreement in (0, 1]")
-    try:
-        micro = tuple(int(m) for m in args.micro_batches.split(","))
-    except ValueError:
-        raise UsageError(f"--micro-batches must be comma-separated integers, got {args.micro_batches!r}") from None
-    if min(micro) < 1:
-        raise UsageError("--micro-batches must be at least 1")
+    if not 0 < args.min_agreement <= 1 or args.seconds <= 0:
+        raise UsageError("--seconds must be positive and --min-agreement in (0, 1]")
+    sizes = _ints(args.sizes, "--sizes")
+    micro = _ints(args.micro_batches, "--micro-batches")
     check_model_exists(args.model, "VQSERVE_MODEL")
-    from vqserve.export.planner import measure
-    from vqserve.model.checkpoint import read_config, resolve_model_path
+    from vqserve.export.planner import cache_dir, cache_key, choose_plan, write_cached
+    from vqserve.export.runtime import load_runtime, resolve_device
 
-    factor = read_config(resolve_model_path(args.model))[0].factor
-    if args.size % factor:
-        raise UsageError(f"--size {args.size} must be a multiple of the model's factor {factor}")
+    device = resolve_device(args.device)
+    factor = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=device).info.factor
+    bad = [s for s in sizes if s % factor]
+    if bad:
+        raise UsageError(f"--sizes {bad} must be multiples of the model's factor {factor}")
     log = None if args.json else (lambda msg: print(f"[plan] {msg}", file=sys.stderr, flush=True))
-    result = measure(args.model, args.size, args.device, args.min_agreement, args.seconds, micro, log=log)
+    kw = {"sides": sizes, "micro_batches": micro, "seconds": args.seconds}
+    cache = args.plan_cache
+    if args.refresh:
+        from vqserve.export.planner import measure
+
+        result = measure(args.model, device, args.backend, args.dtype, args.min_agreement, log=log, **kw)
+        key = cache_key(args.model, device, args.backend, args.dtype, args.min_agreement, sizes, micro)
+        write_cached(cache_dir(cache), key, result)
+        source = "measured"
+    else:
+        chosen = choose_plan(args.model, device, args.backend, args.dtype, args.min_agreement, cache, log=log, **kw)
+        result, source = chosen.result, chosen.source
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps({**result, "source": source}, indent=2))
         return 0
-    flags = ", ".join(f for f, on in result["device"]["cpu_flags"].items() if on) or "none found"
-    print(f"{result['device']['cpu'] or 'CPU'} ({result['device']['cores']} cores; {flags}), "
-          f"{args.size}x{args.size}, min agreement {args.min_agreement:.2%}")
-    print(f"{'dtype':5} {'micro':>5} {'workers':>7} {'img/s':>7} {'agreement':>10}  invariant  verdict")
-    for c in result["candidates"]:
-        verdict = "eligible" if c["eligible"] else c["why_not"]
-        print(f"{c['dtype']:5} {c['micro_batch']:>5} {c['workers']:>7} {c['images_per_s']:>7.1f} "
-              f"{c['agreement']:>10.4%}  {'yes' if c['batch_invariant'] else 'NO':9}  {verdict}")
-    choice = result["choice"]
-    if choice is None:
-        print("no candidate meets the constraints")
-        return 1
-    print(f"choice: --dtype {choice['dtype']} --micro-batch {choice['micro_batch']} "
-          f"--model-workers {choice['workers']} ({choice['images_per_s']:.1f} img/s)")
+    _print(result, source, args.min_agreement)
     return 0
+
+
+def _print(result: dict, source: str, min_agreement: float) -> None:
+    dev = result["device"]
+    flags = ", ".join(f for f, on in dev["cpu_flags"].items() if on) or "none found"
+    where = dev.get("cuda_name") or dev["cpu"] or "CPU"
+    print(f"{where} ({dev['cores']} cores; {flags}); min agreement {min_agreement:.2%}; "
+          f"calibration: {result['calibration']}; {source}"
+          + (f" in {result['measure_s']} s" if source == "measured" else " (--refresh to measure again)"))
+    print(f"{'dtype':5} {'agreement':>10}  invariant  {'img/s':>7}  verdict")
+    for d in result["dtypes"]:
+        verdict = "eligible" if d["eligible"] else d["why_not"]
+        print(f"{d['dtype']:5} {d['agreement']:>10.4%}  {'yes' if d['batch_invariant'] else 'NO':9}  "
+              f"{d['score']:>7.1f}  {verdict}")
+    print(f"{'dtype':5} {'side':>5} {'micro':>5} {'workers':>7} {'threads':>7} {'img/s':>7}")
+    for c in result["candidates"]:
+        print(f"{c['dtype']:5} {c['side']:>5} {c['micro_batch']:>5} {c['workers']:>7} {c['threads']:>7} "
+              f"{c['images_per_s']:>7.1f}")
+    plan = result["plan"]
+    sizes = " ".join(f"{int(p ** 0.5)}:{m}" for p, m in plan["micro_batch_by_pixels"])
+    print(f"choice: {result['dtype']}, micro-batch per side {sizes or plan['micro_batch']}, "
+          f"{plan['workers']} workers x {plan['intra_op_threads']} threads "
+          f"(`vqserve serve` with --plan auto uses it; by hand: --dtype {result['dtype']} "
+          f"--model-workers {plan['workers']} --threads {plan['intra_op_threads']})")

@@ -7,7 +7,8 @@ in-flight ones finish within --grace (open streams end once their requests are
 answered), then the process exits 0.
 
 Examples:
-  vqserve serve --model default
+  vqserve serve --model default                  # plans itself at the first start (cached)
+  vqserve serve --plan default --dtype fp32      # the fixed default plan, no measuring
   vqserve serve --model runs/tiny --device cpu --port 0 --metrics-port 0
   vqserve serve --model artifacts/onnx-fp16 --backend onnx --max-batch-size 64 --max-delay-ms 2
   vqserve serve --tls-cert server.crt --tls-key server.key --auth-token-file token.txt
@@ -47,7 +48,8 @@ ENV_VARS = {
     "max_streams": "VQSERVE_MAX_STREAMS", "expect_hash": "VQSERVE_EXPECT_HASH",
     "metrics_auth": "VQSERVE_METRICS_AUTH", "metrics_tls": "VQSERVE_METRICS_TLS",
     "micro_batch": "VQSERVE_MICRO_BATCH", "model_workers": "VQSERVE_MODEL_WORKERS",
-    "no_self_check": "VQSERVE_NO_SELF_CHECK",
+    "no_self_check": "VQSERVE_NO_SELF_CHECK", "plan": "VQSERVE_PLAN", "plan_cache": "VQSERVE_PLAN_CACHE",
+    "min_agreement": "VQSERVE_MIN_AGREEMENT", "threads": "VQSERVE_THREADS",
 }
 # The flag that moves each port, for the one-line "port in use" error.
 PORT_FLAGS = {"gRPC": "port", "metrics": "metrics_port"}
@@ -117,18 +119,39 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     x = parser.add_argument_group(
         "execution plan", "how each model call runs; tokens never depend on the batch "
                           "(docs/SERVING.md, \"Tokens do not depend on the batch\")")
+    x.add_argument("--plan", choices=["auto", "default"], default="auto",
+                   help="auto (default): measure dtype x micro-batch per image size x workers-vs-"
+                        "threads on this hardware at the first start and serve the fastest whose "
+                        "tokens agree with fp32 on at least --min-agreement and do not depend on "
+                        "the batch; the result is cached (--plan-cache), so later starts take "
+                        "milliseconds. default: fp32 (or the artifact's dtype), micro-batch 1 on "
+                        "CPU / 8 on CUDA, one call per core. Each flag below overrides its part")
+    x.add_argument("--plan-cache", default=None,
+                   help="directory of measured plans, keyed by hardware + model hash + versions "
+                        "(default $XDG_CACHE_HOME/vqserve/plans or ~/.cache/vqserve/plans; mount "
+                        "it in a container to keep restarts fast)")
+    x.add_argument("--min-agreement", type=float, default=0.995,
+                   help="--plan auto: least share of tokens equal to fp32's for bf16/fp16 to be "
+                        "chosen (default 0.995; 1 keeps fp32 tokens; --dtype pins the dtype)")
     x.add_argument("--micro-batch", type=int, default=0,
                    help="images per model call, fixed: a batch is cut into calls of exactly "
                         "this many (the last padded), so kernels always see one shape "
-                        "(0 = auto: 1 on CPU, 8 on CUDA)")
+                        "(0 = the plan's: measured per image size with --plan auto; 1 on CPU, "
+                        "8 on CUDA with --plan default)")
     x.add_argument("--model-workers", type=int, default=0,
-                   help="model calls running at once, each on one intra-op thread "
-                        "(0 = auto: one per CPU core; 1 on CUDA)")
+                   help="model calls running at once (0 = the plan's: one per CPU core, one "
+                        "thread each; 1 on CUDA)")
+    x.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads inside one model call (0 = the plan's: 1). More than 1 "
+                        "splits one image's arithmetic across threads, which can change bf16/fp16 "
+                        "tokens with the batch: the start-up self-check measures it")
     x.add_argument("--no-self-check", action="store_true",
                    help="skip the start-up check that tokens do not depend on the batch "
                         "(about a second on CPU; GetModelInfo then says 'not checked')").type = switch
-    b.add_argument("--max-delay-ms", type=float, default=5.0,
-                   help="longest a request waits for its batch to fill (0 = no waiting)")
+    b.add_argument("--max-delay-ms", type=float, default=0.0,
+                   help="longest a free model slot waits for a fuller call (default 0: a padded "
+                        "micro-batch costs what a full one does, so waiting only adds latency; "
+                        "under load calls fill because every slot is busy)")
     b.add_argument("--max-queue", type=int, default=1024,
                    help="queued images before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain on SIGTERM")
@@ -172,6 +195,8 @@ def config_from_args(args: argparse.Namespace):
         max_streams=args.max_streams, expect_hash=args.expect_hash, metrics_auth=args.metrics_auth,
         metrics_tls=args.metrics_tls, micro_batch=args.micro_batch or None,
         model_workers=args.model_workers or None, self_check=not args.no_self_check,
+        threads=args.threads or None, plan=args.plan, plan_cache=args.plan_cache,
+        min_agreement=args.min_agreement,
     )
 
 
@@ -193,6 +218,8 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "decode_threads": (0, 256, "threads, 0 = auto"),
     "micro_batch": (0, 4096, "images per model call, 0 = auto"),
     "model_workers": (0, 1024, "parallel model calls, 0 = auto"),
+    "threads": (0, 1024, "intra-op threads per model call, 0 = the plan's"),
+    "min_agreement": (0.5, 1.0, "share of tokens equal to fp32's"),
 }
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from vqserve.commands.common import add_expect_hash, add_model_args, model_ref
 
@@ -63,6 +64,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--threads", type=int, default=0,
                    help="model calls running at once, each on one thread, so tokens never "
                         "depend on this number (default: the CPU cores the decode workers leave)")
+    r.add_argument("--plan", choices=["auto", "default"], default=None,
+                   help="auto (default; or VQSERVE_PLAN): the execution plan `vqserve serve --plan "
+                        "auto` measures for this hardware and model (read from the same cache, or "
+                        "measured once), so offline and online runs are equally fast and give the "
+                        "same tokens; default: fp32 (or --dtype), micro-batch 1 on CPU")
+    r.add_argument("--plan-cache", default=None,
+                   help="measured plans directory (default: VQSERVE_PLAN_CACHE, else ~/.cache/vqserve/plans)")
+    r.add_argument("--min-agreement", type=float, default=0.995,
+                   help="--plan auto: least share of tokens equal to fp32's for bf16/fp16 (default 0.995)")
     r.add_argument("--engine", default="local", choices=["local", "ray"],
                    help="local processes (default) or Ray Data (pip install 'vqserve[ray]')")
     r.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local Ray)")
@@ -89,6 +99,35 @@ def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
                        runtime_info=runtime_info, model_ref=model_ref(args.model))
 
 
+def _chosen_plan(args: argparse.Namespace):
+    """``--plan auto``: the serving plan for this hardware + model (cached, or measured now,
+    with a note on stderr because the first time takes tens of seconds)."""
+    import os
+
+    plan = args.plan or os.environ.get("VQSERVE_PLAN") or "auto"
+    if plan not in ("auto", "default"):
+        raise ValueError(f"VQSERVE_PLAN={plan!r} must be one of auto, default")
+    if plan != "auto" or args.engine == "ray":  # Ray actors run one call each on their own devices
+        return None
+    if not 0.5 <= args.min_agreement <= 1:
+        raise ValueError(f"--min-agreement must be 0.5..1, got {args.min_agreement}")
+    from vqserve.export.planner import choose_plan
+    from vqserve.export.runtime import check_expected_hash, model_hash_of, resolve_device
+
+    if args.expect_hash:  # nothing of the model runs before its hash is checked
+        check_expected_hash(args.expect_hash, model_hash_of(args.model), args.model)
+
+    def say(msg: str) -> None:
+        print(f"tokenize: plan: {msg}", file=sys.stderr, flush=True)
+
+    device = resolve_device(args.device)
+    say(f"choosing an execution plan for {args.model} on {device} (cached after the first time)")
+    chosen = choose_plan(args.model, device=device, backend=args.backend, dtype=args.dtype,
+                         min_agreement=args.min_agreement, cache=args.plan_cache, log=say)
+    say(chosen.why())
+    return chosen
+
+
 def run(args: argparse.Namespace) -> int:
     from vqserve.serve import offline, sources
 
@@ -100,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vqserve.export.runtime import load_runtime
+
+    chosen = _chosen_plan(args)
+    if chosen is not None and args.dtype is None and not (Path(args.model) / "manifest.json").is_file():
+        args.dtype = chosen.dtype
 
     if args.engine == "ray":
         # the driver only plans and writes: it reads the model's description on the CPU and
@@ -129,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
                              fail_fast=args.fail_fast, progress=not args.no_progress)
         else:
             workers = offline.default_workers(info["device"]) if args.workers is None else args.workers
-            runtime = offline.planned_runtime(runtime, info["device"], workers, args.threads)
+            runtime = offline.planned_runtime(runtime, info["device"], workers, args.threads,
+                                              base=chosen.plan if chosen else None,
+                                              source=f"--plan auto ({chosen.source})" if chosen else "")
             result = offline.run_local(job, runtime, workers=workers, fail_fast=args.fail_fast,
                                        progress=False if args.no_progress else None)
     except offline.Interrupted as exc:

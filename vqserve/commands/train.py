@@ -29,8 +29,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                                           "flags left out keep its values, else the built-in "
                                           "defaults of TrainConfig in vqserve.model.training)")
     g = parser.add_argument_group("data")
-    g.add_argument("--data", help="'builtin' (skimage.data train split) or an image folder (recursive)")
-    g.add_argument("--val-data", help="'builtin:val', an image folder, or '' for no validation")
+    g.add_argument("--data", help="'builtin' (skimage.data train split), 'photos:train' (plus the "
+                                  "Debian package photographs: `make data`) or an image folder (recursive)")
+    g.add_argument("--val-data", help="'builtin:val', 'photos:select', an image folder, or '' for no validation")
     g.add_argument("--crop-size", type=int, help="training crop size (multiple of the factor)")
     g.add_argument("--batch-size", type=int, help="training crops per step")
     g.add_argument("--sampling", choices=["uniform", "area"],
@@ -41,6 +42,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-schedule", choices=["cosine", "constant", "linear"],
                    help="learning-rate decay after warm-up")
     g.add_argument("--warmup-steps", type=int, help="steps of linear learning-rate warm-up")
+    g.add_argument("--block-mean-weight", type=float,
+                   help="weight of the L1 loss on factor x factor block means (colour fidelity)")
     g = parser.add_argument_group("model")
     g.add_argument("--quantizer", choices=["fsq", "lfq", "vq", "rfsq"],
                    help="finite scalar, lookup-free, vector or residual FSQ quantization")
@@ -52,6 +55,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-res-blocks", type=int, help="residual blocks per encoder/decoder stage")
     g.add_argument("--patch-size", type=int, choices=[1, 2, 4],
                    help="pixel-unshuffle stem: factor = patch_size * 2**len(channels)")
+    g.add_argument("--norm", choices=["group", "pixel"],
+                   help="GroupNorm (whole-image statistics) or per-pixel norm (size-independent)")
     g = parser.add_argument_group("low-precision robustness (FSQ)")
     g.add_argument("--margin", type=float,
                    help="keep bounded latents this far from rounding boundaries (e.g. 0.15)")
@@ -78,9 +83,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 _FLAT = ["data", "val_data", "crop_size", "sampling", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
+         "block_mean_weight",
          "margin", "margin_weight", "margin_start", "margin_ramp", "quant_noise", "precision", "device", "threads", "seed", "out",
          "val_every", "ckpt_every", "ckpt_minutes", "log_every"]
-_MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size"]
+_MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size", "norm"]
 
 
 def build_config(args: argparse.Namespace):

@@ -1,0 +1,45 @@
+"""Model families: every kind of checkpoint directory ``load_tokenizer`` accepts.
+
+``FAMILIES`` is the one registry. ``family_for(path)`` asks each family in order whether a
+directory is its own (``Family.detect``, reading at most ``config.json``); a directory that
+no family claims goes to vqserve's own family, whose loader reports what is wrong with it.
+The interface a family implements is ``vqserve.model.families.base.Family`` (its module
+docstring is the how-to); docs/MODELS.md lists the families and how to add one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.diffusers_vq import DIFFUSERS_VQMODEL
+from vqserve.model.families.llamagen import LLAMAGEN
+from vqserve.model.families.vqserve_native import VQSERVE
+
+# vqserve's own format first: it is the default and the fallback. Add new families here.
+FAMILIES: tuple[Family, ...] = (
+    VQSERVE,
+    DIFFUSERS_VQMODEL,
+    LLAMAGEN,
+)
+
+
+def family_for(path: str | os.PathLike) -> Family:
+    """The family that owns the existing directory ``path`` (vqserve's own when none does)."""
+    path = Path(path)
+    for family in FAMILIES:
+        if family.detect(path):
+            return family
+    return VQSERVE
+
+
+def family_named(name: str) -> Family:
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"unknown model family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+
+
+__all__ = ["CONFIG_NAME", "FAMILIES", "Family", "FamilyConfig", "family_for", "family_named",
+           "read_config_json"]
