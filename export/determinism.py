@@ -14,6 +14,7 @@ which put latents near quantizer boundaries as photographs do.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -92,7 +93,7 @@ def check_invariance(runtime, plan: ExecutionPlan, images: np.ndarray, source: s
     worker, so the check covers what the server and ``vqserve tokenize`` both do."""
     rng = np.random.default_rng(seed)
     n = len(images)
-    single = PlannedRuntime(runtime, ExecutionPlan(plan.micro_batch, 1, plan.intra_op_threads))
+    single = PlannedRuntime(runtime, dataclasses.replace(plan, workers=1))
     runners = {1: single}
     if plan.workers > 1:
         runners[plan.workers] = PlannedRuntime(runtime, plan)

@@ -12,7 +12,8 @@ caller's batch:
 
 * **fixed micro-batch**: the batch is cut into calls of exactly ``micro_batch`` images;
   the last call is padded by repeating its last image (padding rows are dropped), so the
-  kernels always see one shape per image size;
+  kernels always see one shape per image size (unless the plan was measured to give the
+  same tokens at every call size: ``ExecutionPlan.pad``);
 * **one intra-op thread per call**: the process's torch intra-op threads are set to 1
   (and ONNX Runtime sessions are opened with one), so no reduction is split by thread count;
 * **parallel calls instead**: ``workers`` calls run at once in threads (PyTorch and ONNX
@@ -52,12 +53,18 @@ class ExecutionPlan:
     pairs (e.g. ``((4096, 4), (65536, 1))``: batching pays at 64x64 on a CPU, not at
     256x256). An image takes the entry whose pixel count is nearest on a log scale, so one
     image shape always gets the same micro-batch (and the same kernels); empty: ``micro_batch``
-    for every size."""
+    for every size.
+
+    ``pad``: a short call (fewer rows than the micro-batch) is padded to the micro-batch, so
+    the kernels see one shape. ``--plan auto`` turns it off where it measured every call size
+    giving identical tokens and pixels (a CPU with one intra-op thread per call): then a lone
+    request runs a call of one image instead of paying for a padded micro-batch."""
 
     micro_batch: int = 1
     workers: int = 1
     intra_op_threads: int = 1
     micro_batch_by_pixels: tuple[tuple[int, int], ...] = ()
+    pad: bool = True
 
     def __post_init__(self):
         for name in ("micro_batch", "workers", "intra_op_threads"):
@@ -91,7 +98,8 @@ class ExecutionPlan:
         """One line for GetModelInfo and logs."""
         sizes = ", ".join(f"{int(math.isqrt(p))}^2:{m}" for p, m in self.micro_batch_by_pixels)
         micro = f"micro_batch={self.micro_batch}" + (f" ({sizes})" if sizes else "")
-        return f"{micro} workers={self.workers} intra_op_threads={self.intra_op_threads}"
+        return (f"{micro}{'' if self.pad else ' unpadded'} workers={self.workers} "
+                f"intra_op_threads={self.intra_op_threads}")
 
 
 def default_plan(device: str) -> ExecutionPlan:
@@ -108,8 +116,11 @@ def plan_for(device: str, micro_batch: int | None = None, workers: int | None = 
     the base's). A micro-batch given by hand applies to every image size."""
     plan = base or default_plan(device)
     by_pixels = () if micro_batch else plan.micro_batch_by_pixels
+    # more intra-op threads than measured: calls of other sizes are no longer known to agree
+    pad = plan.pad or bool(threads and threads != plan.intra_op_threads)
     return ExecutionPlan(micro_batch=micro_batch or plan.micro_batch, workers=workers or plan.workers,
-                         intra_op_threads=threads or plan.intra_op_threads, micro_batch_by_pixels=by_pixels)
+                         intra_op_threads=threads or plan.intra_op_threads, micro_batch_by_pixels=by_pixels,
+                         pad=pad)
 
 
 _threads_lock = threading.Lock()
@@ -179,7 +190,9 @@ class PlannedRuntime:
         n = int(batch.shape[0])
         if n == 0:
             return fn(batch)
-        chunks = [_padded(batch[i:i + step], step) for i in range(0, n, step)]
+        chunks = [batch[i:i + step] for i in range(0, n, step)]
+        if self.plan.pad:
+            chunks = [_padded(c, step) for c in chunks]
         if self._pool is None or len(chunks) == 1:
             outs = [fn(c) for c in chunks]
         else:

@@ -16,8 +16,10 @@ size (batching pays at 64x64 on a CPU and not at 256x256), so the planner does n
    threads inside it;
 3. **choose** the dtype with the best throughput (geometric mean over the sizes) among
    those whose agreement is at least ``min_agreement`` and whose tokens do not depend on
-   the batch (fp32 always qualifies, so there is always a choice), and for it the fastest
-   micro-batch per size and the faster of workers-vs-threads.
+   the batch (fp32 always qualifies, so there is always a choice), and for it the smallest
+   micro-batch per size within 5 % of the fastest, and the faster of workers-vs-threads.
+   Where calls of 1, 2 and 4 images gave identical tokens and pixels, calls are not padded
+   (``ExecutionPlan.pad``): a lone request then costs one image, not a micro-batch.
 
 The result is cached on disk (:func:`cache_dir`), keyed by everything that could change it:
 the hardware probe, torch / onnxruntime / vqserve versions, the model's hash, backend,
@@ -52,7 +54,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 DTYPES = ("fp32", "bf16", "fp16")
 CALIBRATION_SIDES = (64, 256)
 MICRO_BATCHES = (1, 2, 4, 8)
-PLANNER_VERSION = 2        # bump when the measurement or the choice rule changes
+PLANNER_VERSION = 3        # bump when the measurement or the choice rule changes
 MAX_CALL_PIXELS = 4 << 20  # candidates above this many pixels per call are not tried
 
 
@@ -92,6 +94,7 @@ class DtypeResult:
     dtype: str
     agreement: float = 0.0        # share of tokens equal to fp32's on the calibration images
     batch_invariant: bool = False
+    sizes_invariant: bool = False    # calls of 1, 2 and 4 rows (unpadded) give the same tokens
     threads_invariant: bool = False  # the one-call-with-all-threads variant, checked too
     eligible: bool = False
     why_not: str = ""
@@ -131,9 +134,12 @@ def _exactness(raw, dtype: str, reference: np.ndarray | None, photos: np.ndarray
         runtime.close()
     res.agreement = 1.0 if reference is None else float(np.mean(tokens == reference))
     small = synthetic_images(6, side_small, seed=2)
-    cert = check_invariance(raw, ExecutionPlan(2, workers), small, "calibration", batch_sizes=(1, 2, 5),
+    cert = check_invariance(raw, ExecutionPlan(4, workers), small, "calibration", batch_sizes=(1, 2, 5),
                             compositions=1)
     res.batch_invariant = cert.batch_invariant and cert.decode_batch_invariant
+    cert = check_invariance(raw, ExecutionPlan(4, workers, pad=False), small, "calibration",
+                            batch_sizes=(1, 2, 5), compositions=1)
+    res.sizes_invariant = cert.batch_invariant and cert.decode_batch_invariant
     if workers > 1:
         cert = check_invariance(raw, ExecutionPlan(1, 1, workers), small, "calibration",
                                 batch_sizes=(1, 5), compositions=1)
@@ -182,11 +188,17 @@ def _timed(raw, cand: Candidate, images: np.ndarray, seconds: float) -> Candidat
     return cand
 
 
+MICRO_TOLERANCE = 0.05  # the smallest micro-batch within 5 % of the fastest wins: less padding, less memory
+
+
 def _choose(rows: list[Candidate], results: dict[str, DtypeResult], sides: tuple[int, ...],
             workers: int) -> tuple[str, ExecutionPlan]:
     def best(dtype: str, side: int, threads: int | None = None) -> Candidate | None:
         pool = [c for c in rows if c.dtype == dtype and c.side == side and (threads is None or c.threads == threads)]
-        return max(pool, key=lambda c: c.images_per_s) if pool else None
+        if not pool:
+            return None
+        top = max(c.images_per_s for c in pool)
+        return min((c for c in pool if c.images_per_s >= (1 - MICRO_TOLERANCE) * top), key=lambda c: c.micro_batch)
 
     for res in results.values():
         tops = [best(res.dtype, s) for s in sides]
@@ -201,7 +213,7 @@ def _choose(rows: list[Candidate], results: dict[str, DtypeResult], sides: tuple
         return choice.dtype, ExecutionPlan(1, 1, workers)
     by_pixels = tuple((s * s, c.micro_batch) for s, c in zip(sides, parallel, strict=True))
     return choice.dtype, ExecutionPlan(micro_batch=parallel[-1].micro_batch, workers=workers,
-                                       micro_batch_by_pixels=by_pixels)
+                                       micro_batch_by_pixels=by_pixels, pad=not choice.sizes_invariant)
 
 
 def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,

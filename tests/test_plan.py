@@ -43,13 +43,15 @@ def test_plan_measures_every_dtype_and_chooses_the_fastest_exact_one(tiny_checkp
     assert all(c["images_per_s"] > 0 for c in result["candidates"])
     plan = result["plan"]
     assert [p for p, _ in plan["micro_batch_by_pixels"]] == [16 * 16, 32 * 32]
-    # the micro-batch chosen per size is the fastest single-threaded one of the chosen dtype
+    # the micro-batch chosen per size: the smallest single-threaded one within 5 % of the fastest
     for pixels, micro in plan["micro_batch_by_pixels"]:
         side = math.isqrt(pixels)
         rows = [c for c in result["candidates"]
                 if c["dtype"] == result["dtype"] and c["side"] == side and c["threads"] == 1]
-        if plan["intra_op_threads"] == 1:
-            assert micro == max(rows, key=lambda c: c["images_per_s"])["micro_batch"]
+        top = max(c["images_per_s"] for c in rows)
+        assert micro == min(c["micro_batch"] for c in rows if c["images_per_s"] >= 0.95 * top)
+    # one intra-op thread per call on a CPU: every call size gave the same tokens, so no padding
+    assert dtypes[result["dtype"]]["sizes_invariant"] and plan["pad"] is False
     assert len(list(cache.glob("plan-*.json"))) == 1
 
 
@@ -159,6 +161,17 @@ def test_batcher_runs_calls_of_the_plans_micro_batch_and_reassembles_requests(ro
     assert len(rec.calls) >= math.ceil(sum(rows) / micro)
 
 
+def test_an_unpadded_plan_runs_short_calls_as_they_are():
+    rec = Recorder()
+    runtime = PlannedRuntime(rec, ExecutionPlan(micro_batch=4, workers=1, pad=False))
+    out = runtime.encode(np.arange(6, dtype=np.uint8).reshape(6, 1, 1, 1))
+    assert out.ravel().tolist() == [0, 2, 4, 6, 8, 10] and rec.calls == [4, 2]
+    padded = Recorder()
+    PlannedRuntime(padded, ExecutionPlan(micro_batch=4, workers=1)).encode(np.zeros((6, 1, 1, 1), np.uint8))
+    assert padded.calls == [4, 4]
+    assert "unpadded" in ExecutionPlan(4, pad=False).describe() and "unpadded" not in ExecutionPlan(4).describe()
+
+
 def test_a_lone_request_never_waits_and_a_large_one_uses_every_worker():
     rec = Recorder(per_row=0.02)
     runtime = PlannedRuntime(rec, ExecutionPlan(micro_batch=1, workers=2))
@@ -206,11 +219,19 @@ def test_closed_loop_clients_keep_calls_full_instead_of_alternating():
 
 
 # ---- the server with --plan auto --------------------------------------------------------------
-def test_serve_plan_auto_measures_once_then_reads_the_cache(tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def plan_cache(tmp_path_factory) -> str:
+    """One plan cache for the server and tokenize tests below: measured once (the first
+    test), read by the others, as on a machine where both commands run."""
+    return str(tmp_path_factory.mktemp("plans"))
+
+
+def test_serve_plan_auto_measures_once_then_reads_the_cache(tiny_checkpoint, plan_cache):
+    from vqserve.export.execution import ExecutionPlan
     from vqserve.serve.client import TokenizerClient
     from vqserve.serve.server import ServerConfig, ServerThread
 
-    cache = str(tmp_path / "plans")
+    cache = plan_cache
 
     def start():
         cfg = ServerConfig(model=tiny_checkpoint, device="cpu", host="127.0.0.1", port=0, metrics_port=0,
@@ -223,12 +244,12 @@ def test_serve_plan_auto_measures_once_then_reads_the_cache(tiny_checkpoint, tmp
         info = client.model_info()
         first = client.encode(images)
         body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
-    measured = json.loads(next((tmp_path / "plans").glob("plan-*.json")).read_text())
+    measured = json.loads(next(Path(cache).glob("plan-*.json")).read_text())
     rows = {d["dtype"]: d for d in measured["dtypes"]}
     assert info["dtype"] == measured["dtype"] and rows[info["dtype"]]["agreement"] == 1.0, \
         "min agreement 1.0: only a dtype whose tokens all equal fp32's may be served"
-    assert info["execution_plan"].startswith(f"{info['dtype']} micro_batch=") and "64^2:" in info["execution_plan"]
-    assert info["execution_plan"].endswith("[--plan auto (measured)]")
+    plan = ExecutionPlan.from_dict(measured["plan"])
+    assert info["execution_plan"] == f"{info['dtype']} {plan.describe()} [--plan auto (measured)]"
     assert 'source="--plan auto (measured)"' in body and "vqserve_execution_plan{" in body
     assert info["determinism"]["batch_invariant"]
     with start() as srv:
@@ -239,14 +260,15 @@ def test_serve_plan_auto_measures_once_then_reads_the_cache(tiny_checkpoint, tmp
     assert info2["execution_plan"].split(" [")[0] == info["execution_plan"].split(" [")[0]
 
 
-def test_tokenize_plan_auto_uses_the_servers_cached_plan_and_gives_its_tokens(tiny_checkpoint, tmp_path, capsys):
+def test_tokenize_plan_auto_uses_the_servers_cached_plan_and_gives_its_tokens(tiny_checkpoint, tmp_path, capsys,
+                                                                             plan_cache):
     from PIL import Image
 
     from vqserve.serve import shards
     from vqserve.serve.client import TokenizerClient
     from vqserve.serve.server import ServerConfig, ServerThread
 
-    cache = str(tmp_path / "plans")
+    cache = plan_cache
     rng = np.random.default_rng(1)
     folder = tmp_path / "images"
     folder.mkdir()
@@ -256,14 +278,15 @@ def test_tokenize_plan_auto_uses_the_servers_cached_plan_and_gives_its_tokens(ti
         Image.fromarray(px).save(folder / f"img{i}.png")
         pixels[f"img{i}"] = px
     cfg = ServerConfig(model=tiny_checkpoint, device="cpu", host="127.0.0.1", port=0, metrics_port=-1,
-                       grace_s=2, plan="auto", plan_cache=cache)
+                       grace_s=2, plan="auto", plan_cache=cache, min_agreement=1.0)
     with ServerThread(cfg) as srv:
         client = TokenizerClient(srv.target)
         served_plan = client.model_info()["execution_plan"].split(" [")[0]
         served = {k: client.encode(px[None])[0] for k, px in pixels.items()}
     out = tmp_path / "tokens"
     assert main(["tokenize", str(folder), "--out", str(out), "--model", tiny_checkpoint, "--device", "cpu",
-                 "--workers", "0", "--no-progress", "--plan", "auto", "--plan-cache", cache]) == 0
+                 "--workers", "0", "--no-progress", "--plan", "auto", "--plan-cache", cache,
+                 "--min-agreement", "1.0"]) == 0
     err = capsys.readouterr().err
     assert "tokenize: plan: " in err and "(cache;" in err, err
     assert served_plan in err, f"tokenize ran {err!r}, the server {served_plan!r}"

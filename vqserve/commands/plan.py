@@ -103,7 +103,8 @@ def _print(result: dict, source: str, min_agreement: float) -> None:
               f"{c['images_per_s']:>7.1f}")
     plan = result["plan"]
     sizes = " ".join(f"{int(p ** 0.5)}:{m}" for p, m in plan["micro_batch_by_pixels"])
-    print(f"choice: {result['dtype']}, micro-batch per side {sizes or plan['micro_batch']}, "
+    padding = "padded" if plan.get("pad", True) else "short calls unpadded (every call size gave the same tokens)"
+    print(f"choice: {result['dtype']}, micro-batch per side {sizes or plan['micro_batch']} ({padding}), "
           f"{plan['workers']} workers x {plan['intra_op_threads']} threads "
           f"(`vqserve serve` with --plan auto uses it; by hand: --dtype {result['dtype']} "
           f"--model-workers {plan['workers']} --threads {plan['intra_op_threads']})")
