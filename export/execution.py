@@ -12,8 +12,8 @@ caller's batch:
 
 * **fixed micro-batch**: the batch is cut into calls of exactly ``micro_batch`` images;
   the last call is padded by repeating its last image (padding rows are dropped), so the
-  kernels always see one shape per image size (unless the plan was measured to give the
-  same tokens at every call size: ``ExecutionPlan.pad``);
+  kernels always see one shape per image size (and a lone image a call of one, where the
+  plan measured that to give the same tokens: ``ExecutionPlan.lone_unpadded``);
 * **one intra-op thread per call**: the process's torch intra-op threads are set to 1
   (and ONNX Runtime sessions are opened with one), so no reduction is split by thread count;
 * **parallel calls instead**: ``workers`` calls run at once in threads (PyTorch and ONNX
@@ -55,16 +55,20 @@ class ExecutionPlan:
     image shape always gets the same micro-batch (and the same kernels); empty: ``micro_batch``
     for every size.
 
-    ``pad``: a short call (fewer rows than the micro-batch) is padded to the micro-batch, so
-    the kernels see one shape. ``--plan auto`` turns it off where it measured every call size
-    giving identical tokens and pixels (a CPU with one intra-op thread per call): then a lone
-    request runs a call of one image instead of paying for a padded micro-batch."""
+    ``lone_unpadded``: the methods (``"encode"``, ``"decode"``) whose short calls of a single
+    row run as a call of one. Otherwise a short call (fewer rows than the micro-batch) is
+    padded to the micro-batch, so the kernels see one shape per image size. ``--plan auto``
+    lists a method only where it measured a call of one giving the same result as the same
+    row inside a full micro-batch: then a lone request costs one image, not a padded
+    micro-batch. On this project's CPU (one intra-op thread per call) encode tokens were equal
+    at every call size, while decoding one image alone moved a pixel by one level against
+    decoding it among eight — so encode runs lone images unpadded and decode pads."""
 
     micro_batch: int = 1
     workers: int = 1
     intra_op_threads: int = 1
     micro_batch_by_pixels: tuple[tuple[int, int], ...] = ()
-    pad: bool = True
+    lone_unpadded: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("micro_batch", "workers", "intra_op_threads"):
@@ -74,6 +78,10 @@ class ExecutionPlan:
         if any(p < 1 or m < 1 for p, m in pairs):
             raise ValueError(f"micro_batch_by_pixels needs positive (pixels, micro) pairs, got {pairs}")
         object.__setattr__(self, "micro_batch_by_pixels", pairs)
+        lone = tuple(sorted(set(self.lone_unpadded)))
+        if set(lone) - {"encode", "decode"}:
+            raise ValueError(f"lone_unpadded takes encode and decode, got {lone}")
+        object.__setattr__(self, "lone_unpadded", lone)
 
     def micro_batch_at(self, pixels: int) -> int:
         """The micro-batch for images of ``pixels`` (H*W): the measured size nearest on a log
@@ -86,19 +94,22 @@ class ExecutionPlan:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["micro_batch_by_pixels"] = [list(p) for p in self.micro_batch_by_pixels]
+        out["lone_unpadded"] = list(self.lone_unpadded)
         return out
 
     @classmethod
     def from_dict(cls, data: dict) -> ExecutionPlan:
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: (tuple(tuple(p) for p in v) if k == "micro_batch_by_pixels" else v)
+        return cls(**{k: (tuple(tuple(p) for p in v) if k == "micro_batch_by_pixels"
+                          else tuple(v) if k == "lone_unpadded" else v)
                       for k, v in data.items() if k in known})
 
     def describe(self) -> str:
         """One line for GetModelInfo and logs."""
         sizes = ", ".join(f"{int(math.isqrt(p))}^2:{m}" for p, m in self.micro_batch_by_pixels)
         micro = f"micro_batch={self.micro_batch}" + (f" ({sizes})" if sizes else "")
-        return (f"{micro}{'' if self.pad else ' unpadded'} workers={self.workers} "
+        lone = f" lone-unpadded={'+'.join(self.lone_unpadded)}" if self.lone_unpadded else ""
+        return (f"{micro}{lone} workers={self.workers} "
                 f"intra_op_threads={self.intra_op_threads}")
 
 
@@ -116,11 +127,12 @@ def plan_for(device: str, micro_batch: int | None = None, workers: int | None = 
     the base's). A micro-batch given by hand applies to every image size."""
     plan = base or default_plan(device)
     by_pixels = () if micro_batch else plan.micro_batch_by_pixels
-    # more intra-op threads than measured: calls of other sizes are no longer known to agree
-    pad = plan.pad or bool(threads and threads != plan.intra_op_threads)
+    # other intra-op threads or micro-batch than measured: a call of one is no longer known to agree
+    changed = bool(threads and threads != plan.intra_op_threads) or bool(micro_batch)
+    lone = () if changed else plan.lone_unpadded
     return ExecutionPlan(micro_batch=micro_batch or plan.micro_batch, workers=workers or plan.workers,
                          intra_op_threads=threads or plan.intra_op_threads, micro_batch_by_pixels=by_pixels,
-                         pad=pad)
+                         lone_unpadded=lone)
 
 
 _threads_lock = threading.Lock()
@@ -177,22 +189,23 @@ class PlannedRuntime:
         return step
 
     def encode(self, images: np.ndarray) -> np.ndarray:
-        return self._run(self.inner.encode, images, self.micro_batch_for("encode", tuple(images.shape[1:])))
+        return self._run(self.inner.encode, images, self.micro_batch_for("encode", tuple(images.shape[1:])),
+                         "encode" in self.plan.lone_unpadded)
 
     def decode(self, indices: np.ndarray) -> np.ndarray:
-        return self._run(self.inner.decode, indices, self.micro_batch_for("decode", tuple(indices.shape[1:])))
+        return self._run(self.inner.decode, indices, self.micro_batch_for("decode", tuple(indices.shape[1:])),
+                         "decode" in self.plan.lone_unpadded)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
-    def _run(self, fn, batch: np.ndarray, step: int) -> np.ndarray:
+    def _run(self, fn, batch: np.ndarray, step: int, lone: bool = False) -> np.ndarray:
         n = int(batch.shape[0])
         if n == 0:
             return fn(batch)
-        chunks = [batch[i:i + step] for i in range(0, n, step)]
-        if self.plan.pad:
-            chunks = [_padded(c, step) for c in chunks]
+        chunks = [c if lone and len(c) == 1 else _padded(c, step)
+                  for c in (batch[i:i + step] for i in range(0, n, step))]
         if self._pool is None or len(chunks) == 1:
             outs = [fn(c) for c in chunks]
         else:

@@ -18,8 +18,9 @@ size (batching pays at 64x64 on a CPU and not at 256x256), so the planner does n
    those whose agreement is at least ``min_agreement`` and whose tokens do not depend on
    the batch (fp32 always qualifies, so there is always a choice), and for it the smallest
    micro-batch per size within 5 % of the fastest, and the faster of workers-vs-threads.
-   Where calls of 1, 2 and 4 images gave identical tokens and pixels, calls are not padded
-   (``ExecutionPlan.pad``): a lone request then costs one image, not a micro-batch.
+   For each method (encode, decode) where a call of one image gave the result of the same
+   image inside a full micro-batch, a lone image runs unpadded
+   (``ExecutionPlan.lone_unpadded``): a lone request then costs one image, not a micro-batch.
 
 The result is cached on disk (:func:`cache_dir`), keyed by everything that could change it:
 the hardware probe, torch / onnxruntime / vqserve versions, the model's hash, backend,
@@ -36,7 +37,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 DTYPES = ("fp32", "bf16", "fp16")
 CALIBRATION_SIDES = (64, 256)
 MICRO_BATCHES = (1, 2, 4, 8)
-PLANNER_VERSION = 3        # bump when the measurement or the choice rule changes
+PLANNER_VERSION = 5        # bump when the measurement or the choice rule changes
 MAX_CALL_PIXELS = 4 << 20  # candidates above this many pixels per call are not tried
 
 
@@ -94,7 +95,7 @@ class DtypeResult:
     dtype: str
     agreement: float = 0.0        # share of tokens equal to fp32's on the calibration images
     batch_invariant: bool = False
-    sizes_invariant: bool = False    # calls of 1, 2 and 4 rows (unpadded) give the same tokens
+    lone_invariant: list = field(default_factory=list)  # methods whose call of one equals a full call
     threads_invariant: bool = False  # the one-call-with-all-threads variant, checked too
     eligible: bool = False
     why_not: str = ""
@@ -125,7 +126,7 @@ def calibration_images(side: int = 128) -> tuple[np.ndarray, str]:
 
 
 def _exactness(raw, dtype: str, reference: np.ndarray | None, photos: np.ndarray, side_small: int,
-               workers: int, min_agreement: float) -> tuple[DtypeResult, np.ndarray]:
+               workers: int, min_agreement: float, max_micro: int = 8) -> tuple[DtypeResult, np.ndarray]:
     res = DtypeResult(dtype)
     runtime = PlannedRuntime(raw, ExecutionPlan(1, workers))
     try:
@@ -137,9 +138,11 @@ def _exactness(raw, dtype: str, reference: np.ndarray | None, photos: np.ndarray
     cert = check_invariance(raw, ExecutionPlan(4, workers), small, "calibration", batch_sizes=(1, 2, 5),
                             compositions=1)
     res.batch_invariant = cert.batch_invariant and cert.decode_batch_invariant
-    cert = check_invariance(raw, ExecutionPlan(4, workers, pad=False), small, "calibration",
-                            batch_sizes=(1, 2, 5), compositions=1)
-    res.sizes_invariant = cert.batch_invariant and cert.decode_batch_invariant
+    cert = check_invariance(raw, ExecutionPlan(max_micro, workers, lone_unpadded=("decode", "encode")),
+                            synthetic_images(max_micro, side_small, seed=4), "calibration",
+                            batch_sizes=(1, 3, max_micro), compositions=1)
+    res.lone_invariant = [m for m, ok in (("decode", cert.decode_batch_invariant), ("encode", cert.batch_invariant))
+                          if ok]
     if workers > 1:
         cert = check_invariance(raw, ExecutionPlan(1, 1, workers), small, "calibration",
                                 batch_sizes=(1, 5), compositions=1)
@@ -213,7 +216,7 @@ def _choose(rows: list[Candidate], results: dict[str, DtypeResult], sides: tuple
         return choice.dtype, ExecutionPlan(1, 1, workers)
     by_pixels = tuple((s * s, c.micro_batch) for s, c in zip(sides, parallel, strict=True))
     return choice.dtype, ExecutionPlan(micro_batch=parallel[-1].micro_batch, workers=workers,
-                                       micro_batch_by_pixels=by_pixels, pad=not choice.sizes_invariant)
+                                       micro_batch_by_pixels=by_pixels, lone_unpadded=tuple(choice.lone_invariant))
 
 
 def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
@@ -242,10 +245,12 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
             continue
         name = raw.info.dtype
         if want is None or name == "fp32":
-            res, tokens = _exactness(raw, name, None, photos, min(sides), workers, min_agreement)
+            res, tokens = _exactness(raw, name, None, photos, min(sides), workers, min_agreement,
+                                     max(micro_batches))
             reference = tokens if name == "fp32" else reference
         else:
-            res, _ = _exactness(raw, name, reference, photos, min(sides), workers, min_agreement)
+            res, _ = _exactness(raw, name, reference, photos, min(sides), workers, min_agreement,
+                                max(micro_batches))
         say(f"{name}: agreement with fp32 {res.agreement:.4%}, "
             f"{'batch-invariant' if res.batch_invariant else 'NOT batch-invariant'}")
         results[name] = res

@@ -50,8 +50,8 @@ def test_plan_measures_every_dtype_and_chooses_the_fastest_exact_one(tiny_checkp
                 if c["dtype"] == result["dtype"] and c["side"] == side and c["threads"] == 1]
         top = max(c["images_per_s"] for c in rows)
         assert micro == min(c["micro_batch"] for c in rows if c["images_per_s"] >= 0.95 * top)
-    # one intra-op thread per call on a CPU: every call size gave the same tokens, so no padding
-    assert dtypes[result["dtype"]]["sizes_invariant"] and plan["pad"] is False
+    # a lone image runs unpadded exactly where a call of one was measured equal to a full call
+    assert sorted(plan["lone_unpadded"]) == sorted(dtypes[result["dtype"]]["lone_invariant"])
     assert len(list(cache.glob("plan-*.json"))) == 1
 
 
@@ -161,15 +161,20 @@ def test_batcher_runs_calls_of_the_plans_micro_batch_and_reassembles_requests(ro
     assert len(rec.calls) >= math.ceil(sum(rows) / micro)
 
 
-def test_an_unpadded_plan_runs_short_calls_as_they_are():
+def test_a_lone_image_runs_unpadded_only_where_the_plan_says_so():
     rec = Recorder()
-    runtime = PlannedRuntime(rec, ExecutionPlan(micro_batch=4, workers=1, pad=False))
-    out = runtime.encode(np.arange(6, dtype=np.uint8).reshape(6, 1, 1, 1))
-    assert out.ravel().tolist() == [0, 2, 4, 6, 8, 10] and rec.calls == [4, 2]
+    runtime = PlannedRuntime(rec, ExecutionPlan(micro_batch=4, workers=1, lone_unpadded=("encode",)))
+    out = runtime.encode(np.arange(7, dtype=np.uint8).reshape(7, 1, 1, 1))
+    assert out.ravel().tolist() == [0, 2, 4, 6, 8, 10, 12] and rec.calls == [4, 4]  # 3 left: padded
+    runtime.encode(np.zeros((5, 1, 1, 1), np.uint8))
+    assert rec.calls[2:] == [4, 1]  # the lone fifth runs as a call of one
+    runtime.decode(np.zeros((5, 1, 1, 1), np.uint8))
+    assert rec.calls[4:] == [4, 4]  # decode was not listed: padded
     padded = Recorder()
-    PlannedRuntime(padded, ExecutionPlan(micro_batch=4, workers=1)).encode(np.zeros((6, 1, 1, 1), np.uint8))
+    PlannedRuntime(padded, ExecutionPlan(micro_batch=4, workers=1)).encode(np.zeros((5, 1, 1, 1), np.uint8))
     assert padded.calls == [4, 4]
-    assert "unpadded" in ExecutionPlan(4, pad=False).describe() and "unpadded" not in ExecutionPlan(4).describe()
+    assert "lone-unpadded=encode" in ExecutionPlan(4, lone_unpadded=("encode",)).describe()
+    assert "lone-unpadded" not in ExecutionPlan(4).describe()
 
 
 def test_a_lone_request_never_waits_and_a_large_one_uses_every_worker():

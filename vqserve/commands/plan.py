@@ -103,7 +103,9 @@ def _print(result: dict, source: str, min_agreement: float) -> None:
               f"{c['images_per_s']:>7.1f}")
     plan = result["plan"]
     sizes = " ".join(f"{int(p ** 0.5)}:{m}" for p, m in plan["micro_batch_by_pixels"])
-    padding = "padded" if plan.get("pad", True) else "short calls unpadded (every call size gave the same tokens)"
+    lone = plan.get("lone_unpadded") or []
+    padding = (f"{' and '.join(lone)}: a lone image unpadded (measured equal to inside a micro-batch); "
+               "other short calls padded" if lone else "short calls padded")
     print(f"choice: {result['dtype']}, micro-batch per side {sizes or plan['micro_batch']} ({padding}), "
           f"{plan['workers']} workers x {plan['intra_op_threads']} threads "
           f"(`vqserve serve` with --plan auto uses it; by hand: --dtype {result['dtype']} "
