@@ -27,7 +27,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_device: str = "auto"
                    model_default: str | None = "default") -> argparse._ArgumentGroup:
     m = parser.add_argument_group("model")
     m.add_argument("--model", default=model_default,
-                   help="`default` (the shipped tokenizer), a checkpoint dir or an exported artifact dir")
+                   help="`default` (the shipped tokenizer), a model directory (a vqserve checkpoint, a "
+                        "diffusers VQModel, an imported LlamaGen: docs/MODELS.md) or an exported artifact dir")
     m.add_argument("--backend", default="auto", choices=["auto", "eager", "torchscript", "onnx", "pt2"],
                    help="runtime; auto = eager for checkpoints, the recorded format for artifacts")
     m.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],

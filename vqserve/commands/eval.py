@@ -37,7 +37,8 @@ from pathlib import Path
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="'default' or a checkpoint directory")
+    parser.add_argument("--model", default="default", help="'default' (the shipped tokenizer) or a model directory (vqserve checkpoint, "
+                        "diffusers VQModel, imported LlamaGen: docs/MODELS.md)")
     parser.add_argument("--images", default="builtin",
                         help="an image folder (recursive), 'builtin' (validation photographs), "
                              "'builtin:train', 'photos:select' (model selection), 'heldout' (test set: "
