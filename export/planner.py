@@ -355,13 +355,19 @@ class PlanChoice:
 
 def choose_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
                 min_agreement: float = 0.995, cache: str | os.PathLike | None = None,
-                log: Callable[[str], None] | None = None, **measure_kw) -> PlanChoice:
+                log: Callable[[str], None] | None = None, expect_hash: str | None = None,
+                **measure_kw) -> PlanChoice:
     """The plan for serving ``model`` here: from the cache when this hardware, versions and
-    model were measured before, else measured now and cached."""
+    model were measured before, else measured now and cached. ``expect_hash``: refuse a
+    model whose hash (the cache key's, read from the files) differs, before anything of it
+    runs. ``PlanChoice.dtype`` is what to load the runtime with (an artifact's own dtype)."""
+    from vqserve.export.runtime import check_expected_hash
+
     directory = cache_dir(cache)
     key = cache_key(model, device, backend, dtype, min_agreement,
                     tuple(measure_kw.get("sides", CALIBRATION_SIDES)),
                     tuple(measure_kw.get("micro_batches", MICRO_BATCHES)), measure_kw.get("workers"))
+    check_expected_hash(expect_hash, key["model_hash"], model)
     cached = read_cached(directory, key)
     if cached is not None:
         return PlanChoice(cached["dtype"], ExecutionPlan.from_dict(cached["plan"]), "cache",

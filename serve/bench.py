@@ -369,9 +369,7 @@ def planned_in_process(model: str, args):
 
     device = resolve_device(args.device)
     chosen = choose_plan(model, device=device, backend=args.backend, dtype=args.dtype)
-    is_artifact = (Path(model) / "manifest.json").is_file()
-    raw = load_runtime(model, backend=args.backend, dtype=args.dtype or (None if is_artifact else chosen.dtype),
-                       device=device)
+    raw = load_runtime(model, backend=args.backend, dtype=args.dtype or chosen.dtype, device=device)
     return PlannedRuntime(raw, chosen.plan)
 
 

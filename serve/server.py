@@ -81,11 +81,6 @@ class ServerConfig:
     min_agreement: float = 0.995     # --plan auto: least token agreement with fp32 for a lower dtype
 
 
-def _is_artifact(model: str) -> bool:
-    """An exported artifact directory (its dtype was fixed at export)."""
-    return (Path(str(model)) / "manifest.json").is_file()
-
-
 class PortInUseError(OSError):
     """A port the server must bind is taken (``in_use``) or cannot be bound at all; ``role``
     says which ("gRPC" or "metrics") so the caller can name the setting that moves it."""
@@ -526,18 +521,14 @@ class TokenizerServer:
         runtime = self._runtime
         chosen = None
         if runtime is None:
-            from vqserve.export.runtime import load_runtime, model_hash_of, resolve_device
+            from vqserve.export.runtime import load_runtime, resolve_device
 
             device = resolve_device(cfg.device) if cfg.plan == "auto" else cfg.device
             if cfg.plan == "auto":
-                if cfg.expect_hash:  # nothing of the model runs before its hash is checked
-                    from vqserve.export.runtime import check_expected_hash
-
-                    check_expected_hash(cfg.expect_hash, model_hash_of(cfg.model), cfg.model)
                 chosen = await loop.run_in_executor(None, self._choose_plan, device)
 
             def runtime():
-                dtype = cfg.dtype or (chosen.dtype if chosen and not _is_artifact(cfg.model) else None)
+                dtype = cfg.dtype or (chosen.dtype if chosen else None)
                 return load_runtime(cfg.model, backend=cfg.backend, dtype=dtype, device=device,
                                     expect_hash=cfg.expect_hash)  # checked before the files load
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
@@ -597,7 +588,7 @@ class TokenizerServer:
         _event("planning", f"choosing an execution plan for {cfg.model} on {device} "
                "(cached after the first start)")
         chosen = choose_plan(cfg.model, device=device, backend=cfg.backend, dtype=cfg.dtype,
-                             min_agreement=cfg.min_agreement, cache=cfg.plan_cache,
+                             min_agreement=cfg.min_agreement, cache=cfg.plan_cache, expect_hash=cfg.expect_hash,
                              log=lambda msg: _event("plan_candidate", msg, level=logging.DEBUG))
         _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, plan=chosen.plan.to_dict(),
                source=chosen.source, cache_file=chosen.cache_file,

@@ -93,7 +93,6 @@ def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
     settings = offline.Settings(preprocess=pre, shard_size=args.shard_size, batch_size=args.batch_size,
                                 shard_format=args.format, image_column=args.image_column,
                                 key_column=args.key_column)
-    from pathlib import Path
 
     return offline.Job(inputs=[str(Path(p).resolve()) for p in inputs], out=Path(args.out), settings=settings,
                        runtime_info=runtime_info, model_ref=model_ref(args.model))
@@ -112,10 +111,7 @@ def _chosen_plan(args: argparse.Namespace):
     if not 0.5 <= args.min_agreement <= 1:
         raise ValueError(f"--min-agreement must be 0.5..1, got {args.min_agreement}")
     from vqserve.export.planner import choose_plan
-    from vqserve.export.runtime import check_expected_hash, model_hash_of, resolve_device
-
-    if args.expect_hash:  # nothing of the model runs before its hash is checked
-        check_expected_hash(args.expect_hash, model_hash_of(args.model), args.model)
+    from vqserve.export.runtime import resolve_device
 
     def say(msg: str) -> None:
         print(f"tokenize: plan: {msg}", file=sys.stderr, flush=True)
@@ -123,7 +119,8 @@ def _chosen_plan(args: argparse.Namespace):
     device = resolve_device(args.device)
     say(f"choosing an execution plan for {args.model} on {device} (cached after the first time)")
     chosen = choose_plan(args.model, device=device, backend=args.backend, dtype=args.dtype,
-                         min_agreement=args.min_agreement, cache=args.plan_cache, log=say)
+                         min_agreement=args.min_agreement, cache=args.plan_cache, log=say,
+                         expect_hash=args.expect_hash)
     say(chosen.why())
     return chosen
 
@@ -141,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from vqserve.export.runtime import load_runtime
 
     chosen = _chosen_plan(args)
-    if chosen is not None and args.dtype is None and not (Path(args.model) / "manifest.json").is_file():
+    if chosen is not None and args.dtype is None:
         args.dtype = chosen.dtype
 
     if args.engine == "ray":
