@@ -66,9 +66,10 @@ ENV PATH=/opt/vqserve/bin:$PATH \
 USER 10001
 EXPOSE 50051 50052
 # asks grpc.health.v1: NOT_SERVING while the model loads and while draining
-# start period: model load plus the first start's plan measurement (--plan auto, ~2 min on
-# 2 CPU cores; cached in ~/.cache/vqserve/plans, mount a volume there to keep it)
-HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
+# start period: model load plus the first start's plan measurement (--plan auto, ~3 min on
+# 2 CPU cores with its in-process ONNX export; cached in ~/.cache/vqserve/plans with the
+# exports it measured, mount a volume there to keep it)
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["vqserve", "health", "--server", "localhost:50051", "--timeout", "4"]
 STOPSIGNAL SIGTERM
 # exec form: vqserve is PID 1 and gets SIGTERM itself, so `docker stop` drains in-flight calls

@@ -155,7 +155,8 @@ class PlannedRuntime:
     def __init__(self, inner, plan: ExecutionPlan, source: str = ""):
         self.inner = inner
         self.plan = plan
-        line = f"{inner.info.dtype} {plan.describe()}" + (f" [{source}]" if source else "")
+        how = inner.info.dtype if inner.info.backend == "eager" else f"{inner.info.backend}/{inner.info.dtype}"
+        line = f"{how} {plan.describe()}" + (f" [{source}]" if source else "")
         self.info = dataclasses.replace(inner.info, extra={**inner.info.extra, "plan": plan.to_dict(),
                                                            "plan_line": line})
         apply_intra_op_threads(plan.intra_op_threads)

@@ -31,6 +31,7 @@ machine, model or version measures again (tens of seconds for the default tokeni
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -55,7 +56,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 DTYPES = ("fp32", "bf16", "fp16")
 CALIBRATION_SIDES = (64, 256)
 MICRO_BATCHES = (1, 2, 4, 8)
-PLANNER_VERSION = 5        # bump when the measurement or the choice rule changes
+PLANNER_VERSION = 6        # bump when the measurement or the choice rule changes
 MAX_CALL_PIXELS = 4 << 20  # candidates above this many pixels per call are not tried
 
 
@@ -83,6 +84,7 @@ class Candidate:
     workers: int
     threads: int = 1
     images_per_s: float = 0.0
+    backend: str = "eager"
 
     def plan(self) -> ExecutionPlan:
         return ExecutionPlan(micro_batch=self.micro_batch, workers=self.workers, intra_op_threads=self.threads)
@@ -90,7 +92,8 @@ class Candidate:
 
 @dataclass
 class DtypeResult:
-    """Exactness of one dtype (every candidate of that dtype shares it)."""
+    """Exactness of one way to run the model - a dtype on a backend (every candidate of that
+    pair shares it)."""
 
     dtype: str
     agreement: float = 0.0        # share of tokens equal to fp32's on the calibration images
@@ -100,6 +103,17 @@ class DtypeResult:
     eligible: bool = False
     why_not: str = ""
     score: float = 0.0            # geometric mean over sizes of the best images/s
+    backend: str = "eager"        # eager, or the format exported in-process (onnx, torchscript, pt2)
+    artifact: str | None = None   # where that export lies (in the plan cache)
+
+    @property
+    def label(self) -> str:
+        return label_of(self.backend, self.dtype)
+
+
+def label_of(backend: str, dtype: str) -> str:
+    """``fp32`` for eager, ``onnx/fp32`` for an in-process export."""
+    return dtype if backend == "eager" else f"{backend}/{dtype}"
 
 
 def images_per_second(encode, images: np.ndarray, seconds: float) -> float:
@@ -126,8 +140,9 @@ def calibration_images(side: int = 128) -> tuple[np.ndarray, str]:
 
 
 def _exactness(raw, dtype: str, reference: np.ndarray | None, photos: np.ndarray, side_small: int,
-               workers: int, min_agreement: float, max_micro: int = 8) -> tuple[DtypeResult, np.ndarray]:
-    res = DtypeResult(dtype)
+               workers: int, min_agreement: float, max_micro: int = 8,
+               backend: str = "eager") -> tuple[DtypeResult, np.ndarray]:
+    res = DtypeResult(dtype, backend=backend)
     runtime = PlannedRuntime(raw, ExecutionPlan(1, workers))
     try:
         tokens = runtime.encode(photos)
@@ -156,9 +171,10 @@ def _exactness(raw, dtype: str, reference: np.ndarray | None, photos: np.ndarray
 
 
 def _speeds(raw, dtype: str, sides: tuple[int, ...], micro_batches: tuple[int, ...], workers: int,
-            seconds: float, say) -> list[Candidate]:
+            seconds: float, say, backend: str = "eager") -> list[Candidate]:
     """Images/s per (size, micro-batch) with ``workers`` single-threaded calls, and per size
-    with one call using ``workers`` threads. Micro-batches stop growing once one is slower
+    with one call using ``workers`` torch threads (not for ONNX Runtime, whose sessions run
+    one thread each: vqserve.export.runtimes). Micro-batches stop growing once one is slower
     than the best so far by 3% (throughput is unimodal in the micro-batch)."""
     rows: list[Candidate] = []
     for side in sides:
@@ -167,16 +183,16 @@ def _speeds(raw, dtype: str, sides: tuple[int, ...], micro_batches: tuple[int, .
         for micro in micro_batches:
             if micro * side * side > MAX_CALL_PIXELS:
                 break
-            cand = Candidate(dtype, side, micro, workers)
+            cand = Candidate(dtype, side, micro, workers, backend=backend)
             rows.append(_timed(raw, cand, images, seconds))
-            say(f"{dtype} {side}x{side} micro-batch {micro} x {workers} workers: {cand.images_per_s:.1f} img/s")
+            say(f"{label_of(backend, dtype)} {side}x{side} micro-batch {micro} x {workers} workers: {cand.images_per_s:.1f} img/s")
             if cand.images_per_s < 0.97 * best:
                 break
             best = max(best, cand.images_per_s)
-        if workers > 1:
-            cand = Candidate(dtype, side, 1, 1, threads=workers)
+        if workers > 1 and backend != "onnx":  # onnxruntime sessions keep the thread count they were opened with
+            cand = Candidate(dtype, side, 1, 1, threads=workers, backend=backend)
             rows.append(_timed(raw, cand, images, seconds))
-            say(f"{dtype} {side}x{side} micro-batch 1 x 1 worker x {workers} threads: {cand.images_per_s:.1f} img/s")
+            say(f"{label_of(backend, dtype)} {side}x{side} micro-batch 1 x 1 worker x {workers} threads: {cand.images_per_s:.1f} img/s")
     return rows
 
 
@@ -195,37 +211,103 @@ MICRO_TOLERANCE = 0.05  # the smallest micro-batch within 5 % of the fastest win
 
 
 def _choose(rows: list[Candidate], results: dict[str, DtypeResult], sides: tuple[int, ...],
-            workers: int) -> tuple[str, ExecutionPlan]:
-    def best(dtype: str, side: int, threads: int | None = None) -> Candidate | None:
-        pool = [c for c in rows if c.dtype == dtype and c.side == side and (threads is None or c.threads == threads)]
+            workers: int) -> tuple[DtypeResult, ExecutionPlan]:
+    def best(res: DtypeResult, side: int, threads: int | None = None) -> Candidate | None:
+        pool = [c for c in rows if (c.backend, c.dtype, c.side) == (res.backend, res.dtype, side)
+                and (threads is None or c.threads == threads)]
         if not pool:
             return None
         top = max(c.images_per_s for c in pool)
         return min((c for c in pool if c.images_per_s >= (1 - MICRO_TOLERANCE) * top), key=lambda c: c.micro_batch)
 
     for res in results.values():
-        tops = [best(res.dtype, s) for s in sides]
+        tops = [best(res, s) for s in sides]
         res.score = math.exp(sum(math.log(max(c.images_per_s, 1e-9)) for c in tops) / len(tops)) if all(tops) else 0
     eligible = [r for r in results.values() if r.eligible]
     choice = max(eligible, key=lambda r: r.score)
-    parallel = [best(choice.dtype, s, 1) for s in sides]
-    threaded = [best(choice.dtype, s, workers) for s in sides] if workers > 1 else []
+    parallel = [best(choice, s, 1) for s in sides]
+    threaded = [best(choice, s, workers) for s in sides] if workers > 1 else []
     use_threads = (choice.threads_invariant and threaded and all(threaded)
                    and sum(math.log(t.images_per_s / p.images_per_s) for t, p in zip(threaded, parallel, strict=True)) > 0)
     if use_threads:
-        return choice.dtype, ExecutionPlan(1, 1, workers)
+        return choice, ExecutionPlan(1, 1, workers)
     by_pixels = tuple((s * s, c.micro_batch) for s, c in zip(sides, parallel, strict=True))
-    return choice.dtype, ExecutionPlan(micro_batch=parallel[-1].micro_batch, workers=workers,
+    return choice, ExecutionPlan(micro_batch=parallel[-1].micro_batch, workers=workers,
                                        micro_batch_by_pixels=by_pixels, lone_unpadded=tuple(choice.lone_invariant))
+
+
+def default_backends(device: str) -> tuple[str, ...]:
+    """The backends ``--plan auto`` tries for a checkpoint: eager, plus ONNX Runtime where it
+    can run on ``device`` (it encoded 1.13-1.30x faster than eager fp32 at batch 1 on a 2-core
+    Xeon, docs/BENCHMARKS.md). TorchScript and torch.export measured within 4 % of eager there:
+    ``backends=`` adds them."""
+    try:
+        import onnxruntime
+    except ImportError:  # pragma: no cover - a dependency
+        return ("eager",)
+    if device.startswith("cuda") and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return ("eager",)
+    return ("eager", "onnx")
+
+
+EXPORT_BACKENDS = ("onnx", "torchscript", "pt2")
+
+
+def _export_dtypes(fmt: str, device: str, pinned: str | None) -> list[str]:
+    """The dtypes worth exporting ``fmt`` in here: fp32 on a CPU (onnxruntime's CPU provider
+    runs an fp16 graph in fp32 with casts; bf16 eager already measures the bf16 kernels),
+    every supported one on CUDA; only the pinned one when ``--dtype`` is given."""
+    from vqserve.export.exporter import check_combination
+
+    wanted = [pinned] if pinned else (["fp32"] if device == "cpu" else list(DTYPES))
+    ok = []
+    for dtype in wanted:
+        try:
+            check_combination(fmt, dtype, device)
+        except ValueError:
+            continue
+        ok.append(dtype)
+    return ok
+
+
+def artifact_dir(artifacts: Path, model_hash: str, fmt: str, dtype: str, device: str) -> Path:
+    """Where the plan keeps its export of one model in one format: named by everything that
+    makes the export differ, so a new model or version exports again beside the old one."""
+    import torch
+
+    import vqserve
+
+    key = json.dumps([model_hash, fmt, dtype, device, torch.__version__, vqserve.__version__])
+    return artifacts / f"{fmt}-{dtype}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _export_candidate(model, fmt: str, dtype: str, device: str, artifacts: Path, say) -> Path:
+    """The export of ``model`` the plan measures: reused when an earlier plan wrote it (its
+    files are checked against its manifest when it loads), else exported now with the usual
+    parity and invariance checks (``vqserve export``)."""
+    from vqserve.export.exporter import export_model
+    from vqserve.export.runtime import model_hash_of
+
+    out = artifact_dir(artifacts, model_hash_of(model), fmt, dtype, device)
+    if (out / "manifest.json").is_file():
+        return out
+    say(f"exporting {fmt} {dtype} to {out} to measure it")
+    artifacts.mkdir(parents=True, exist_ok=True)
+    export_model(model, fmt, dtype, out, device=device, log=lambda msg: say(f"{fmt} {dtype}: {msg}"))
+    return out
 
 
 def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
             min_agreement: float = 0.995, sides: tuple[int, ...] = CALIBRATION_SIDES,
             micro_batches: tuple[int, ...] = MICRO_BATCHES, seconds: float = 0.6,
-            workers: int | None = None, log: Callable[[str], None] | None = None) -> dict:
+            workers: int | None = None, log: Callable[[str], None] | None = None,
+            backends: tuple[str, ...] | None = None, artifacts: str | os.PathLike | None = None) -> dict:
     """Measure every candidate and choose. ``dtype`` pins the dtype (or an artifact's own);
     ``workers`` (default one per core on CPU, one on CUDA) is the parallel calls to try.
-    Returns a JSON-able dict with ``dtype``, ``plan``, ``dtypes``, ``candidates``, ``device``."""
+    ``backends``: for a checkpoint served with ``backend`` auto, the formats to export
+    in-process into ``artifacts`` (default: the plan cache's ``artifacts/``) and measure
+    beside eager (default :func:`default_backends`). Returns a JSON-able dict with
+    ``dtype``, ``backend``, ``artifact``, ``plan``, ``dtypes``, ``candidates``, ``device``."""
     from vqserve.export.runtime import load_runtime
 
     say = log or (lambda msg: None)
@@ -233,36 +315,54 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
     workers = workers or default_model_workers(device)
     is_artifact = (Path(str(model)) / "manifest.json").is_file()
     dtypes = (dtype,) if dtype else ((None,) if is_artifact else DTYPES)
+    exports = [] if is_artifact or backend != "auto" else [
+        b for b in (backends or default_backends(device)) if b in EXPORT_BACKENDS]
     photos, source = calibration_images()
     reference = None
     results: dict[str, DtypeResult] = {}
     rows: list[Candidate] = []
+
+    def run(raw, name: str, fmt: str, artifact: str | None = None) -> None:
+        nonlocal reference
+        is_reference = artifact is None and (want is None or name == "fp32" or reference is None)
+        res, tokens = _exactness(raw, name, None if is_reference else reference, photos, min(sides), workers,
+                                 min_agreement, max(micro_batches), backend=fmt)
+        if is_reference and (reference is None or name == "fp32"):
+            reference = tokens
+        res.artifact = artifact
+        say(f"{res.label}: agreement with {'fp32' if dtype in (None, 'fp32') else dtype} {res.agreement:.4%}, "
+            f"{'batch-invariant' if res.batch_invariant else 'NOT batch-invariant'}")
+        results[res.label] = res
+        rows.extend(_speeds(raw, name, tuple(sides), tuple(micro_batches), workers, seconds, say, fmt))
+        raw_close = getattr(raw, "close", None)
+        if raw_close:
+            raw_close()
+
     for want in dtypes:
         try:
             raw = load_runtime(model, backend=backend, dtype=want, device=device)
         except (ValueError, RuntimeError) as exc:
             results[want] = DtypeResult(want, why_not=f"cannot run: {exc}")
             continue
-        name = raw.info.dtype
-        if want is None or name == "fp32":
-            res, tokens = _exactness(raw, name, None, photos, min(sides), workers, min_agreement,
-                                     max(micro_batches))
-            reference = tokens if name == "fp32" else reference
-        else:
-            res, _ = _exactness(raw, name, reference, photos, min(sides), workers, min_agreement,
-                                max(micro_batches))
-        say(f"{name}: agreement with fp32 {res.agreement:.4%}, "
-            f"{'batch-invariant' if res.batch_invariant else 'NOT batch-invariant'}")
-        results[name] = res
-        rows += _speeds(raw, name, tuple(sides), tuple(micro_batches), workers, seconds, say)
-        raw_close = getattr(raw, "close", None)
-        if raw_close:
-            raw_close()
+        run(raw, raw.info.dtype, raw.info.backend)
+    for fmt in exports:
+        for want in _export_dtypes(fmt, device, dtype):
+            try:
+                path = _export_candidate(model, fmt, want, device, Path(artifacts) if artifacts
+                                         else cache_dir() / "artifacts", say)
+                raw = load_runtime(path, device=device)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot export is refused, not fatal
+                why = " ".join(str(exc).split())[:300]
+                say(f"{label_of(fmt, want)}: cannot run: {why}")
+                results[label_of(fmt, want)] = DtypeResult(want, backend=fmt, why_not=f"cannot run: {why}")
+                continue
+            run(raw, want, fmt, str(path))
     if not any(r.eligible for r in results.values()):
         raise RuntimeError("no dtype met the constraints: " +
-                           "; ".join(f"{r.dtype}: {r.why_not}" for r in results.values()))
-    chosen_dtype, plan = _choose(rows, results, tuple(sides), workers)
-    return {"planner_version": PLANNER_VERSION, "device": probe_device(device), "dtype": chosen_dtype,
+                           "; ".join(f"{r.label}: {r.why_not}" for r in results.values()))
+    chosen, plan = _choose(rows, results, tuple(sides), workers)
+    return {"planner_version": PLANNER_VERSION, "device": probe_device(device), "dtype": chosen.dtype,
+            "backend": chosen.backend, "artifact": chosen.artifact,
             "plan": plan.to_dict(), "min_agreement": min_agreement, "sides": list(sides),
             "calibration": source, "dtypes": [asdict(r) for r in results.values()],
             "candidates": [asdict(c) for c in rows], "measure_s": round(time.perf_counter() - t0, 2)}
@@ -282,7 +382,7 @@ def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 def cache_key(model, device: str, backend: str, dtype: str | None, min_agreement: float,
               sides: tuple[int, ...] = CALIBRATION_SIDES, micro_batches: tuple[int, ...] = MICRO_BATCHES,
-              workers: int | None = None) -> dict:
+              workers: int | None = None, backends: tuple[str, ...] | None = None) -> dict:
     """Everything a measured plan depends on; its sha256 names the cache file."""
     import torch
 
@@ -298,7 +398,8 @@ def cache_key(model, device: str, backend: str, dtype: str | None, min_agreement
     return {"planner_version": PLANNER_VERSION, "vqserve": vqserve.__version__, "torch": torch.__version__,
             "onnxruntime": ort, "hardware": probe_device(device), "model_hash": model_hash_of(model),
             "backend": backend, "dtype": dtype, "min_agreement": min_agreement, "sides": list(sides),
-            "micro_batches": list(micro_batches), "workers": workers or default_model_workers(device)}
+            "micro_batches": list(micro_batches), "workers": workers or default_model_workers(device),
+            "backends": list(backends or default_backends(device))}
 
 
 def _key_file(directory: Path, key: dict) -> Path:
@@ -315,6 +416,8 @@ def read_cached(directory: Path, key: dict) -> dict | None:
         return None
     if not isinstance(data, dict) or data.get("key") != key or "plan" not in data:
         return None
+    if data.get("artifact") and not (Path(data["artifact"]) / "manifest.json").is_file():
+        return None  # its export was removed: measure (and export) again
     return data
 
 
@@ -342,15 +445,44 @@ class PlanChoice:
     cache_file: str | None
     result: dict
 
+    @property
+    def backend(self) -> str:
+        return self.result.get("backend") or "eager"
+
+    @property
+    def artifact(self) -> str | None:
+        """The in-process export chosen (in the plan cache), or None: serve the model as given."""
+        return self.result.get("artifact")
+
     def why(self) -> str:
         """One line for the log: the choice and the figures behind it."""
-        rows = {r["dtype"]: r for r in self.result.get("dtypes", [])}
         parts = []
-        for name, r in rows.items():
+        for r in self.result.get("dtypes", []):
             state = f"{r['score']:.1f} img/s" if r["eligible"] else f"refused: {r['why_not']}"
-            parts.append(f"{name} {state}")
-        return (f"{self.dtype} {self.plan.describe()} ({self.source}; " + ", ".join(parts) +
+            parts.append(f"{label_of(r.get('backend') or 'eager', r['dtype'])} {state}")
+        return (f"{label_of(self.backend, self.dtype)} {self.plan.describe()} ({self.source}; " + ", ".join(parts) +
                 f"; agreement >= {self.result.get('min_agreement', 0):.2%})")
+
+    def load(self, model, backend: str = "auto", dtype: str | None = None, device: str = "cpu",
+             expect_hash: str | None = None):
+        """The runtime this plan measured. For an in-process export, the export is checked to
+        come from ``model`` (its manifest's source hash) and reports ``model``'s hash, so
+        ``--expect-hash`` and clients see the same model whichever backend runs it."""
+        from vqserve.export.runtime import load_runtime, model_hash_of
+
+        if not self.artifact:
+            return load_runtime(model, backend=backend, dtype=dtype or self.dtype, device=device,
+                                expect_hash=expect_hash)
+        from vqserve.export.manifest import read_manifest
+
+        want = model_hash_of(model)
+        if read_manifest(self.artifact)["source"]["sha256"] != want:
+            raise ValueError(f"the plan cache's export {self.artifact} was not made from {model} "
+                             f"(hash {want[:12]}); remove it or run with --plan-cache elsewhere")
+        runtime = load_runtime(self.artifact, device=device)
+        runtime.info = dataclasses.replace(runtime.info, model_hash=want,
+                                           extra={**runtime.info.extra, "plan_artifact": self.artifact})
+        return runtime
 
 
 def choose_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
@@ -366,12 +498,14 @@ def choose_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | 
     directory = cache_dir(cache)
     key = cache_key(model, device, backend, dtype, min_agreement,
                     tuple(measure_kw.get("sides", CALIBRATION_SIDES)),
-                    tuple(measure_kw.get("micro_batches", MICRO_BATCHES)), measure_kw.get("workers"))
+                    tuple(measure_kw.get("micro_batches", MICRO_BATCHES)), measure_kw.get("workers"),
+                    measure_kw.get("backends"))
     check_expected_hash(expect_hash, key["model_hash"], model)
     cached = read_cached(directory, key)
     if cached is not None:
         return PlanChoice(cached["dtype"], ExecutionPlan.from_dict(cached["plan"]), "cache",
                           str(_key_file(directory, key)), cached)
+    measure_kw.setdefault("artifacts", directory / "artifacts")
     result = measure(model, device, backend, dtype, min_agreement, log=log, **measure_kw)
     written = write_cached(directory, key, result)
     return PlanChoice(result["dtype"], ExecutionPlan.from_dict(result["plan"]), "measured",

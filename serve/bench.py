@@ -365,12 +365,11 @@ def planned_in_process(model: str, args):
     plan (measured now if the server did not), wrapped in ``PlannedRuntime``."""
     from vqserve.export.execution import PlannedRuntime
     from vqserve.export.planner import choose_plan
-    from vqserve.export.runtime import load_runtime, resolve_device
+    from vqserve.export.runtime import resolve_device
 
     device = resolve_device(args.device)
     chosen = choose_plan(model, device=device, backend=args.backend, dtype=args.dtype)
-    raw = load_runtime(model, backend=args.backend, dtype=args.dtype or chosen.dtype, device=device)
-    return PlannedRuntime(raw, chosen.plan)
+    return PlannedRuntime(chosen.load(model, args.backend, args.dtype, device), chosen.plan)
 
 
 # ---- the run -------------------------------------------------------------------------------

@@ -528,8 +528,9 @@ class TokenizerServer:
                 chosen = await loop.run_in_executor(None, self._choose_plan, device)
 
             def runtime():
-                dtype = cfg.dtype or (chosen.dtype if chosen else None)
-                return load_runtime(cfg.model, backend=cfg.backend, dtype=dtype, device=device,
+                if chosen is not None:  # the measured backend: the model as given, or its export
+                    return chosen.load(cfg.model, cfg.backend, cfg.dtype, device, cfg.expect_hash)
+                return load_runtime(cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=device,
                                     expect_hash=cfg.expect_hash)  # checked before the files load
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
             runtime = await loop.run_in_executor(None, runtime)

@@ -25,34 +25,44 @@ pytestmark = pytest.mark.timeout(300)
 FAST = ["--sizes", "16,32", "--micro-batches", "1,2", "--seconds", "0.05"]
 
 
+def label(row: dict) -> str:
+    """A measured path's name: ``fp32`` for eager, ``onnx/fp32`` for an export."""
+    return row["dtype"] if row.get("backend", "eager") == "eager" else f"{row['backend']}/{row['dtype']}"
+
+
 def test_plan_measures_every_dtype_and_chooses_the_fastest_exact_one(tiny_checkpoint, tmp_path, capsys):
     cache = tmp_path / "plans"
     assert main(["plan", "--model", tiny_checkpoint, "--device", "cpu", *FAST, "--plan-cache", str(cache),
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["source"] == "measured"
-    dtypes = {d["dtype"]: d for d in result["dtypes"]}
-    assert set(dtypes) == {"fp32", "bf16", "fp16"}
+    dtypes = {label(d): d for d in result["dtypes"]}
+    assert set(dtypes) == {"fp32", "bf16", "fp16", "onnx/fp32"}, "eager in every dtype, ONNX Runtime exported"
     assert dtypes["fp32"]["agreement"] == 1.0 and dtypes["fp32"]["eligible"]
     for d in dtypes.values():
         assert d["eligible"] == (d["agreement"] >= 0.995 and d["batch_invariant"])
     best = max((d for d in dtypes.values() if d["eligible"]), key=lambda d: d["score"])
-    assert result["dtype"] == best["dtype"]
-    sides = {(c["dtype"], c["side"]) for c in result["candidates"]}
+    chosen = label(result)
+    assert chosen == label(best) and result["artifact"] == best["artifact"]
+    sides = {(label(c), c["side"]) for c in result["candidates"]}
     assert sides == {(d, s) for d in dtypes for s in (16, 32)}
     assert all(c["images_per_s"] > 0 for c in result["candidates"])
+    assert not [c for c in result["candidates"] if c["backend"] == "onnx" and c["threads"] > 1], \
+        "onnxruntime sessions run one thread each: a threaded ONNX candidate would measure a plan never run"
     plan = result["plan"]
     assert [p for p, _ in plan["micro_batch_by_pixels"]] == [16 * 16, 32 * 32]
     # the micro-batch chosen per size: the smallest single-threaded one within 5 % of the fastest
     for pixels, micro in plan["micro_batch_by_pixels"]:
         side = math.isqrt(pixels)
         rows = [c for c in result["candidates"]
-                if c["dtype"] == result["dtype"] and c["side"] == side and c["threads"] == 1]
+                if label(c) == chosen and c["side"] == side and c["threads"] == 1]
         top = max(c["images_per_s"] for c in rows)
         assert micro == min(c["micro_batch"] for c in rows if c["images_per_s"] >= 0.95 * top)
     # a lone image runs unpadded exactly where a call of one was measured equal to a full call
-    assert sorted(plan["lone_unpadded"]) == sorted(dtypes[result["dtype"]]["lone_invariant"])
+    assert sorted(plan["lone_unpadded"]) == sorted(dtypes[chosen]["lone_invariant"])
     assert len(list(cache.glob("plan-*.json"))) == 1
+    onnx = Path(dtypes["onnx/fp32"]["artifact"])
+    assert onnx.parent == cache / "artifacts" and (onnx / "manifest.json").is_file()
 
 
 def test_a_second_plan_reads_the_cache_and_refresh_measures_again(tiny_checkpoint, tmp_path, capsys):
@@ -250,11 +260,12 @@ def test_serve_plan_auto_measures_once_then_reads_the_cache(tiny_checkpoint, pla
         first = client.encode(images)
         body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
     measured = json.loads(next(Path(cache).glob("plan-*.json")).read_text())
-    rows = {d["dtype"]: d for d in measured["dtypes"]}
-    assert info["dtype"] == measured["dtype"] and rows[info["dtype"]]["agreement"] == 1.0, \
-        "min agreement 1.0: only a dtype whose tokens all equal fp32's may be served"
+    rows = {label(d): d for d in measured["dtypes"]}
+    served = label(info)
+    assert served == label(measured) and rows[served]["agreement"] == 1.0, \
+        "min agreement 1.0: only a path whose tokens all equal eager fp32's may be served"
     plan = ExecutionPlan.from_dict(measured["plan"])
-    assert info["execution_plan"] == f"{info['dtype']} {plan.describe()} [--plan auto (measured)]"
+    assert info["execution_plan"] == f"{served} {plan.describe()} [--plan auto (measured)]"
     assert 'source="--plan auto (measured)"' in body and "vqserve_execution_plan{" in body
     assert info["determinism"]["batch_invariant"]
     with start() as srv:
@@ -300,3 +311,70 @@ def test_tokenize_plan_auto_uses_the_servers_cached_plan_and_gives_its_tokens(ti
     for r in rows:
         key = Path(r["key"]).stem if "key" in r else None
         assert np.array_equal(r["tokens"], served[key]), key
+
+
+# ---- a backend exported in-process ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def onnx_plan(tiny_checkpoint, tmp_path_factory):
+    """A plan cache whose plan chose ONNX Runtime for the tiny checkpoint, as a machine where
+    it measured fastest would cache it (written here rather than measured: which backend
+    wins on this shared CPU is noise, the serving path is not)."""
+    from vqserve.export.exporter import export_model
+    from vqserve.export.planner import artifact_dir, cache_key, write_cached
+    from vqserve.export.runtime import model_hash_of
+
+    cache = tmp_path_factory.mktemp("onnx-plans")
+    artifact = artifact_dir(cache / "artifacts", model_hash_of(tiny_checkpoint), "onnx", "fp32", "cpu")
+    export_model(tiny_checkpoint, "onnx", "fp32", artifact, parity_count=2)
+    plan = ExecutionPlan(2, 2, micro_batch_by_pixels=((64 * 64, 2), (256 * 256, 1)))
+    result = {"dtype": "fp32", "backend": "onnx", "artifact": str(artifact), "plan": plan.to_dict(),
+              "min_agreement": 0.995, "dtypes": [
+                  {"dtype": "fp32", "backend": "eager", "eligible": True, "score": 10.0, "why_not": ""},
+                  {"dtype": "fp32", "backend": "onnx", "eligible": True, "score": 12.0, "why_not": ""}]}
+    write_cached(cache, cache_key(tiny_checkpoint, "cpu", "auto", None, 0.995), result)
+    return cache, artifact, plan
+
+
+def test_a_plan_that_chose_onnx_serves_it_with_the_models_hash_and_eager_tokens(tiny_checkpoint, onnx_plan):
+    from vqserve.export.runtime import load_runtime, model_hash_of
+    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.server import ServerConfig, ServerThread
+
+    cache, _, plan = onnx_plan
+    images = np.random.default_rng(3).integers(0, 256, (5, 64, 64, 3), dtype=np.uint8)
+    eager = load_runtime(tiny_checkpoint, dtype="fp32").encode(images)
+    cfg = ServerConfig(model=tiny_checkpoint, device="cpu", host="127.0.0.1", port=0, metrics_port=-1,
+                       grace_s=2, plan="auto", plan_cache=str(cache), expect_hash=model_hash_of(tiny_checkpoint))
+    with ServerThread(cfg) as srv:
+        client = TokenizerClient(srv.target)
+        info = client.model_info()
+        served = client.encode(images)
+    assert info["backend"] == "onnx" and info["dtype"] == "fp32"
+    assert info["model_hash"] == model_hash_of(tiny_checkpoint), "the model's hash, whichever backend runs it"
+    assert info["execution_plan"] == f"onnx/fp32 {plan.describe()} [--plan auto (cache)]"
+    assert np.array_equal(served, eager)
+
+
+def test_a_plans_export_is_checked_against_the_model_and_remeasured_when_gone(tiny_checkpoint, onnx_plan, tmp_path):
+    import shutil
+
+    from vqserve.export.manifest import read_manifest, write_manifest
+    from vqserve.export.planner import PlanChoice, cache_key, read_cached
+
+    cache, artifact, plan = onnx_plan
+    key = cache_key(tiny_checkpoint, "cpu", "auto", None, 0.995)
+    result = read_cached(cache, key)
+    assert result["artifact"] == str(artifact)
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact, copy)
+    manifest = read_manifest(copy)
+    manifest["source"]["sha256"] = "0" * 64  # an export of some other model left in the cache
+    write_manifest(copy, manifest)
+    with pytest.raises(ValueError, match="was not made from"):
+        PlanChoice("fp32", plan, "cache", None, {**result, "artifact": str(copy)}).load(tiny_checkpoint)
+    moved = tmp_path / "moved"
+    shutil.move(str(artifact), moved)
+    try:
+        assert read_cached(cache, key) is None, "a plan whose export is gone is measured again"
+    finally:
+        shutil.move(str(moved), artifact)

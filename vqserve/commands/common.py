@@ -30,7 +30,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_device: str = "auto"
                    help="`default` (the shipped tokenizer), a model directory (a vqserve checkpoint, a "
                         "diffusers VQModel, an imported LlamaGen: docs/MODELS.md) or an exported artifact dir")
     m.add_argument("--backend", default="auto", choices=["auto", "eager", "torchscript", "onnx", "pt2"],
-                   help="runtime; auto = eager for checkpoints, the recorded format for artifacts")
+                   help="runtime; auto = the recorded format for artifacts; for checkpoints eager, or with "
+                        "--plan auto the fastest exact backend measured (eager or its ONNX export)")
     m.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                    help="network compute dtype (the quantizer always runs in fp32); default: fp32 for "
                         "checkpoints, the exported dtype for artifacts")

@@ -2,7 +2,8 @@
 
 What `vqserve serve --plan auto` does at its first start, without serving: for each dtype
 the model can run in (fp32, bf16, fp16 for a checkpoint — the quantizer always fp32 —; an
-exported artifact's own), token agreement with fp32 on calibration photos and whether tokens
+exported artifact's own), and for a checkpoint also each backend of --backends exported
+in-process into the plan cache (ONNX Runtime fp32 by default on a CPU), token agreement with fp32 on calibration photos and whether tokens
 depend on the batch; then images/s as the server runs it, at each calibration size, for each
 micro-batch with one single-threaded call per core, and for one call with every core's
 threads. The choice: the fastest dtype (geometric mean over sizes) with agreement >=
@@ -14,6 +15,7 @@ Examples:
   vqserve plan --model default
   vqserve plan --model runs/mine --sizes 64,128,512 --min-agreement 0.999 --json
   vqserve plan --model artifacts/onnx-fp16 --refresh      # measure again, replace the cached plan
+  vqserve plan --model default --backends eager,onnx,torchscript,pt2   # every backend
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=0.6, help="timing window per candidate (default 0.6)")
     parser.add_argument("--plan-cache", default=None, help="plan cache directory (as `vqserve serve`)")
     parser.add_argument("--refresh", action="store_true", help="measure even when a cached plan exists")
+    parser.add_argument("--backends", default=None,
+                        help="for a checkpoint with --backend auto: the backends to measure, exporting "
+                             "each in-process into the plan cache (comma list of eager, onnx, torchscript, "
+                             "pt2; default eager,onnx where onnxruntime runs on the device)")
     parser.add_argument("--json", action="store_true", help="print every measurement as JSON")
 
 
@@ -57,7 +63,13 @@ def run(args: argparse.Namespace) -> int:
     sizes = _ints(args.sizes, "--sizes")
     micro = _ints(args.micro_batches, "--micro-batches")
     check_model_exists(args.model, "VQSERVE_MODEL")
-    from vqserve.export.planner import cache_dir, cache_key, choose_plan, write_cached
+    from vqserve.export.planner import (
+        EXPORT_BACKENDS,
+        cache_dir,
+        cache_key,
+        choose_plan,
+        write_cached,
+    )
     from vqserve.export.runtime import load_runtime, resolve_device
 
     device = resolve_device(args.device)
@@ -67,12 +79,21 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--sizes {bad} must be multiples of the model's factor {factor}")
     log = None if args.json else (lambda msg: print(f"[plan] {msg}", file=sys.stderr, flush=True))
     kw = {"sides": sizes, "micro_batches": micro, "seconds": args.seconds}
+    if args.backends:
+        backends = tuple(b.strip() for b in args.backends.split(","))
+        unknown = [b for b in backends if b not in ("eager", *EXPORT_BACKENDS)]
+        if unknown:
+            raise UsageError(f"--backends {','.join(unknown)}: each must be one of eager, "
+                             f"{', '.join(EXPORT_BACKENDS)}")
+        kw["backends"] = backends
     cache = args.plan_cache
     if args.refresh:
         from vqserve.export.planner import measure
 
-        result = measure(args.model, device, args.backend, args.dtype, args.min_agreement, log=log, **kw)
-        key = cache_key(args.model, device, args.backend, args.dtype, args.min_agreement, sizes, micro)
+        result = measure(args.model, device, args.backend, args.dtype, args.min_agreement, log=log,
+                         artifacts=cache_dir(cache) / "artifacts", **kw)
+        key = cache_key(args.model, device, args.backend, args.dtype, args.min_agreement, sizes, micro,
+                        backends=kw.get("backends"))
         write_cached(cache_dir(cache), key, result)
         source = "measured"
     else:
@@ -86,27 +107,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(result: dict, source: str, min_agreement: float) -> None:
+    from vqserve.export.planner import label_of
+
     dev = result["device"]
     flags = ", ".join(f for f, on in dev["cpu_flags"].items() if on) or "none found"
     where = dev.get("cuda_name") or dev["cpu"] or "CPU"
     print(f"{where} ({dev['cores']} cores; {flags}); min agreement {min_agreement:.2%}; "
           f"calibration: {result['calibration']}; {source}"
           + (f" in {result['measure_s']} s" if source == "measured" else " (--refresh to measure again)"))
-    print(f"{'dtype':5} {'agreement':>10}  invariant  {'img/s':>7}  verdict")
+    print(f"{'path':10} {'agreement':>10}  invariant  {'img/s':>7}  verdict")
     for d in result["dtypes"]:
         verdict = "eligible" if d["eligible"] else d["why_not"]
-        print(f"{d['dtype']:5} {d['agreement']:>10.4%}  {'yes' if d['batch_invariant'] else 'NO':9}  "
-              f"{d['score']:>7.1f}  {verdict}")
-    print(f"{'dtype':5} {'side':>5} {'micro':>5} {'workers':>7} {'threads':>7} {'img/s':>7}")
+        print(f"{label_of(d.get('backend') or 'eager', d['dtype']):10} {d['agreement']:>10.4%}  "
+              f"{'yes' if d['batch_invariant'] else 'NO':9}  {d['score']:>7.1f}  {verdict}")
+    print(f"{'path':10} {'side':>5} {'micro':>5} {'workers':>7} {'threads':>7} {'img/s':>7}")
     for c in result["candidates"]:
-        print(f"{c['dtype']:5} {c['side']:>5} {c['micro_batch']:>5} {c['workers']:>7} {c['threads']:>7} "
-              f"{c['images_per_s']:>7.1f}")
+        print(f"{label_of(c.get('backend') or 'eager', c['dtype']):10} {c['side']:>5} {c['micro_batch']:>5} "
+              f"{c['workers']:>7} {c['threads']:>7} {c['images_per_s']:>7.1f}")
     plan = result["plan"]
     sizes = " ".join(f"{int(p ** 0.5)}:{m}" for p, m in plan["micro_batch_by_pixels"])
     lone = plan.get("lone_unpadded") or []
     padding = (f"{' and '.join(lone)}: a lone image unpadded (measured equal to inside a micro-batch); "
                "other short calls padded" if lone else "short calls padded")
-    print(f"choice: {result['dtype']}, micro-batch per side {sizes or plan['micro_batch']} ({padding}), "
+    how = label_of(result.get("backend") or "eager", result["dtype"])
+    artifact = f" (exported to {result['artifact']})" if result.get("artifact") else ""
+    print(f"choice: {how}{artifact}, micro-batch per side {sizes or plan['micro_batch']} ({padding}), "
           f"{plan['workers']} workers x {plan['intra_op_threads']} threads "
-          f"(`vqserve serve` with --plan auto uses it; by hand: --dtype {result['dtype']} "
+          f"(`vqserve serve` with --plan auto uses it; by hand: "
+          f"{'--model ' + result['artifact'] if result.get('artifact') else '--dtype ' + result['dtype']} "
           f"--model-workers {plan['workers']} --threads {plan['intra_op_threads']})")

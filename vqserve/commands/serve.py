@@ -120,7 +120,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "execution plan", "how each model call runs; tokens never depend on the batch "
                           "(docs/SERVING.md, \"Tokens do not depend on the batch\")")
     x.add_argument("--plan", choices=["auto", "default"], default="auto",
-                   help="auto (default): measure dtype x micro-batch per image size x workers-vs-"
+                   help="auto (default): measure dtype x backend (a checkpoint is also exported to "
+                        "ONNX in-process with --backend auto) x micro-batch per image size x workers-vs-"
                         "threads on this hardware at the first start and serve the fastest whose "
                         "tokens agree with fp32 on at least --min-agreement and do not depend on "
                         "the batch; the result is cached (--plan-cache), so later starts take "

@@ -149,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         info = {**runtime.info.to_dict(), "device": device}
         del runtime
+    elif chosen is not None:  # the plan's backend: the model as given, or its export in the plan cache
+        from vqserve.export.runtime import resolve_device
+
+        runtime = chosen.load(args.model, args.backend, args.dtype, resolve_device(args.device), args.expect_hash)
+        info = runtime.info.to_dict()
     else:
         runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
                                expect_hash=args.expect_hash)
