@@ -22,6 +22,11 @@ def load(path: str) -> dict:
     return json.loads((p / "eval.json" if p.is_dir() else p).read_text())
 
 
+def photo(row: dict) -> str:
+    """The photograph's file stem: older eval.json files named it without its package folder."""
+    return row["name"].rsplit("/", 1)[-1]
+
+
 def _cell(row: dict) -> str:
     colour = ",".join(f"{v:+.1f}" for v in row["mean_error_rgb"])
     tiled = f" / {row['psnr'] - row['tiled_psnr']:+.2f}" if "tiled_psnr" in row else ""
@@ -38,7 +43,7 @@ def table(runs: list[dict]) -> str:
         head,
         "| --- |" + " --- |" * len(runs),
     ]
-    names = [row["name"] for row in runs[0]["per_image"]]
+    names = [photo(row) for row in runs[-1]["per_image"]]
     for i, name in enumerate(names):
         cells = [_cell(r["per_image"][i]) for r in runs]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -55,7 +60,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     runs = [load(a) for a in argv]
-    if len({tuple(row["name"] for row in r["per_image"]) for r in runs}) != 1:
+    if len({tuple(photo(row) for row in r["per_image"]) for r in runs}) != 1:
         print("error: the runs were made on different image sets", file=sys.stderr)
         return 2
     print(table(runs))

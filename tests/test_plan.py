@@ -65,6 +65,16 @@ def test_plan_measures_every_dtype_and_chooses_the_fastest_exact_one(tiny_checkp
     assert onnx.parent == cache / "artifacts" and (onnx / "manifest.json").is_file()
 
 
+@pytest.mark.parametrize("args", [["--backends", "eager"], ["--backend", "eager"]])
+def test_eager_only_plans_export_nothing(tiny_checkpoint, tmp_path, capsys, args):
+    cache = tmp_path / "plans"
+    assert main(["plan", "--model", tiny_checkpoint, "--device", "cpu", "--sizes", "16", "--micro-batches", "1",
+                 "--seconds", "0.02", "--plan-cache", str(cache), "--json", *args]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {d["backend"] for d in result["dtypes"]} == {"eager"} and result["artifact"] is None
+    assert not (cache / "artifacts").exists()
+
+
 def test_a_second_plan_reads_the_cache_and_refresh_measures_again(tiny_checkpoint, tmp_path, capsys):
     cache = str(tmp_path / "plans")
     args = ["plan", "--model", tiny_checkpoint, "--device", "cpu", *FAST, "--plan-cache", cache]
@@ -108,6 +118,7 @@ def test_the_cache_key_covers_the_model_and_the_constraints(tiny_checkpoint, tmp
     (["--micro-batches", "1,x"], "--micro-batches must be comma-separated integers"),
     (["--sizes", "0"], "--sizes must be positive integers"),
     (["--min-agreement", "1.5"], "--min-agreement in (0, 1]"),
+    (["--backends", "eager,tensorrt"], "--backends tensorrt: each must be one of eager, onnx, torchscript, pt2"),
 ])
 def test_plan_refuses_bad_settings_in_one_line(tiny_checkpoint, capsys, args, says):
     assert main(["plan", "--model", tiny_checkpoint, "--device", "cpu", *args]) == 2

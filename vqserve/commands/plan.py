@@ -51,7 +51,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None,
                         help="for a checkpoint with --backend auto: the backends to measure, exporting "
                              "each in-process into the plan cache (comma list of eager, onnx, torchscript, "
-                             "pt2; default eager,onnx where onnxruntime runs on the device)")
+                             "pt2; default eager,onnx where onnxruntime runs on the device; eager, the reference, is "
+                             "always measured)")
     parser.add_argument("--json", action="store_true", help="print every measurement as JSON")
 
 
