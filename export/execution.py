@@ -113,6 +113,12 @@ class ExecutionPlan:
                 f"intra_op_threads={self.intra_op_threads}")
 
 
+def label_of(backend: str, dtype: str) -> str:
+    """How a runtime runs, in plan lines and plan tables: ``fp32`` for eager, ``onnx/fp32``
+    for an export."""
+    return dtype if backend == "eager" else f"{backend}/{dtype}"
+
+
 def default_plan(device: str) -> ExecutionPlan:
     """CPU: single images, one thread each, one call per core. CUDA: fixed calls of 8
     (kernel choice depends on the batch shape there, so the shape never changes)."""
@@ -155,8 +161,7 @@ class PlannedRuntime:
     def __init__(self, inner, plan: ExecutionPlan, source: str = ""):
         self.inner = inner
         self.plan = plan
-        how = inner.info.dtype if inner.info.backend == "eager" else f"{inner.info.backend}/{inner.info.dtype}"
-        line = f"{how} {plan.describe()}" + (f" [{source}]" if source else "")
+        line = f"{label_of(inner.info.backend, inner.info.dtype)} {plan.describe()}" + (f" [{source}]" if source else "")
         self.info = dataclasses.replace(inner.info, extra={**inner.info.extra, "plan": plan.to_dict(),
                                                            "plan_line": line})
         apply_intra_op_threads(plan.intra_op_threads)

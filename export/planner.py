@@ -49,6 +49,7 @@ from vqserve.export.execution import (
     PlannedRuntime,
     apply_intra_op_threads,
     default_model_workers,
+    label_of,
 )
 from vqserve.machine import available_cores, cpu_info
 
@@ -111,9 +112,9 @@ class DtypeResult:
         return label_of(self.backend, self.dtype)
 
 
-def label_of(backend: str, dtype: str) -> str:
-    """``fp32`` for eager, ``onnx/fp32`` for an in-process export."""
-    return dtype if backend == "eager" else f"{backend}/{dtype}"
+def row_label(row: dict) -> str:
+    """:func:`label_of` for a measured row (a ``DtypeResult`` or ``Candidate`` as a dict)."""
+    return label_of(row["backend"], row["dtype"])
 
 
 def images_per_second(encode, images: np.ndarray, seconds: float) -> float:
@@ -281,14 +282,13 @@ def artifact_dir(artifacts: Path, model_hash: str, fmt: str, dtype: str, device:
     return artifacts / f"{fmt}-{dtype}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _export_candidate(model, fmt: str, dtype: str, device: str, artifacts: Path, say) -> Path:
+def _export_candidate(model, model_hash: str, fmt: str, dtype: str, device: str, artifacts: Path, say) -> Path:
     """The export of ``model`` the plan measures: reused when an earlier plan wrote it (its
     files are checked against its manifest when it loads), else exported now with the usual
     parity and invariance checks (``vqserve export``)."""
     from vqserve.export.exporter import export_model
-    from vqserve.export.runtime import model_hash_of
 
-    out = artifact_dir(artifacts, model_hash_of(model), fmt, dtype, device)
+    out = artifact_dir(artifacts, model_hash, fmt, dtype, device)
     if (out / "manifest.json").is_file():
         return out
     say(f"exporting {fmt} {dtype} to {out} to measure it")
@@ -301,62 +301,58 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
             min_agreement: float = 0.995, sides: tuple[int, ...] = CALIBRATION_SIDES,
             micro_batches: tuple[int, ...] = MICRO_BATCHES, seconds: float = 0.6,
             workers: int | None = None, log: Callable[[str], None] | None = None,
-            backends: tuple[str, ...] | None = None, artifacts: str | os.PathLike | None = None) -> dict:
+            backends: tuple[str, ...] | None = None, artifacts: str | os.PathLike | None = None,
+            model_hash: str | None = None) -> dict:
     """Measure every candidate and choose. ``dtype`` pins the dtype (or an artifact's own);
     ``workers`` (default one per core on CPU, one on CUDA) is the parallel calls to try.
     ``backends``: for a checkpoint served with ``backend`` auto, the formats to export
     in-process into ``artifacts`` (default: the plan cache's ``artifacts/``) and measure
-    beside eager (default :func:`default_backends`). Returns a JSON-able dict with
-    ``dtype``, ``backend``, ``artifact``, ``plan``, ``dtypes``, ``candidates``, ``device``."""
-    from vqserve.export.runtime import load_runtime
+    beside eager (default :func:`default_backends`); ``model_hash``: the model's, when the
+    caller has it already (it names the exports). Returns a JSON-able dict with ``dtype``,
+    ``backend``, ``artifact``, ``plan``, ``dtypes``, ``candidates``, ``device``."""
+    from vqserve.export.runtime import load_runtime, model_hash_of
 
     say = log or (lambda msg: None)
     t0 = time.perf_counter()
     workers = workers or default_model_workers(device)
     is_artifact = (Path(str(model)) / "manifest.json").is_file()
-    dtypes = (dtype,) if dtype else ((None,) if is_artifact else DTYPES)
-    exports = [] if is_artifact or backend != "auto" else [
-        b for b in (backends or default_backends(device)) if b in EXPORT_BACKENDS]
+    # (dtype, export format or None for the model as given): the model as given comes first,
+    # and its first dtype that runs (fp32 unless pinned) is the reference the others are measured against
+    paths = [(want, None) for want in ((dtype,) if dtype else ((None,) if is_artifact else DTYPES))]
+    if not is_artifact and backend == "auto":
+        paths += [(want, fmt) for fmt in (backends or default_backends(device)) if fmt in EXPORT_BACKENDS
+                  for want in _export_dtypes(fmt, device, dtype)]
+        model_hash = model_hash or model_hash_of(model)
     photos, source = calibration_images()
     reference = None
     results: dict[str, DtypeResult] = {}
     rows: list[Candidate] = []
-
-    def run(raw, name: str, fmt: str, artifact: str | None = None) -> None:
-        nonlocal reference
-        is_reference = artifact is None and (want is None or name == "fp32" or reference is None)
-        res, tokens = _exactness(raw, name, None if is_reference else reference, photos, min(sides), workers,
-                                 min_agreement, max(micro_batches), backend=fmt)
-        if is_reference and (reference is None or name == "fp32"):
-            reference = tokens
+    for want, fmt in paths:
+        artifact = None
+        try:
+            if fmt is None:
+                raw = load_runtime(model, backend=backend, dtype=want, device=device)
+            else:
+                artifact = str(_export_candidate(model, model_hash, fmt, want, device,
+                                                 Path(artifacts) if artifacts else cache_dir() / "artifacts", say))
+                raw = load_runtime(artifact, device=device)
+        except Exception as exc:  # noqa: BLE001 - a path that cannot load or export is refused, not fatal
+            refused = DtypeResult(want or "as exported", backend=fmt or "eager",
+                                  why_not=f"cannot run: {' '.join(str(exc).split())[:300]}")
+            say(f"{refused.label}: {refused.why_not}")
+            results[refused.label] = refused
+            continue
+        is_reference = fmt is None and reference is None
+        res, tokens = _exactness(raw, raw.info.dtype, None if is_reference else reference, photos, min(sides),
+                                 workers, min_agreement, max(micro_batches), backend=raw.info.backend)
+        reference = tokens if is_reference else reference
         res.artifact = artifact
-        say(f"{res.label}: agreement with {'fp32' if dtype in (None, 'fp32') else dtype} {res.agreement:.4%}, "
+        say(f"{res.label}: agreement with {dtype or 'fp32'} {res.agreement:.4%}, "
             f"{'batch-invariant' if res.batch_invariant else 'NOT batch-invariant'}")
         results[res.label] = res
-        rows.extend(_speeds(raw, name, tuple(sides), tuple(micro_batches), workers, seconds, say, fmt))
-        raw_close = getattr(raw, "close", None)
-        if raw_close:
-            raw_close()
-
-    for want in dtypes:
-        try:
-            raw = load_runtime(model, backend=backend, dtype=want, device=device)
-        except (ValueError, RuntimeError) as exc:
-            results[want] = DtypeResult(want, why_not=f"cannot run: {exc}")
-            continue
-        run(raw, raw.info.dtype, raw.info.backend)
-    for fmt in exports:
-        for want in _export_dtypes(fmt, device, dtype):
-            try:
-                path = _export_candidate(model, fmt, want, device, Path(artifacts) if artifacts
-                                         else cache_dir() / "artifacts", say)
-                raw = load_runtime(path, device=device)
-            except Exception as exc:  # noqa: BLE001 - a candidate that cannot export is refused, not fatal
-                why = " ".join(str(exc).split())[:300]
-                say(f"{label_of(fmt, want)}: cannot run: {why}")
-                results[label_of(fmt, want)] = DtypeResult(want, backend=fmt, why_not=f"cannot run: {why}")
-                continue
-            run(raw, want, fmt, str(path))
+        rows += _speeds(raw, res.dtype, tuple(sides), tuple(micro_batches), workers, seconds, say, res.backend)
+        if hasattr(raw, "close"):
+            raw.close()
     if not any(r.eligible for r in results.values()):
         raise RuntimeError("no dtype met the constraints: " +
                            "; ".join(f"{r.label}: {r.why_not}" for r in results.values()))
@@ -444,10 +440,11 @@ class PlanChoice:
     source: str
     cache_file: str | None
     result: dict
+    model_hash: str = ""  # the model's, as its cache key read it ("" : read again when needed)
 
     @property
     def backend(self) -> str:
-        return self.result.get("backend") or "eager"
+        return self.result["backend"]
 
     @property
     def artifact(self) -> str | None:
@@ -459,7 +456,7 @@ class PlanChoice:
         parts = []
         for r in self.result.get("dtypes", []):
             state = f"{r['score']:.1f} img/s" if r["eligible"] else f"refused: {r['why_not']}"
-            parts.append(f"{label_of(r.get('backend') or 'eager', r['dtype'])} {state}")
+            parts.append(f"{row_label(r)} {state}")
         return (f"{label_of(self.backend, self.dtype)} {self.plan.describe()} ({self.source}; " + ", ".join(parts) +
                 f"; agreement >= {self.result.get('min_agreement', 0):.2%})")
 
@@ -475,7 +472,7 @@ class PlanChoice:
                                 expect_hash=expect_hash)
         from vqserve.export.manifest import read_manifest
 
-        want = model_hash_of(model)
+        want = self.model_hash or model_hash_of(model)
         if read_manifest(self.artifact)["source"]["sha256"] != want:
             raise ValueError(f"the plan cache's export {self.artifact} was not made from {model} "
                              f"(hash {want[:12]}); remove it or run with --plan-cache elsewhere")
@@ -488,11 +485,11 @@ class PlanChoice:
 def choose_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
                 min_agreement: float = 0.995, cache: str | os.PathLike | None = None,
                 log: Callable[[str], None] | None = None, expect_hash: str | None = None,
-                **measure_kw) -> PlanChoice:
+                refresh: bool = False, **measure_kw) -> PlanChoice:
     """The plan for serving ``model`` here: from the cache when this hardware, versions and
-    model were measured before, else measured now and cached. ``expect_hash``: refuse a
-    model whose hash (the cache key's, read from the files) differs, before anything of it
-    runs. ``PlanChoice.dtype`` is what to load the runtime with (an artifact's own dtype)."""
+    model were measured before (unless ``refresh``), else measured now and cached.
+    ``expect_hash``: refuse a model whose hash (the cache key's, read from the files)
+    differs, before anything of it runs. ``PlanChoice.load`` opens what was chosen."""
     from vqserve.export.runtime import check_expected_hash
 
     directory = cache_dir(cache)
@@ -501,12 +498,12 @@ def choose_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | 
                     tuple(measure_kw.get("micro_batches", MICRO_BATCHES)), measure_kw.get("workers"),
                     measure_kw.get("backends"))
     check_expected_hash(expect_hash, key["model_hash"], model)
-    cached = read_cached(directory, key)
+    cached = None if refresh else read_cached(directory, key)
     if cached is not None:
         return PlanChoice(cached["dtype"], ExecutionPlan.from_dict(cached["plan"]), "cache",
-                          str(_key_file(directory, key)), cached)
-    measure_kw.setdefault("artifacts", directory / "artifacts")
-    result = measure(model, device, backend, dtype, min_agreement, log=log, **measure_kw)
+                          str(_key_file(directory, key)), cached, key["model_hash"])
+    result = measure(model, device, backend, dtype, min_agreement, log=log, artifacts=directory / "artifacts",
+                     model_hash=key["model_hash"], **measure_kw)
     written = write_cached(directory, key, result)
     return PlanChoice(result["dtype"], ExecutionPlan.from_dict(result["plan"]), "measured",
-                      str(written) if written else None, result)
+                      str(written) if written else None, result, key["model_hash"])

@@ -64,13 +64,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = _ints(args.sizes, "--sizes")
     micro = _ints(args.micro_batches, "--micro-batches")
     check_model_exists(args.model, "VQSERVE_MODEL")
-    from vqserve.export.planner import (
-        EXPORT_BACKENDS,
-        cache_dir,
-        cache_key,
-        choose_plan,
-        write_cached,
-    )
+    from vqserve.export.planner import EXPORT_BACKENDS, choose_plan
     from vqserve.export.runtime import load_runtime, resolve_device
 
     device = resolve_device(args.device)
@@ -87,19 +81,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--backends {','.join(unknown)}: each must be one of eager, "
                              f"{', '.join(EXPORT_BACKENDS)}")
         kw["backends"] = backends
-    cache = args.plan_cache
-    if args.refresh:
-        from vqserve.export.planner import measure
-
-        result = measure(args.model, device, args.backend, args.dtype, args.min_agreement, log=log,
-                         artifacts=cache_dir(cache) / "artifacts", **kw)
-        key = cache_key(args.model, device, args.backend, args.dtype, args.min_agreement, sizes, micro,
-                        backends=kw.get("backends"))
-        write_cached(cache_dir(cache), key, result)
-        source = "measured"
-    else:
-        chosen = choose_plan(args.model, device, args.backend, args.dtype, args.min_agreement, cache, log=log, **kw)
-        result, source = chosen.result, chosen.source
+    chosen = choose_plan(args.model, device, args.backend, args.dtype, args.min_agreement, args.plan_cache,
+                         log=log, refresh=args.refresh, **kw)
+    result, source = chosen.result, chosen.source
     if args.json:
         print(json.dumps({**result, "source": source}, indent=2))
         return 0
@@ -108,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(result: dict, source: str, min_agreement: float) -> None:
-    from vqserve.export.planner import label_of
+    from vqserve.export.planner import label_of, row_label
 
     dev = result["device"]
     flags = ", ".join(f for f, on in dev["cpu_flags"].items() if on) or "none found"
@@ -119,18 +103,18 @@ def _print(result: dict, source: str, min_agreement: float) -> None:
     print(f"{'path':10} {'agreement':>10}  invariant  {'img/s':>7}  verdict")
     for d in result["dtypes"]:
         verdict = "eligible" if d["eligible"] else d["why_not"]
-        print(f"{label_of(d.get('backend') or 'eager', d['dtype']):10} {d['agreement']:>10.4%}  "
+        print(f"{row_label(d):10} {d['agreement']:>10.4%}  "
               f"{'yes' if d['batch_invariant'] else 'NO':9}  {d['score']:>7.1f}  {verdict}")
     print(f"{'path':10} {'side':>5} {'micro':>5} {'workers':>7} {'threads':>7} {'img/s':>7}")
     for c in result["candidates"]:
-        print(f"{label_of(c.get('backend') or 'eager', c['dtype']):10} {c['side']:>5} {c['micro_batch']:>5} "
+        print(f"{row_label(c):10} {c['side']:>5} {c['micro_batch']:>5} "
               f"{c['workers']:>7} {c['threads']:>7} {c['images_per_s']:>7.1f}")
     plan = result["plan"]
     sizes = " ".join(f"{int(p ** 0.5)}:{m}" for p, m in plan["micro_batch_by_pixels"])
     lone = plan.get("lone_unpadded") or []
     padding = (f"{' and '.join(lone)}: a lone image unpadded (measured equal to inside a micro-batch); "
                "other short calls padded" if lone else "short calls padded")
-    how = label_of(result.get("backend") or "eager", result["dtype"])
+    how = label_of(result["backend"], result["dtype"])
     artifact = f" (exported to {result['artifact']})" if result.get("artifact") else ""
     print(f"choice: {how}{artifact}, micro-batch per side {sizes or plan['micro_batch']} ({padding}), "
           f"{plan['workers']} workers x {plan['intra_op_threads']} threads "

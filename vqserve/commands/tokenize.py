@@ -137,9 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vqserve.export.runtime import load_runtime
 
-    chosen = _chosen_plan(args)
-    if chosen is not None and args.dtype is None:
-        args.dtype = chosen.dtype
+    chosen = _chosen_plan(args)  # None with --engine ray: each actor runs one call on its device
 
     if args.engine == "ray":
         # the driver only plans and writes: it reads the model's description on the CPU and
