@@ -65,6 +65,7 @@ class TrainConfig:
     batch_size: int = 16
     val_crop_size: int = 128
     val_tiles_per_image: int = 0     # 0: every tile of every validation image
+    init_from: str = ""              # start from this tokenizer's weights ("default", a checkpoint dir)
     # optimisation
     steps: int = 1000
     lr: float = 1e-3
@@ -242,8 +243,8 @@ class Trainer:
         self.elapsed = 0.0  # training seconds over all sessions of this run
         self.history: list[dict] = []
         self._load_data()
-        if resume:
-            self.resume()
+        if not (resume and self.resume()) and cfg.init_from:
+            self.init_weights(cfg.init_from)
 
     # -- data ----------------------------------------------------------------------------
     def _load_data(self) -> None:
@@ -389,6 +390,22 @@ class Trainer:
                 "data": self.cfg.data, "crop_size": self.cfg.crop_size,
                 "train_seconds": round(self.elapsed, 1),
                 **{k: v for k, v in last_val.items() if k.startswith("val_")}}
+
+    def init_weights(self, source: str) -> None:
+        """Fine-tune: start the network from a trained tokenizer of the same architecture
+        (the optimizer, schedule and step count start fresh). Checked before any step, so a
+        mismatch costs nothing; a resumed run ignores it, since its own weights are newer."""
+        from vqserve.model.checkpoint import resolve_model_path
+
+        path = resolve_model_path(source)
+        loaded = load_tokenizer(path, device=self.device)
+        theirs = getattr(loaded, "config", None)
+        if not isinstance(loaded, Tokenizer) or theirs != self.cfg.tokenizer_config():
+            raise ValueError(f"init_from={source!r}: that tokenizer is {theirs or type(loaded).__name__}, "
+                             f"but this run trains {self.cfg.tokenizer_config()}; give the same model "
+                             "settings (or its own config file)")
+        self.tokenizer.load_state_dict(loaded.state_dict())
+        print(f"[train] starting from the weights of {path}", file=sys.stderr)
 
     def resume(self) -> bool:
         """Load ``out/last`` if present. Returns whether a checkpoint was found."""

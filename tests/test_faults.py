@@ -350,6 +350,9 @@ def _oip_indices(response: oip.ModelInferResponse) -> np.ndarray:
                                   response.raw_output_contents[0], "indices")
 
 
+STREAM_MESSAGES = 16  # per stream: enough that the streams still have work in flight at SIGTERM
+
+
 def barrier(client_count, server_count, lock: threading.Lock, timeout: float = 30.0) -> int:
     """Wait until every call the clients have outstanding is in flight at the server, seen
     twice in a row (an answer on its way back could hide a call not yet arrived for one
@@ -382,7 +385,7 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
     target, metrics_port = f"127.0.0.1:{info['port']}", info["metrics_port"]
     images = np.concatenate([photos] * 2).repeat(4, axis=1).repeat(4, axis=2)  # 8 x 256x256
     expected = np.concatenate([runtime.encode(images[i: i + 1]) for i in range(len(images))])
-    go, stop = threading.Event(), threading.Event()
+    go, stop, streams_go = threading.Event(), threading.Event(), threading.Event()
     go.set()
     lock = threading.Lock()
     outstanding = {"unary": 0}
@@ -422,7 +425,8 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
 
     def stream(s: int) -> None:
         requests = [pb.EncodeRequest(images=tensor_msg(images[(s + j) % len(images)][None]), request_id=str(j))
-                    for j in range(12)]
+                    for j in range(STREAM_MESSAGES)]
+        streams_go.wait(60)
         try:
             for reply in v1.EncodeStream(iter(requests), timeout=120):
                 streams_out[s].append(reply)
@@ -434,9 +438,14 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
     try:
         for t in threads:
             t.start()
-        wait_for(lambda: all(streams_out) and len(before) >= 4, 60, "first answers")
+        # The streams open only once the unary clients have answers: their messages, read
+        # ahead by the server, would otherwise all queue before the first unary call and be
+        # answered before the pause (CI saw 0 calls in flight at SIGTERM).
+        wait_for(lambda: len(before) >= 4, 60, "first unary answers")
+        streams_go.set()
+        wait_for(lambda: all(streams_out), 60, "first stream answers")
         go.clear()  # the unary clients finish their current call and wait
-        accepted = barrier(lambda: outstanding["unary"] + 24 - sum(map(len, streams_out)),
+        accepted = barrier(lambda: outstanding["unary"] + 2 * STREAM_MESSAGES - sum(map(len, streams_out)),
                            lambda: in_flight(metrics_port), lock)
         with lock:  # no call starts between the check and the signal
             sigterm_sent.set()
@@ -452,6 +461,7 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
     finally:
         stop.set()
         go.set()
+        streams_go.set()
         channel.close()
         if proc.poll() is None:
             proc.kill()
@@ -462,7 +472,7 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
     # ends UNAVAILABLE after its last answer, as the drain documents.
     assert all(e.code() == grpc.StatusCode.UNAVAILABLE for e in stream_errors), stream_errors
     for s, replies in enumerate(streams_out):
-        assert [r.request_id for r in replies] == [str(j) for j in range(12)]
+        assert [r.request_id for r in replies] == [str(j) for j in range(STREAM_MESSAGES)]
         for j, r in enumerate(replies):
             assert not r.error.code, r.error.message
             np.testing.assert_array_equal(indices_of(r), expected[(s + j) % len(images)][None])

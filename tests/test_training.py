@@ -328,3 +328,30 @@ def test_cli_norm_and_block_mean_flags_reach_the_config(tmp_path):
     assert cfg.model["norm"] == "pixel" and cfg.block_mean_weight == 0.5 and cfg.data == "photos:train"
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--norm", "batch"])
+
+
+def test_init_from_starts_at_the_given_weights_and_refuses_another_model(image_dir, tmp_path):
+    """Fine-tuning (--init-from) begins at exactly the trained weights, with a fresh
+    optimizer and step 0; another architecture is refused before any step, naming both."""
+    base = Trainer(tiny_config(image_dir, tmp_path / "base", steps=3, val_every=0))
+    base.run()
+    saved = tmp_path / "base" / "final"
+    tuned = Trainer(tiny_config(image_dir, tmp_path / "tuned", steps=2, val_every=0, init_from=str(saved)))
+    assert tuned.step == 0 and not tuned.optimizer.state
+    for k, v in _weights(base.tokenizer).items():
+        torch.testing.assert_close(tuned.tokenizer.state_dict()[k], v, rtol=0, atol=0, msg=k)
+    assert tuned.run()["step"] == 2
+    other = dict(TINY_MODEL, levels=[5, 5, 5])
+    with pytest.raises(ValueError, match="init_from=.*same model settings"):
+        Trainer(tiny_config(image_dir, tmp_path / "other", steps=2, model=other, init_from=str(saved)))
+
+
+def test_cli_init_from_reaches_the_config():
+    import argparse
+
+    from vqserve.commands.train import add_parser, build_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser)
+    assert build_config(parser.parse_args(["--init-from", "default"])).init_from == "default"
+    assert build_config(parser.parse_args([])).init_from == ""

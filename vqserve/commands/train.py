@@ -9,6 +9,8 @@ Examples:
   vqserve train --config configs/default.yaml --device cuda    # same recipe on a GPU
   vqserve train --data ~/photos --crop-size 128 --steps 20000 --precision bf16 --out runs/mine
   vqserve train --config configs/default.yaml --resume          # continue a killed run
+  vqserve train --config configs/default-v2-pixel.yaml --init-from default --data ~/photos \
+      --steps 2000 --lr 1e-4 --out runs/tuned                    # fine-tune the default on your photos
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-steps", type=int, help="steps of linear learning-rate warm-up")
     g.add_argument("--block-mean-weight", type=float,
                    help="weight of the L1 loss on factor x factor block means (colour fidelity)")
+    g.add_argument("--init-from", help="fine-tune: start from this tokenizer's weights ('default' or a "
+                                       "checkpoint directory with the same model settings); the "
+                                       "optimizer and schedule start fresh")
     g = parser.add_argument_group("model")
     g.add_argument("--quantizer", choices=["fsq", "lfq", "vq", "rfsq"],
                    help="finite scalar, lookup-free, vector or residual FSQ quantization")
@@ -83,7 +88,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 _FLAT = ["data", "val_data", "crop_size", "sampling", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
-         "block_mean_weight",
+         "init_from", "block_mean_weight",
          "margin", "margin_weight", "margin_start", "margin_ramp", "quant_noise", "precision", "device", "threads", "seed", "out",
          "val_every", "ckpt_every", "ckpt_minutes", "log_every"]
 _MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size", "norm"]
