@@ -101,6 +101,33 @@ def mean_colour_error(original, reconstruction) -> list[float]:
     return [float(v) for v in (b.mean(dim=dims) - a.mean(dim=dims))]
 
 
+def flat_area_tint(original, reconstruction, block: int = 32, max_std: float = 4.0,
+                   quantile: float = 0.9) -> tuple[float, float]:
+    """(tint in levels, share of the image that is flat) of one uint8 ``[H,W,3]`` image pair.
+
+    A flat area (a ``block``-pixel square whose every channel varies by at most ``max_std``
+    levels: a sky, a wall) is encoded as one code repeated, so it takes whatever flat colour
+    the code grid offers. Brightness off by a few levels goes unnoticed there; a change of
+    hue does not: 180,180,180 returned as 176,181,181 reads as a cyan sky although no
+    channel's mean over the photograph moves by 3 levels. Per flat square, the tint is the
+    largest channel's departure from the square's mean error (a pure brightness error has
+    none); the figure is its ``quantile`` over the flat squares (0 when there are none).
+    """
+    a = _to_float255(original).numpy()
+    b = _to_float255(reconstruction).numpy()
+    h, w = (a.shape[0] // block) * block, (a.shape[1] // block) * block
+    if h == 0 or w == 0:
+        return 0.0, 0.0
+    shape = (h // block, block, w // block, block, 3)
+    sa, sb = a[:h, :w].reshape(shape), b[:h, :w].reshape(shape)
+    flat = sa.std(axis=(1, 3)).max(axis=-1) <= max_std
+    if not flat.any():
+        return 0.0, 0.0
+    err = sb.mean(axis=(1, 3))[flat] - sa.mean(axis=(1, 3))[flat]
+    tint = np.abs(err - err.mean(axis=-1, keepdims=True)).max(axis=-1)
+    return float(np.quantile(tint, quantile)), float(flat.mean())
+
+
 def side_by_side(*images: np.ndarray, gap: int = 4) -> np.ndarray:
     """uint8 ``[H,W,3]`` images of one size laid out left to right with white gaps."""
     h = images[0].shape[0]
@@ -280,6 +307,7 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
                "psnr": psnr(batch, recon), "ssim": ssim(batch, recon),
                "mean_error_rgb": mean_colour_error(batch, recon)}
         row["max_abs_mean_error"] = max(abs(v) for v in row["mean_error_rgb"])
+        row["flat_tint"], row["flat_share"] = flat_area_tint(batch[0], recon[0])
         base = None
         if baseline:
             base = downsample_bicubic_baseline(batch, f)
@@ -316,6 +344,7 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
         "per_image": per_image,
     }
     result["max_abs_mean_error"] = max(r["max_abs_mean_error"] for r in per_image)
+    result["max_flat_tint"] = max(r["flat_tint"] for r in per_image)
     if baseline:
         result["baseline_psnr"] = _psnr_from(base_sq_err, n_px)
         result["baseline_ssim"] = float(np.mean([r["baseline_ssim"] for r in per_image]))

@@ -80,6 +80,9 @@ class TrainConfig:
     l2_weight: float = 1.0
     aux_weight: float = 1.0
     block_mean_weight: float = 0.0   # L1 on factor x factor block means (colour and smooth regions)
+    block_chroma_weight: float = 0.0  # extra L1 on the block means' chroma (R-G, B-(R+G)/2): tints
+    smooth_fraction: float = 0.0     # share of crops replaced by synthetic smooth patches (skies)
+    freeze_encoder: bool = False     # train only the decoder: every token stays what init_from gives
     margin: float = 0.0              # robustness: min distance of bounded FSQ latents to a boundary
     margin_weight: float = 0.0
     margin_start: float = 0.0        # fraction of training before the margin term switches on
@@ -120,6 +123,12 @@ class TrainConfig:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         self.tokenizer_config()  # validates the model section
+        if self.freeze_encoder and not self.init_from:
+            raise ValueError("freeze_encoder keeps the encoder's weights, so it needs init_from (the "
+                             "tokenizer whose tokens to keep)")
+        if self.freeze_encoder and (self.margin_weight > 0 or self.quant_noise > 0):
+            raise ValueError("freeze_encoder trains only the decoder; margin_weight and quant_noise act "
+                             "on the encoder's latents: set them to 0")
         f = self.tokenizer_config().factor
         for name in ("crop_size", "val_crop_size"):
             if getattr(self, name) % f:
@@ -220,6 +229,20 @@ def block_mean_loss(recon: torch.Tensor, target: torch.Tensor, factor: int) -> t
     return (F.avg_pool2d(recon, factor) - F.avg_pool2d(target, factor)).abs().mean()
 
 
+def block_chroma_loss(recon: torch.Tensor, target: torch.Tensor, factor: int) -> torch.Tensor:
+    """L1 on the chroma of the ``factor x factor`` block-mean error: its R-G and B-(R+G)/2.
+
+    A flat region becomes one code repeated, so its colour can only be one of the flat
+    colours the code grid offers, a staircase 5-10 levels apart (a grey of 180 came back as
+    176,181,181: a cyan tint on a neutral sky). Where the staircase leaves an error, the eye
+    forgives a wrong brightness much more than a tint; this term makes a tint cost extra, so
+    training places the steps where colours stay neutral.
+    """
+    err = F.avg_pool2d(recon, factor) - F.avg_pool2d(target, factor)
+    r, g, b = err.unbind(1)
+    return ((r - g).abs() + (b - (r + g) / 2).abs()).mean()
+
+
 class Trainer:
     """One training run. ``run()`` trains to ``cfg.steps`` (resuming if asked)."""
 
@@ -245,6 +268,10 @@ class Trainer:
         self._load_data()
         if not (resume and self.resume()) and cfg.init_from:
             self.init_weights(cfg.init_from)
+        if cfg.freeze_encoder:
+            # no gradient reaches the encoder, so AdamW skips its weights and the tokens of every
+            # image stay exactly those of init_from: a decoder-only fine-tune changes only pixels
+            self.tokenizer.encoder.requires_grad_(False)
 
     # -- data ----------------------------------------------------------------------------
     def _load_data(self) -> None:
@@ -253,7 +280,7 @@ class Trainer:
         cfg = self.cfg
         self.train_source = open_source(cfg.data, "train", min_size=1)
         self.crops = RandomCrops(self.train_source, cfg.crop_size, cfg.batch_size, seed=cfg.seed,
-                                 sampling=cfg.sampling)
+                                 sampling=cfg.sampling, smooth_fraction=cfg.smooth_fraction)
         self.val_tiles = None
         if cfg.val_data:
             val = open_source(cfg.val_data, "val", min_size=1)
@@ -301,6 +328,10 @@ class Trainer:
             bm = block_mean_loss(recon32, x, tok.factor)
             loss = loss + cfg.block_mean_weight * bm
             parts["block_mean"] = bm.item()
+        if cfg.block_chroma_weight > 0:
+            bc = block_chroma_loss(recon32, x, tok.factor)
+            loss = loss + cfg.block_chroma_weight * bc
+            parts["block_chroma"] = bc.item()
         for k, v in (aux or {}).items():
             if torch.is_tensor(v) and v.numel() == 1:
                 loss = loss + cfg.aux_weight * v.to(torch.float32)

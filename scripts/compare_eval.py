@@ -31,14 +31,16 @@ def _cell(row: dict) -> str:
     colour = ",".join(f"{v:+.1f}" for v in row["mean_error_rgb"])
     tiled = f" / {row['psnr'] - row['tiled_psnr']:+.2f}" if "tiled_psnr" in row else ""
     bf16 = f" / {row['agreement_bf16']:.2%}" if "agreement_bf16" in row else ""
-    return f"{row['psnr']:.2f} ({row['psnr'] - row['baseline_psnr']:+.2f}){tiled} / {colour}{bf16}"
+    tint = f" / tint {row['flat_tint']:.1f}" if row.get("flat_share") else ""
+    return f"{row['psnr']:.2f} ({row['psnr'] - row['baseline_psnr']:+.2f}){tiled} / {colour}{bf16}{tint}"
 
 
 def table(runs: list[dict]) -> str:
     head = "| photograph | " + " | ".join(r["model"] for r in runs) + " |"
     lines = [
         "Each cell: PSNR dB (minus bicubic) / whole minus 128-px tiled dB / mean colour error R,G,B"
-        " levels / bf16 agreement as served.",
+        " levels / bf16 agreement as served / tint on flat areas, levels (when measured and the photograph"
+        " has flat 32-px squares).",
         "",
         head,
         "| --- |" + " --- |" * len(runs),
@@ -50,7 +52,8 @@ def table(runs: list[dict]) -> str:
     total = []
     for r in runs:
         t = r["targets"]
-        total.append(" / ".join(f"{k} {v['value']:.4g} {'ok' if v['ok'] else 'MISS'}" for k, v in t.items()))
+        cell = " / ".join(f"{k} {v['value']:.4g} {'ok' if v['ok'] else 'MISS'}" for k, v in t.items())
+        total.append(cell + (f" / worst flat-area tint {r['max_flat_tint']:.1f}" if "max_flat_tint" in r else ""))
     lines.append("| **all (pixel-weighted PSNR), targets** | " + " | ".join(total) + " |")
     return "\n".join(lines)
 

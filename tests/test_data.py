@@ -16,6 +16,7 @@ from vqserve.model.data import (
     RandomCrops,
     center_crop_multiple,
     image_folder,
+    smooth_patch,
     tile_crops,
 )
 
@@ -117,6 +118,33 @@ def test_crops_flip_and_cover_the_image():
     flipped = sum(np.array_equal(c, img[:, ::-1]) for c in batch)
     same = sum(np.array_equal(c, img) for c in batch)
     assert flipped + same == 64 and flipped > 10 and same > 10
+
+
+def test_smooth_fraction_swaps_that_share_of_crops_for_smooth_patches_in_their_own_colour():
+    img = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)  # all texture
+    src = ImageSource([img], ["noise"])
+    plain = RandomCrops(src, 32, 400, seed=1)
+    mixed = RandomCrops(src, 32, 400, seed=1, smooth_fraction=0.25)
+    np.testing.assert_array_equal(mixed.batch_uint8(3), mixed.batch_uint8(3))  # still (seed, step)
+    stds = mixed.batch_uint8(3).astype(float).std(axis=(1, 2)).max(axis=1)
+    assert (plain.batch_uint8(3).astype(float).std(axis=(1, 2)).max(axis=1) > 40).all()
+    smooth = stds < 12
+    assert 0.18 < smooth.mean() < 0.32, smooth.mean()
+    # a smooth crop keeps the mean colour of the crop it replaced (within the gradient's rounding)
+    means = mixed.batch_uint8(3)[smooth].reshape(int(smooth.sum()), -1, 3).mean(axis=1)
+    assert np.abs(means - img.reshape(-1, 3).mean(axis=0)).max() < 12
+    with pytest.raises(ValueError, match="smooth_fraction"):
+        RandomCrops(src, 32, 4, smooth_fraction=1.5)
+
+
+def test_smooth_patch_is_a_gentle_gradient_around_its_colour():
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        colour = rng.uniform(0, 255, 3)
+        p = smooth_patch(rng, 64, colour).astype(float)
+        assert p.shape == (64, 64, 3)
+        assert np.abs(p.mean(axis=(0, 1)) - colour).max() < 2 or np.ptp(p.mean(axis=(0, 1))) < 1  # or made grey
+        assert np.abs(np.diff(p, axis=0)).mean() < 3 and np.abs(np.diff(p, axis=1)).mean() < 3
 
 
 def test_small_images_are_padded_not_dropped():

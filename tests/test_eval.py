@@ -22,13 +22,15 @@ from vqserve.model.evaluation import (
 )
 
 # Measured on the shipped default (docs/TRAINING.md): chelsea (a model-selection photograph,
-# never trained on), whole image centre-cropped to 296x448, fp32 eager round trip: 27.59 dB
-# (v2 26.89 dB, the first default 26.70 dB, its predecessor 23.03 dB).
+# never trained on), whole image centre-cropped to 296x448, fp32 eager round trip: 27.73 dB
+# (v3 27.59 dB, v2 26.89 dB, the first default 26.70 dB, its predecessor 23.03 dB).
 # The floor leaves ~1 dB for platform differences; an untrained tokenizer scores ~10 dB.
-DEFAULT_CHELSEA_PSNR_FLOOR = 26.6
-# bf16 as served (fp32 residual stream): 99.66% of chelsea's tokens match fp32 (v2 99.95%,
-# the first default 99.47%); the floor catches a serving policy that stops protecting it.
-DEFAULT_CHELSEA_BF16_AGREEMENT_FLOOR = 0.995
+DEFAULT_CHELSEA_PSNR_FLOOR = 26.7
+# bf16 as served (fp32 residual stream): 99.52% of chelsea's tokens match fp32 here (v3
+# 99.66%, v2 99.95%, the first default 99.47%); with the whole encoder cast to bf16 97.97%.
+# The floor catches a serving policy that stops protecting the tokens, with room for CPUs
+# whose bf16 kernels round differently (one token of chelsea's 2,072 is 0.05 points).
+DEFAULT_CHELSEA_BF16_AGREEMENT_FLOOR = 0.993
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -127,7 +129,7 @@ def test_eval_rejects_bad_arguments(tiny_checkpoint, tmp_path, capsys):
 
 @pytest.mark.skipif(not default_tokenizer_available(),
                     reason="model/default/{config.json,model.safetensors} is absent in this checkout; "
-                           "train it as docs/TRAINING.md says (`make data`, configs/default-v2-pixel.yaml, then configs/default-v3-tune.yaml)")
+                           "train it as docs/TRAINING.md says (`make data`, configs/default-v2-pixel.yaml, default-v3-tune.yaml, default-v4-tune.yaml)")
 def test_shipped_default_round_trips_a_real_photograph():
     from skimage import data
 
@@ -178,6 +180,25 @@ def test_mean_colour_error_is_signed_per_channel_and_side_by_side_lays_out_panel
     sheet = side_by_side(a, shifted, a, gap=4)
     assert sheet.shape == (a.shape[0], 3 * a.shape[1] + 8, 3) and sheet.dtype == np.uint8
     assert np.array_equal(sheet[:, : a.shape[1]], a) and (sheet[:, a.shape[1] : a.shape[1] + 4] == 255).all()
+
+
+def test_flat_area_tint_sees_a_hue_change_on_a_sky_and_forgives_brightness_and_texture():
+    from vqserve.model.evaluation import flat_area_tint
+
+    sky = np.full((64, 128, 3), 180, np.uint8)
+    texture = _rand_images(3, n=1, h=64, w=128)[0]
+    photo = np.concatenate([sky, texture])  # top half flat, bottom half busy
+    cyan = photo.copy()
+    cyan[:64, :, 0] -= 5   # the sky loses 5 levels of red: 175,180,180
+    tint, share = flat_area_tint(photo, cyan)
+    assert share == pytest.approx(0.5) and tint == pytest.approx(5 * 2 / 3, abs=1e-6)
+    darker = photo.copy()
+    darker[:64] -= 6       # the sky 6 levels darker, still grey
+    assert flat_area_tint(photo, darker)[0] == pytest.approx(0.0, abs=1e-9)
+    noisy = photo.copy()
+    noisy[64:, :, 0] = 255 - noisy[64:, :, 0]   # the texture wrecked: not a flat area
+    assert flat_area_tint(photo, noisy)[0] == pytest.approx(0.0, abs=1e-9)
+    assert flat_area_tint(texture, texture) == (0.0, 0.0)  # no flat area at all
 
 
 def test_tiled_round_trip_with_one_tile_is_the_whole_round_trip():

@@ -12,6 +12,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -316,6 +318,38 @@ def test_block_mean_loss_sees_a_colour_cast_that_per_pixel_noise_hides():
     assert float(block_mean_loss(noise, x, 8)) < 1e-6 < float(block_mean_loss(cast, x, 8))
 
 
+@given(shift=st.floats(-0.5, 0.5), tint=st.floats(0.01, 0.5), channel=st.integers(0, 2))
+@settings(max_examples=25, deadline=None)
+def test_block_chroma_loss_charges_a_tint_and_not_a_brightness_error(shift, tint, channel):
+    """The same error on all three channels (too dark / too bright) costs nothing; moving one
+    channel alone (a tint on a grey) costs in proportion to how far it moves."""
+    from vqserve.model.training import block_chroma_loss
+
+    x = torch.rand(1, 3, 16, 16) * 2 - 1
+    assert float(block_chroma_loss(x + shift, x, 8)) < 1e-5
+    off = torch.zeros(1, 3, 1, 1)
+    off[0, channel] = tint
+    small, large = float(block_chroma_loss(x + off, x, 8)), float(block_chroma_loss(x + 2 * off, x, 8))
+    assert small > 0.5 * tint and large == pytest.approx(2 * small, rel=1e-3)
+
+
+def test_block_chroma_and_smooth_fraction_flags_train_with_them(image_dir, tmp_path):
+    from vqserve.cli import build_parser
+    from vqserve.commands.train import build_config
+
+    args = build_parser().parse_args(["train", "--block-chroma-weight", "2", "--smooth-fraction", "0.5",
+                                      "--data", str(image_dir), "--out", str(tmp_path / "run")])
+    parsed = build_config(args)
+    assert parsed.block_chroma_weight == 2.0 and parsed.smooth_fraction == 0.5
+    cfg = TrainConfig(data=str(image_dir), val_data="", crop_size=16, batch_size=2, steps=1,
+                      model=TINY_MODEL, block_chroma_weight=2.0, smooth_fraction=0.5,
+                      out=str(tmp_path / "run"), progress=False, plots=False, warmup_steps=0)
+    trainer = Trainer(cfg)
+    assert trainer.crops.smooth_fraction == 0.5
+    row = trainer.train_step(0)
+    assert row["block_chroma"] > 0 and "block_mean" not in row and np.isfinite(row["loss"])
+
+
 def test_cli_norm_and_block_mean_flags_reach_the_config(tmp_path):
     from vqserve.cli import build_parser
 
@@ -344,6 +378,31 @@ def test_init_from_starts_at_the_given_weights_and_refuses_another_model(image_d
     other = dict(TINY_MODEL, levels=[5, 5, 5])
     with pytest.raises(ValueError, match="init_from=.*same model settings"):
         Trainer(tiny_config(image_dir, tmp_path / "other", steps=2, model=other, init_from=str(saved)))
+
+
+def test_freeze_encoder_trains_only_the_decoder_so_every_token_stays(image_dir, tmp_path):
+    """A decoder-only fine-tune: the encoder's weights are bit-identical after training (so
+    every image keeps its tokens), the decoder's move; it also survives --resume."""
+    base = Trainer(tiny_config(image_dir, tmp_path / "base", steps=3, val_every=0))
+    base.run()
+    saved = tmp_path / "base" / "final"
+    cfg = tiny_config(image_dir, tmp_path / "dec", steps=6, val_every=0, init_from=str(saved),
+                      freeze_encoder=True, smooth_fraction=0.5, lr=1e-2)
+    Trainer(cfg).run(stop_at=5)  # checkpointed at step 4 (ckpt_every), then "killed"
+    resumed = Trainer(cfg, resume=True)
+    assert resumed.step == 4 and not any(p.requires_grad for p in resumed.tokenizer.encoder.parameters())
+    resumed.run()
+    before, after = load_tokenizer(saved), load_tokenizer(tmp_path / "dec" / "final")
+    for k, v in before.encoder.state_dict().items():
+        torch.testing.assert_close(after.encoder.state_dict()[k], v, rtol=0, atol=0, msg=k)
+    assert any(not torch.equal(after.decoder.state_dict()[k], v) for k, v in before.decoder.state_dict().items())
+    x = torch.randint(0, 256, (2, 16, 16, 3), dtype=torch.uint8)
+    assert torch.equal(after.encode(x), before.encode(x))
+    with pytest.raises(ValueError, match="needs init_from"):
+        tiny_config(image_dir, tmp_path / "x", freeze_encoder=True)
+    with pytest.raises(ValueError, match="margin_weight and quant_noise"):
+        tiny_config(image_dir, tmp_path / "x", freeze_encoder=True, init_from=str(saved), margin=0.1,
+                    margin_weight=0.1)
 
 
 def test_cli_init_from_reaches_the_config():

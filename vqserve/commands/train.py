@@ -38,6 +38,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, help="training crops per step")
     g.add_argument("--sampling", choices=["uniform", "area"],
                    help="draw training images in proportion to their area (default) or equally often")
+    g.add_argument("--smooth-fraction", type=float,
+                   help="share of training crops replaced by synthetic smooth patches (a flat colour "
+                        "with a gentle gradient and grain, in the crop's mean colour), e.g. 0.25")
     g = parser.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, help="optimiser steps to train for")
     g.add_argument("--lr", type=float, help="peak learning rate (AdamW)")
@@ -46,9 +49,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-steps", type=int, help="steps of linear learning-rate warm-up")
     g.add_argument("--block-mean-weight", type=float,
                    help="weight of the L1 loss on factor x factor block means (colour fidelity)")
+    g.add_argument("--block-chroma-weight", type=float,
+                   help="weight of an extra L1 on the block means' chroma (R-G, B-(R+G)/2): "
+                        "makes a tint on neutral areas cost more than a brightness error")
     g.add_argument("--init-from", help="fine-tune: start from this tokenizer's weights ('default' or a "
                                        "checkpoint directory with the same model settings); the "
                                        "optimizer and schedule start fresh")
+    g.add_argument("--freeze-encoder", action="store_true", default=None,
+                   help="with --init-from: train only the decoder, so every image keeps exactly the "
+                        "tokens the starting tokenizer gives (a better decoder for existing tokens)")
     g = parser.add_argument_group("model")
     g.add_argument("--quantizer", choices=["fsq", "lfq", "vq", "rfsq"],
                    help="finite scalar, lookup-free, vector or residual FSQ quantization")
@@ -87,8 +96,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print the final summary as JSON")
 
 
-_FLAT = ["data", "val_data", "crop_size", "sampling", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
-         "init_from", "block_mean_weight",
+_FLAT = ["data", "val_data", "crop_size", "sampling", "smooth_fraction", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
+         "init_from", "freeze_encoder", "block_mean_weight", "block_chroma_weight",
          "margin", "margin_weight", "margin_start", "margin_ramp", "quant_noise", "precision", "device", "threads", "seed", "out",
          "val_every", "ckpt_every", "ckpt_minutes", "log_every"]
 _MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size", "norm"]
