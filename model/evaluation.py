@@ -123,9 +123,15 @@ def flat_area_tint(original, reconstruction, block: int = 32, max_std: float = 4
     flat = sa.std(axis=(1, 3)).max(axis=-1) <= max_std
     if not flat.any():
         return 0.0, 0.0
-    err = sb.mean(axis=(1, 3))[flat] - sa.mean(axis=(1, 3))[flat]
-    tint = np.abs(err - err.mean(axis=-1, keepdims=True)).max(axis=-1)
+    tint = hue_departure(sb.mean(axis=(1, 3))[flat] - sa.mean(axis=(1, 3))[flat])
     return float(np.quantile(tint, quantile)), float(flat.mean())
+
+
+def hue_departure(err: np.ndarray) -> np.ndarray:
+    """Per RGB colour error ``[..., 3]``: the largest channel's departure from the error's own
+    mean, in levels. A pure brightness error (the same on all channels) scores 0; a grey of 180
+    returned as 176,181,181 scores 3.3: the part of a colour error the eye reads as a tint."""
+    return np.abs(err - err.mean(axis=-1, keepdims=True)).max(axis=-1)
 
 
 def side_by_side(*images: np.ndarray, gap: int = 4) -> np.ndarray:

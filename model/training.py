@@ -226,7 +226,19 @@ def block_mean_loss(recon: torch.Tensor, target: torch.Tensor, factor: int) -> t
     weighs that low-frequency error on its own, so colour casts and smooth regions cost as
     much as they look.
     """
-    return (F.avg_pool2d(recon, factor) - F.avg_pool2d(target, factor)).abs().mean()
+    return block_mean_error(recon, target, factor).abs().mean()
+
+
+def block_mean_error(recon: torch.Tensor, target: torch.Tensor, factor: int) -> torch.Tensor:
+    """``factor x factor`` block means of reconstruction minus those of the target (NCHW):
+    the one low-frequency error both block terms weigh, computed once per step."""
+    return F.avg_pool2d(recon, factor) - F.avg_pool2d(target, factor)
+
+
+def chroma_l1(err: torch.Tensor) -> torch.Tensor:
+    """Mean L1 of the chroma of an NCHW RGB error: its R-G and B-(R+G)/2 (brightness cancels)."""
+    r, g, b = err.unbind(1)
+    return ((r - g).abs() + (b - (r + g) / 2).abs()).mean()
 
 
 def block_chroma_loss(recon: torch.Tensor, target: torch.Tensor, factor: int) -> torch.Tensor:
@@ -238,9 +250,7 @@ def block_chroma_loss(recon: torch.Tensor, target: torch.Tensor, factor: int) ->
     forgives a wrong brightness much more than a tint; this term makes a tint cost extra, so
     training places the steps where colours stay neutral.
     """
-    err = F.avg_pool2d(recon, factor) - F.avg_pool2d(target, factor)
-    r, g, b = err.unbind(1)
-    return ((r - g).abs() + (b - (r + g) / 2).abs()).mean()
+    return chroma_l1(block_mean_error(recon, target, factor))
 
 
 class Trainer:
@@ -324,12 +334,14 @@ class Trainer:
         l2 = (recon32 - x).pow(2).mean()
         loss = cfg.l1_weight * l1 + cfg.l2_weight * l2
         parts = {"l1": l1.item(), "l2": l2.item()}
+        block_err = (block_mean_error(recon32, x, tok.factor)
+                     if cfg.block_mean_weight > 0 or cfg.block_chroma_weight > 0 else None)
         if cfg.block_mean_weight > 0:
-            bm = block_mean_loss(recon32, x, tok.factor)
+            bm = block_err.abs().mean()
             loss = loss + cfg.block_mean_weight * bm
             parts["block_mean"] = bm.item()
         if cfg.block_chroma_weight > 0:
-            bc = block_chroma_loss(recon32, x, tok.factor)
+            bc = chroma_l1(block_err)
             loss = loss + cfg.block_chroma_weight * bc
             parts["block_chroma"] = bc.item()
         for k, v in (aux or {}).items():

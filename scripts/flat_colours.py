@@ -8,9 +8,9 @@ offers. This script encodes a 64x64 uniform image of every grey (0..255) and of
 centre 32x32 pixels (away from the borders the convolutions pad):
 
 * mean / max |error| per channel: how far the staircase steps are apart;
-* tint: the largest channel's deviation from the error's own mean, i.e. how far a colour
-  moves *off its hue* (a grey that comes back 176,181,181 has a tint of 3.3): what the eye
-  sees as a cast, where a pure brightness error is barely noticed.
+* tint (``vqserve.model.evaluation.hue_departure``, as `vqserve eval`'s flat-area tint): how
+  far a colour moves *off its hue*, what the eye sees as a cast, where a pure brightness
+  error is barely noticed.
 
 No photograph is involved, so these figures can be used to choose a model without touching
 the held-out test photographs.
@@ -47,8 +47,10 @@ def reproduce(tokenizer, images: np.ndarray, batch: int = 32) -> np.ndarray:
 
 
 def summarise(rgb: np.ndarray, rec: np.ndarray) -> dict:
+    from vqserve.model.evaluation import hue_departure
+
     err = rec - rgb.astype(np.float64)
-    tint = np.abs(err - err.mean(axis=1, keepdims=True)).max(axis=1)
+    tint = hue_departure(err)
     return {"mean_abs_error_rgb": np.abs(err).mean(axis=0).round(2).tolist(),
             "max_abs_error": round(float(np.abs(err).max()), 1),
             "mean_tint": round(float(tint.mean()), 2),
