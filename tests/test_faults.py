@@ -353,30 +353,50 @@ def _oip_indices(response: oip.ModelInferResponse) -> np.ndarray:
 STREAM_MESSAGES = 16  # per stream: enough that the streams still have work in flight at SIGTERM
 
 
-def barrier(client_count, server_count, lock: threading.Lock, timeout: float = 30.0) -> int:
-    """Wait until every call the clients have outstanding is in flight at the server, seen
-    twice in a row (an answer on its way back could hide a call not yet arrived for one
-    read, not for two), and return that count, still holding the lock's worth of calm: the
-    caller signals under ``lock``, which the clients take to start a call."""
+def signal_when_all_in_flight(client_count, server_count, lock: threading.Lock, send, minimum: int,
+                              timeout: float = 30.0) -> int:
+    """Call ``send`` once at least ``minimum`` calls are outstanding and every one of them is in
+    flight at the server, and return that count.
+
+    Both reads and ``send`` happen under ``lock``, which a client takes to start a call and to
+    count its answer: while it is held no call starts, so nothing can slip in between the check
+    and the signal. The count must read the same twice, 10 ms apart, with the lock held
+    throughout: an answer on its way back could hide a call not yet arrived for one read, not
+    for two. The clients keep calling between tries, so the load never runs down to nothing
+    (pausing them first let the server finish everything before the check settled: CI saw
+    0 calls in flight at SIGTERM)."""
     deadline = time.monotonic() + timeout
-    seen = None
+    last = None
     while time.monotonic() < deadline:
         with lock:
-            now = (client_count(), server_count())
-        if now[0] == now[1] and now == seen:
-            return now[0]
-        seen = now if now[0] == now[1] else None
-        time.sleep(0.01)
-    raise AssertionError(f"outstanding calls never all reached the server: {seen}")
+            first = (client_count(), server_count())
+            if first[0] == first[1] and first[0] >= minimum:
+                time.sleep(0.01)
+                if (client_count(), server_count()) == first:
+                    send()
+                    return first[0]
+        last = first
+        time.sleep(0.005)
+    raise AssertionError(f"never {minimum}+ calls all in flight at the server (last client, server "
+                         f"counts: {last})")
+
+
+def refused_by_drain(exc: grpc.RpcError) -> bool:
+    """How a call that arrives during a drain may end without an answer: UNAVAILABLE, or
+    CANCELLED with gRPC core's bare "CANCELLED" text when it reached the port as the server
+    shut it, before any handler took it (grpc/grpc#41785, open upstream; seen here once in
+    a few dozen runs). Either way it never ran, and resending it is safe."""
+    return (exc.code() == grpc.StatusCode.UNAVAILABLE
+            or (exc.code() == grpc.StatusCode.CANCELLED and exc.details() == "CANCELLED"))
 
 
 def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_checkpoint, runtime,
                                                                        photos):
     """v1 and OIP unary clients and two EncodeStreams keep a real ``vqserve serve`` busy.
-    The unary clients pause; once every outstanding call and stream message is in flight
-    at the server (its gauge says so), SIGTERM. Every one of them must be answered, with
-    the right tokens; the clients resume at once, and calls that arrive during the drain
-    are answered or refused with UNAVAILABLE, nothing else; the process exits 0, long
+    Once at least four calls are outstanding and every one of them (unary calls and stream
+    messages) is in flight at the server (its gauge says so), SIGTERM, with no call starting
+    in between. Every one of them must be answered, with the right tokens; calls that
+    arrive during the drain are answered or refused (``refused_by_drain``), nothing else; the process exits 0, long
     before the 60 s grace."""
     proc, info, lines = start_process(
         ["--model", tiny_checkpoint, "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
@@ -385,8 +405,7 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
     target, metrics_port = f"127.0.0.1:{info['port']}", info["metrics_port"]
     images = np.concatenate([photos] * 2).repeat(4, axis=1).repeat(4, axis=2)  # 8 x 256x256
     expected = np.concatenate([runtime.encode(images[i: i + 1]) for i in range(len(images))])
-    go, stop, streams_go = threading.Event(), threading.Event(), threading.Event()
-    go.set()
+    stop, streams_go = threading.Event(), threading.Event()
     lock = threading.Lock()
     outstanding = {"unary": 0}
     before: list = []   # (kind, image index, result) of calls issued before SIGTERM
@@ -401,8 +420,6 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
     def unary(k: int) -> None:
         n = 0
         while not stop.is_set():
-            if not go.wait(0.05):
-                continue
             i = (k + n) % len(images)
             n += 1
             with lock:
@@ -440,19 +457,19 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
             t.start()
         # The streams open only once the unary clients have answers: their messages, read
         # ahead by the server, would otherwise all queue before the first unary call and be
-        # answered before the pause (CI saw 0 calls in flight at SIGTERM).
+        # answered before the load is whole.
         wait_for(lambda: len(before) >= 4, 60, "first unary answers")
         streams_go.set()
         wait_for(lambda: all(streams_out), 60, "first stream answers")
-        go.clear()  # the unary clients finish their current call and wait
-        accepted = barrier(lambda: outstanding["unary"] + 2 * STREAM_MESSAGES - sum(map(len, streams_out)),
-                           lambda: in_flight(metrics_port), lock)
-        with lock:  # no call starts between the check and the signal
+
+        def sigterm() -> None:
             sigterm_sent.set()
             proc.send_signal(signal.SIGTERM)
+
+        signal_when_all_in_flight(
+            lambda: outstanding["unary"] + 2 * STREAM_MESSAGES - sum(map(len, streams_out)),
+            lambda: in_flight(metrics_port), lock, sigterm, minimum=4)
         t_sig = time.monotonic()
-        go.set()
-        assert accepted >= 4, f"only {accepted} calls in flight at SIGTERM: too light a load"
         assert proc.wait(60) == 0, "".join(lines[-20:])
         drain_s = time.monotonic() - t_sig
         stop.set()
@@ -460,7 +477,6 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
             t.join(60)
     finally:
         stop.set()
-        go.set()
         streams_go.set()
         channel.close()
         if proc.poll() is None:
@@ -483,7 +499,7 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
         if isinstance(result, np.ndarray):
             np.testing.assert_array_equal(result, expected[i: i + 1])
         else:
-            assert result.code() == grpc.StatusCode.UNAVAILABLE, f"{kind}: {result.code()} {result.details()}"
+            assert refused_by_drain(result), f"{kind}: {result.code()} {result.details()}"
     assert drain_s < 30, f"the drain took {drain_s:.1f} s with nothing idle left open"
     events = [line for line in lines if '"event": "stopped"' in line]
     assert events, "".join(lines[-20:])
