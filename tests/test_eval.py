@@ -267,3 +267,41 @@ def test_heldout_pip_photographs_load_for_evaluation():
     src = open_source("heldout:pip")
     assert src.names == ["matplotlib/grace_hopper.jpg", "sklearn/china.jpg", "sklearn/flower.jpg"]
     assert all(img.dtype == np.uint8 and img.ndim == 3 and min(img.shape[:2]) >= 400 for img in src.images)
+
+
+def _flat_colours_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "flat_colours.py"
+    spec = importlib.util.spec_from_file_location("flat_colours", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flat_colour_palette_is_each_codes_decoded_flat_colour_and_nearest_is_nearest(tiny_checkpoint):
+    """scripts/flat_colours.py --palette: entry c is the flat colour that a map of code c
+    alone decodes to (batches must not shift codes), and ``nearest`` finds the closest entry."""
+    flat = _flat_colours_script()
+    tok = load_tokenizer(tiny_checkpoint).eval()
+    palette = flat.code_palette(tok, batch=96)  # 1,000 codes: the last batch is partial
+    assert palette.shape == (tok.codebook_size, 3)
+    assert palette.min() >= 0 and palette.max() <= 255
+    for code in (0, 95, 96, 517, tok.codebook_size - 1):
+        img = tok.decode(torch.full((1, 8, 8), code))[0, 24:40, 24:40].double()
+        np.testing.assert_allclose(palette[code], img.mean(dim=(0, 1)).numpy())
+    rng = np.random.default_rng(0)
+    targets = rng.integers(0, 256, size=(50, 3)).astype(np.uint8)
+    got = flat.nearest(palette, targets)
+    brute = palette[((palette[None] - targets[:, None].astype(np.float64)) ** 2).sum(-1).argmin(1)]
+    np.testing.assert_array_equal(got, brute)
+
+
+def test_flat_colours_reports_the_palette_bound(tiny_checkpoint, capsys):
+    """``--palette`` adds the best-any-code figures beside the encoder's own, in the same form."""
+    flat = _flat_colours_script()
+    assert flat.main([tiny_checkpoint, "--colours", "8", "--palette", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert set(row) == {"model", "greys", "colours", "palette_greys", "palette_colours"}
+    assert set(row["palette_greys"]) == set(row["greys"])
