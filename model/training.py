@@ -218,39 +218,25 @@ def margin_loss(bounded: torch.Tensor, margin: float) -> torch.Tensor:
     return (torch.relu(margin - boundary_distance(bounded)) / margin).mean()
 
 
-def block_mean_loss(recon: torch.Tensor, target: torch.Tensor, factor: int) -> torch.Tensor:
-    """L1 between the ``factor x factor`` block means of reconstruction and target.
+def block_losses(recon: torch.Tensor, target: torch.Tensor, factor: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block mean, block chroma): two L1 terms on one error, the ``factor x factor`` block
+    means of reconstruction minus those of the target (NCHW), computed once per step.
 
-    The bicubic baseline keeps every block's mean colour exactly; the per-pixel L1 + L2 let
-    the default drift by 5-27 levels per channel on whole photographs (issue 17). This term
-    weighs that low-frequency error on its own, so colour casts and smooth regions cost as
-    much as they look.
+    Block mean: the bicubic baseline keeps every block's mean colour exactly; the per-pixel
+    L1 + L2 let the default drift by 5-27 levels per channel on whole photographs (issue 17).
+    This weighs that low-frequency error on its own, so colour casts and smooth regions cost
+    as much as they look.
+
+    Block chroma: the same error's R-G and B-(R+G)/2, where brightness cancels. A flat region
+    becomes one code repeated, so its colour can only be one of the flat colours the code
+    grid offers, a staircase 5-10 levels apart (a grey of 180 came back as 176,181,181: a
+    cyan tint on a neutral sky). The eye forgives a wrong brightness there much more than a
+    tint; this term makes a tint cost extra, so training places the steps where colours stay
+    neutral.
     """
-    return block_mean_error(recon, target, factor).abs().mean()
-
-
-def block_mean_error(recon: torch.Tensor, target: torch.Tensor, factor: int) -> torch.Tensor:
-    """``factor x factor`` block means of reconstruction minus those of the target (NCHW):
-    the one low-frequency error both block terms weigh, computed once per step."""
-    return F.avg_pool2d(recon, factor) - F.avg_pool2d(target, factor)
-
-
-def chroma_l1(err: torch.Tensor) -> torch.Tensor:
-    """Mean L1 of the chroma of an NCHW RGB error: its R-G and B-(R+G)/2 (brightness cancels)."""
+    err = F.avg_pool2d(recon, factor) - F.avg_pool2d(target, factor)
     r, g, b = err.unbind(1)
-    return ((r - g).abs() + (b - (r + g) / 2).abs()).mean()
-
-
-def block_chroma_loss(recon: torch.Tensor, target: torch.Tensor, factor: int) -> torch.Tensor:
-    """L1 on the chroma of the ``factor x factor`` block-mean error: its R-G and B-(R+G)/2.
-
-    A flat region becomes one code repeated, so its colour can only be one of the flat
-    colours the code grid offers, a staircase 5-10 levels apart (a grey of 180 came back as
-    176,181,181: a cyan tint on a neutral sky). Where the staircase leaves an error, the eye
-    forgives a wrong brightness much more than a tint; this term makes a tint cost extra, so
-    training places the steps where colours stay neutral.
-    """
-    return chroma_l1(block_mean_error(recon, target, factor))
+    return err.abs().mean(), ((r - g).abs() + (b - (r + g) / 2).abs()).mean()
 
 
 class Trainer:
@@ -330,20 +316,18 @@ class Trainer:
                 bounded = None
             recon = tok.decode_codes(codes)
         recon32 = recon.to(torch.float32)
-        l1 = (recon32 - x).abs().mean()
-        l2 = (recon32 - x).pow(2).mean()
+        diff = recon32 - x
+        l1, l2 = diff.abs().mean(), diff.pow(2).mean()
         loss = cfg.l1_weight * l1 + cfg.l2_weight * l2
         parts = {"l1": l1.item(), "l2": l2.item()}
-        block_err = (block_mean_error(recon32, x, tok.factor)
-                     if cfg.block_mean_weight > 0 or cfg.block_chroma_weight > 0 else None)
-        if cfg.block_mean_weight > 0:
-            bm = block_err.abs().mean()
-            loss = loss + cfg.block_mean_weight * bm
-            parts["block_mean"] = bm.item()
-        if cfg.block_chroma_weight > 0:
-            bc = chroma_l1(block_err)
-            loss = loss + cfg.block_chroma_weight * bc
-            parts["block_chroma"] = bc.item()
+        if cfg.block_mean_weight > 0 or cfg.block_chroma_weight > 0:
+            bm, bc = block_losses(recon32, x, tok.factor)
+            if cfg.block_mean_weight > 0:
+                loss = loss + cfg.block_mean_weight * bm
+                parts["block_mean"] = bm.item()
+            if cfg.block_chroma_weight > 0:
+                loss = loss + cfg.block_chroma_weight * bc
+                parts["block_chroma"] = bc.item()
         for k, v in (aux or {}).items():
             if torch.is_tensor(v) and v.numel() == 1:
                 loss = loss + cfg.aux_weight * v.to(torch.float32)

@@ -42,14 +42,22 @@ def flat_images(colours: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return rgb, np.broadcast_to(rgb[:, None, None, :], (len(rgb), 64, 64, 3)).copy()
 
 
-def reproduce(tokenizer, images: np.ndarray, batch: int = 32) -> np.ndarray:
-    """Mean colour of the centre 32x32 pixels of each decoded image, float (N, 3)."""
+def centre_means(decode_batch, n: int, half: int, batch: int) -> np.ndarray:
+    """Mean colour of the centre ``2 * half`` square of ``decode_batch(start, stop)``'s uint8
+    NHWC images, for items ``0..n`` in batches; float (n, 3)."""
     out = []
     with torch.no_grad():
-        for i in range(0, len(images), batch):
-            rec = tokenizer.decode(tokenizer.encode(torch.from_numpy(images[i:i + batch])))
-            out.append(rec[:, 16:48, 16:48].double().mean(dim=(1, 2)).numpy())
+        for i in range(0, n, batch):
+            rec = decode_batch(i, min(n, i + batch))
+            cy, cx = rec.shape[1] // 2, rec.shape[2] // 2
+            out.append(rec[:, cy - half:cy + half, cx - half:cx + half].double().mean(dim=(1, 2)).numpy())
     return np.concatenate(out)
+
+
+def reproduce(tokenizer, images: np.ndarray, batch: int = 32) -> np.ndarray:
+    """Mean colour of the centre 32x32 pixels of each decoded image, float (N, 3)."""
+    return centre_means(lambda i, j: tokenizer.decode(tokenizer.encode(torch.from_numpy(images[i:j]))),
+                        len(images), 16, batch)
 
 
 def code_palette(tokenizer, grid: int = 8, batch: int = 256) -> np.ndarray:
@@ -57,14 +65,8 @@ def code_palette(tokenizer, grid: int = 8, batch: int = 256) -> np.ndarray:
     ``grid`` map of that one code, decoded; float (codebook_size, 3)."""
     if tokenizer.config.codes_per_position != 1:
         raise SystemExit("--palette needs one code per position (not a residual quantizer)")
-    n, centre = tokenizer.codebook_size, grid * tokenizer.factor // 2
-    out = []
-    with torch.no_grad():
-        for i in range(0, n, batch):
-            idx = torch.arange(i, min(n, i + batch))[:, None, None].expand(-1, grid, grid)
-            rec = tokenizer.decode(idx)[:, centre - 8:centre + 8, centre - 8:centre + 8]
-            out.append(rec.double().mean(dim=(1, 2)).numpy())
-    return np.concatenate(out)
+    return centre_means(lambda i, j: tokenizer.decode(torch.arange(i, j)[:, None, None].expand(-1, grid, grid)),
+                        tokenizer.codebook_size, 8, batch)
 
 
 def nearest(palette: np.ndarray, rgb: np.ndarray) -> np.ndarray:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from tests.helpers import FaultyRuntime
 from vqserve import images
 from vqserve.cli import main
 from vqserve.export.runtime import EagerRuntime
@@ -241,41 +241,24 @@ def test_unreachable_server_is_one_line(tmp_path, capsys):
     assert main(["encode", "--server", "127.0.0.1:1", str(tmp_path / "missing.png")]) == 2
 
 
-class HeldRuntime:
-    """The real tiny runtime, whose encode waits until ``release`` is set: a call held in
-    the model for as long as a test needs, whatever the machine's load."""
-
-    def __init__(self, inner):
-        self.inner, self.info = inner, inner.info
-        self.release = threading.Event()
-        self.release.set()  # the server's start-up check runs through encode
-
-    def encode(self, x):
-        self.release.wait(60)
-        return self.inner.encode(x)
-
-    def decode(self, x):
-        return self.inner.decode(x)
-
-
 def test_deadlines_scale_and_say_what_to_do(tiny_checkpoint, runtime, tmp_path):
     """Was: a bare DEADLINE_EXCEEDED from a fixed 60 s deadline on big jobs."""
     from vqserve.serve import client as client_mod
 
     assert client_mod.scaled_timeout(32_000_000) > 10 * client_mod.scaled_timeout(0) > 0
     save(tmp_path / "p.png", photo(32, 32))
-    held = HeldRuntime(runtime)
+    held = FaultyRuntime(runtime)
     with ServerThread(config(tiny_checkpoint), runtime=held) as srv, TokenizerClient(srv.target) as c:
         c.limits()  # ask for the server's limits with a normal deadline
         # the call is held in the model past its deadline. A deadline alone (1e-4 s, then
         # 1e-9 s) was not enough: on a loaded 2-core machine the answer could still arrive
         # before the client's deadline timer ran, and the call succeeded (seen twice)
-        held.release.clear()
+        held.gate.clear()
         c.timeout = 0.2
         try:
             (o,) = list(c.iter_encode_files([tmp_path / "p.png"]))
         finally:
-            held.release.set()
+            held.gate.set()
     assert not o.ok and "DEADLINE_EXCEEDED" in o.error and "raise --timeout" in o.error
 
 

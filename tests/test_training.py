@@ -308,7 +308,10 @@ def test_norm_option_defaults_to_the_old_architecture_and_pixel_trains(image_dir
 
 
 def test_block_mean_loss_sees_a_colour_cast_that_per_pixel_noise_hides():
-    from vqserve.model.training import block_mean_loss
+    from vqserve.model.training import block_losses
+
+    def block_mean_loss(recon, target, factor):
+        return block_losses(recon, target, factor)[0]
 
     x = torch.rand(1, 3, 16, 16) * 2 - 1
     yy, xx = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
@@ -323,7 +326,10 @@ def test_block_mean_loss_sees_a_colour_cast_that_per_pixel_noise_hides():
 def test_block_chroma_loss_charges_a_tint_and_not_a_brightness_error(shift, tint, channel):
     """The same error on all three channels (too dark / too bright) costs nothing; moving one
     channel alone (a tint on a grey) costs in proportion to how far it moves."""
-    from vqserve.model.training import block_chroma_loss
+    from vqserve.model.training import block_losses
+
+    def block_chroma_loss(recon, target, factor):
+        return block_losses(recon, target, factor)[1]
 
     x = torch.rand(1, 3, 16, 16) * 2 - 1
     assert float(block_chroma_loss(x + shift, x, 8)) < 1e-5
