@@ -204,6 +204,8 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
             "family": getattr(cfg, "family", "vqserve"),  # vqserve.model.families
             "quantizer": cfg.quantizer,
             "levels": list(cfg.levels) if cfg.quantizer in ("fsq", "rfsq") else [],
+            # "bayer4": a code's value depends on its position modulo 4 (docs/TRAINING.md)
+            "dither": getattr(cfg, "dither", "none"),
             "codebook_size": cfg.codebook_size,
             "factor": cfg.factor,
             "latent_dim": cfg.latent_dim,

@@ -50,3 +50,23 @@ def load_pt2(source: str | Path | BinaryIO, device: str = "cpu"):
     if device != "cpu":
         module = module.to(device)
     return ep, module
+
+
+def min_sides(program: torch.export.ExportedProgram) -> tuple[int, int]:
+    """The smallest height and width (dims 1 and 2 of the first input) the program takes.
+
+    torch.export specialises sizes 0 and 1 while tracing, so a graph with strided
+    convolutions can require 2 tokens a side (16 pixels at factor 8) although the shape
+    spec says 1; the program's own range constraints say what it really takes."""
+    user = set(program.graph_signature.user_inputs)
+    first = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name in user)
+    sides = []
+    for size in first.meta["val"].shape[1:3]:
+        if isinstance(size, int):
+            sides.append(size)
+            continue
+        expr = size.node.expr
+        lows = {sym: program.range_constraints[sym].lower for sym in expr.free_symbols}
+        sides.append(int(expr.subs(lows)))
+    return sides[0], sides[1]
+

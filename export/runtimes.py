@@ -113,11 +113,28 @@ class Pt2Runtime(_TorchModuleRuntime):
 
     def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True,
                  expect_hash: str | None = None):
-        from vqserve.export.pt2 import load_pt2
+        from vqserve.export.pt2 import load_pt2, min_sides
 
         super().__init__(artifact_dir, device, dtype, verify, expect_hash)
         self.encode_program, self.encoder = load_pt2(self._graph("encode"), self.device)
         self.decode_program, self.decoder = load_pt2(self._graph("decode"), self.device)
+        self._min_sides = {"images": min_sides(self.encode_program), "indices": min_sides(self.decode_program)}
+
+    def _check_min_sides(self, what: str, array: np.ndarray, unit: str) -> None:
+        low_h, low_w = self._min_sides[what]
+        h, w = array.shape[1], array.shape[2]
+        if h < low_h or w < low_w:
+            raise ValueError(f"this pt2 export takes {what} of at least {low_h}x{low_w} {unit}, got {h}x{w}; "
+                             "torch.export fixed smaller sizes when it traced the graph: use the "
+                             "torchscript or onnx export for them")
+
+    def _encode(self, images: np.ndarray) -> np.ndarray:
+        self._check_min_sides("images", images, "pixels")
+        return super()._encode(images)
+
+    def _decode(self, indices: np.ndarray) -> np.ndarray:
+        self._check_min_sides("indices", indices, "tokens")
+        return super()._decode(indices)
 
 
 def onnx_providers(device: str, dtype: str) -> list[str]:

@@ -35,6 +35,10 @@ class TokenizerConfig:
     # a config.json without the key loads as this); "pixel": per-position channel norm,
     # the same output for a pixel whatever the image size (docs/TRAINING.md)
     norm: str = "group"
+    # FSQ only: "bayer4" rounds through a subtractive 4x4 ordered dither, so slow gradients
+    # alternate codes instead of banding (vqserve.model.quantizers.fsq); "none" for every
+    # checkpoint before it, and left out of config.json then, so those files stay as they were
+    dither: str = "none"
 
     def __post_init__(self) -> None:
         self.levels = [int(v) for v in self.levels]
@@ -43,6 +47,10 @@ class TokenizerConfig:
             raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
         if self.norm not in ("group", "pixel"):
             raise ValueError(f"norm must be 'group' or 'pixel', got {self.norm!r}")
+        if self.dither not in ("none", "bayer4"):
+            raise ValueError(f"dither must be 'none' or 'bayer4', got {self.dither!r}")
+        if self.dither != "none" and self.quantizer != "fsq":
+            raise ValueError(f"dither={self.dither!r} needs quantizer 'fsq', got {self.quantizer!r}")
         if self.patch_size not in (1, 2, 4):
             raise ValueError(f"patch_size must be 1, 2 or 4, got {self.patch_size}")
         if not self.channels or min(self.channels) < 1 or self.factor not in (4, 8, 16):
@@ -77,7 +85,10 @@ class TokenizerConfig:
         return self.num_quantizers if self.quantizer == "rfsq" else 1
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}
+        data = asdict(self)
+        if data["dither"] == "none":
+            del data["dither"]  # an undithered config.json reads the same to older vqserve
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **data}
 
     @classmethod
     def from_dict(cls, data: dict) -> TokenizerConfig:

@@ -21,7 +21,7 @@ from vqserve.model.quantizers import FSQ, LFQ, VQ, ResidualFSQ
 
 def build_quantizer(config: TokenizerConfig) -> nn.Module:
     if config.quantizer == "fsq":
-        return FSQ(config.levels)
+        return FSQ(config.levels, dither=config.dither)
     if config.quantizer == "rfsq":
         return ResidualFSQ(config.levels, config.num_quantizers)
     if config.quantizer == "lfq":

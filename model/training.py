@@ -427,7 +427,9 @@ class Trainer:
         path = resolve_model_path(source)
         loaded = load_tokenizer(path, device=self.device)
         theirs = getattr(loaded, "config", None)
-        if not isinstance(loaded, Tokenizer) or theirs != self.cfg.tokenizer_config():
+        ours = self.cfg.tokenizer_config()
+        # the dither changes no weight: an undithered tokenizer may be fine-tuned into a dithered one
+        if not isinstance(loaded, Tokenizer) or dataclasses.replace(theirs, dither=ours.dither) != ours:
             raise ValueError(f"init_from={source!r}: that tokenizer is {theirs or type(loaded).__name__}, "
                              f"but this run trains {self.cfg.tokenizer_config()}; give the same model "
                              "settings (or its own config file)")

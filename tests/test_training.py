@@ -420,3 +420,26 @@ def test_cli_init_from_reaches_the_config():
     add_parser(parser)
     assert build_config(parser.parse_args(["--init-from", "default"])).init_from == "default"
     assert build_config(parser.parse_args([])).init_from == ""
+
+
+def test_an_undithered_tokenizer_fine_tunes_into_a_dithered_one(image_dir, tmp_path):
+    """The dither changes no weight, so --init-from accepts the same network without it (how
+    the v5 default was made from v4); the margin term then sees the dithered rounding, and
+    the saved tokenizer carries the dither into config.json and back."""
+    import argparse
+
+    from vqserve.commands.train import add_parser, build_config
+
+    base = Trainer(tiny_config(image_dir, tmp_path / "base", steps=3, val_every=0))
+    base.run()
+    dithered = dict(TINY_MODEL, dither="bayer4")
+    tuned = Trainer(tiny_config(image_dir, tmp_path / "tuned", steps=2, val_every=0, model=dithered,
+                                init_from=str(tmp_path / "base" / "final"), margin=0.1, margin_weight=0.1))
+    for k, v in _weights(base.tokenizer).items():
+        torch.testing.assert_close(tuned.tokenizer.state_dict()[k], v, rtol=0, atol=0, msg=k)
+    assert tuned.run()["step"] == 2
+    loaded = load_tokenizer(tmp_path / "tuned" / "final")
+    assert loaded.quantizer.dither == "bayer4"
+    parser = argparse.ArgumentParser()
+    add_parser(parser)
+    assert build_config(parser.parse_args(["--dither", "bayer4"])).model["dither"] == "bayer4"

@@ -71,6 +71,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                    help="pixel-unshuffle stem: factor = patch_size * 2**len(channels)")
     g.add_argument("--norm", choices=["group", "pixel"],
                    help="GroupNorm (whole-image statistics) or per-pixel norm (size-independent)")
+    g.add_argument("--dither", choices=["none", "bayer4"],
+                   help="FSQ rounding: plain, or through a subtractive 4x4 ordered dither so slow "
+                        "gradients do not band (tokens then depend on position modulo 4)")
     g = parser.add_argument_group("low-precision robustness (FSQ)")
     g.add_argument("--margin", type=float,
                    help="keep bounded latents this far from rounding boundaries (e.g. 0.15)")
@@ -100,7 +103,7 @@ _FLAT = ["data", "val_data", "crop_size", "sampling", "smooth_fraction", "batch_
          "init_from", "freeze_encoder", "block_mean_weight", "block_chroma_weight",
          "margin", "margin_weight", "margin_start", "margin_ramp", "quant_noise", "precision", "device", "threads", "seed", "out",
          "val_every", "ckpt_every", "ckpt_minutes", "log_every"]
-_MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size", "norm"]
+_MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size", "norm", "dither"]
 
 
 def build_config(args: argparse.Namespace):
