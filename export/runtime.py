@@ -46,6 +46,7 @@ class RuntimeInfo:
     factor: int                       # spatial downsampling: indices are [B, H/f, W/f]
     codes_per_position: int = 1       # > 1 for residual quantizers: indices [B,h,w,Q]
     levels: tuple[int, ...] = ()      # FSQ levels where they exist
+    dither: str = "none"              # "bayer4": an FSQ code's value depends on its position modulo 4
     index_dtype: str = "uint16"       # numpy name of the wire dtype
     model_hash: str = ""              # one sha256 over every file loaded (config + weights / artifact)
     max_pixels: int = 1024 * 1024     # per image; larger inputs are refused
@@ -153,6 +154,7 @@ class EagerRuntime:
             factor=cfg.factor,
             codes_per_position=cfg.codes_per_position,
             levels=tuple(cfg.levels) if cfg.quantizer in ("fsq", "rfsq") else (),
+            dither=getattr(cfg, "dither", "none"),
             index_dtype=self._index_dtype.name,
             model_hash=model_hash,
             extra={"family": getattr(cfg, "family", "vqserve")},

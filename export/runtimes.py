@@ -53,6 +53,7 @@ class ArtifactRuntime:
             factor=int(m["factor"]),
             codes_per_position=int(m["codes_per_position"]),
             levels=tuple(m.get("levels") or ()),
+            dither=m.get("dither", "none"),  # manifests before the dither have none
             index_dtype=self._index_dtype.name,
             model_hash=artifact_hash(m),  # every file of the artifact, not only the encoder
             extra={"artifact_dir": str(self.dir), "source_model_sha256": m.get("source", {}).get("sha256", "")},

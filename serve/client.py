@@ -132,6 +132,7 @@ def _info_dict(info: pb.ModelInfo) -> dict:
         "quantizer": info.quantizer,
         "codebook_size": info.codebook_size,
         "levels": list(info.levels),
+        "dither": info.dither or "none",
         "factor": info.factor,
         "codes_per_position": info.codes_per_position,
         "index_dtype": info.index_dtype,

@@ -162,7 +162,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):
                 info = engine.info
                 return pb.ModelInfo(
                     quantizer=info.quantizer, codebook_size=info.codebook_size,
-                    levels=list(info.levels), factor=info.factor,
+                    levels=list(info.levels), dither=info.dither, factor=info.factor,
                     codes_per_position=info.codes_per_position, index_dtype=info.index_dtype,
                     accepted_sizes=engine.size_rule, max_pixels=info.max_pixels,
                     max_batch_size=engine.max_batch_size, dtype=info.dtype, backend=info.backend,

@@ -120,8 +120,31 @@ def test_every_format_rebuilds_the_pattern_at_sizes_it_was_not_traced_at(fmt, ph
     assert manifest["dither"] == "bayer4"  # a reader of the artifact learns codes depend on position
     rt = load_runtime(tmp_path / fmt)
     ref = EagerRuntime(str(ckpt))
+    assert rt.info.dither == ref.info.dither == "bayer4"
     for images in (photos[:1], photos[:3, :40, :56], photos[:2, :24, :16]):
         idx = rt.encode(images)
         np.testing.assert_array_equal(idx, ref.encode(images))
         diff = np.abs(rt.decode(idx).astype(int) - ref.decode(idx).astype(int)).max()
         assert diff <= (1 if fmt == "onnx" else 0)
+
+
+def test_a_server_says_its_tokens_are_dithered_and_round_trips_them(photos, tmp_path):
+    """The real gRPC server on a dithered checkpoint: GetModelInfo says ``bayer4`` (a client
+    computing codes itself must add the offsets), and its tokens and pixels are the eager
+    model's, whole photographs and 32-pixel-aligned pieces alike."""
+    from tests.conftest import make_tokenizer
+    from vqserve.export.runtime import EagerRuntime
+    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.server import ServerConfig, ServerThread
+
+    ckpt = tmp_path / "dithered"
+    save_tokenizer(make_tokenizer(channels=[16], patch_size=4, dither="bayer4"), ckpt)
+    ref = EagerRuntime(str(ckpt))
+    config = ServerConfig(model=str(ckpt), backend="eager", device="cpu", host="127.0.0.1", port=0,
+                          metrics_port=0, max_batch_size=8, max_delay_ms=5, grace_s=2)
+    with ServerThread(config) as server, TokenizerClient(server.target, timeout=30) as client:
+        assert client.model_info()["dither"] == "bayer4"
+        for images in (photos[:2], photos[:1, 8:40, 16:56]):
+            tokens = client.encode(images)
+            np.testing.assert_array_equal(tokens, ref.encode(images))
+            np.testing.assert_array_equal(client.decode(tokens), ref.decode(tokens))

@@ -110,7 +110,7 @@ def test_large_arrays_are_split_and_pipelined(client, runtime, photos):
 
 def test_model_info(client, runtime):
     info = client.model_info()
-    assert info["codebook_size"] == 1000 and info["levels"] == [8, 5, 5, 5]
+    assert info["codebook_size"] == 1000 and info["levels"] == [8, 5, 5, 5] and info["dither"] == "none"
     assert info["factor"] == 8 and info["index_dtype"] == "uint16" and info["backend"] == "eager"
     assert info["dtype"] == "fp32" and info["model_hash"] == runtime.info.model_hash
     assert "multiples of 8" in info["accepted_sizes"] and info["max_batch_size"] == 8

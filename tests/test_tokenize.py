@@ -100,6 +100,7 @@ def test_folder_with_size_records_errors_and_matches_the_runtime(tiny_checkpoint
     assert manifest["complete"] and manifest["totals"] == {"images": 11, "rows": 9, "errors": 2, "shards": 3}
     assert [s["name"] for s in manifest["shards"]] == [f"shard-{i:06d}.parquet" for i in range(3)]
     assert manifest["index_dtype"] == "uint16" and manifest["preprocess"]["size"] == 32
+    assert manifest["model"]["dither"] == "none" and manifest["model"]["levels"] == [8, 5, 5, 5]
     errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
     assert sorted(e["key"] for e in errors) == ["corrupt", "text"]
     assert all("decodable" in e["reason"] for e in errors)

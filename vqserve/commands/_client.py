@@ -20,7 +20,7 @@ from vqserve.commands.common import UsageError  # one exit-2 error for every com
 
 IDENTITY_FORMAT = "vqserve-tokens/1"
 MODEL_FIELDS = ("model_hash", "codebook_size", "factor", "index_dtype", "quantizer", "levels",
-                "codes_per_position", "dtype", "backend", "server_version")
+                "dither", "codes_per_position", "dtype", "backend", "server_version")
 
 
 @dataclass(frozen=True)
