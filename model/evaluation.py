@@ -340,6 +340,8 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
         "images": len(per_image),
         "factor": f,
         "codebook_size": tokenizer.codebook_size,
+        # "bayer4": codes depend on position (docs/TRAINING.md, "The dither"); read with the perplexity
+        "dither": getattr(tokenizer.quantizer, "dither", "none"),
         "psnr": _psnr_from(sq_err, n_px),
         "ssim": float(np.mean([r["ssim"] for r in per_image])),
         "codebook": codebook_stats(counts),

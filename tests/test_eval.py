@@ -99,7 +99,7 @@ def test_eval_json_has_the_fields(tiny_checkpoint, tmp_path, capsys):
     for key in ("psnr", "baseline_psnr", "ssim", "utilization", "entropy_bits", "perplexity",
                 "agreement", "codebook", "per_image", "images", "factor", "codebook_size"):
         assert key in r, key
-    assert r["images"] == 2 and r["skipped_images"] == 1 and r["factor"] == 8
+    assert r["images"] == 2 and r["skipped_images"] == 1 and r["factor"] == 8 and r["dither"] == "none"
     assert set(r["agreement"]) == set(r["agreement_autocast"]) == {"bf16", "fp16"}
     assert all(0.0 <= v <= 1.0 for v in [*r["agreement"].values(), *r["agreement_autocast"].values()])
     assert r["codebook"]["positions"] == 2 * 5 * 6
@@ -117,7 +117,15 @@ def test_eval_table_on_terminal(tiny_checkpoint, tmp_path, capsys):
     for text in ("PSNR (fp32 eager)", "SSIM", "codebook utilization", "entropy",
                  "bf16 vs fp32 index agreement", "bf16 autocast vs fp32", "baseline"):
         assert text in out
-    assert "fp16 vs fp32" not in out
+    assert "fp16 vs fp32" not in out and "dither" not in out
+    # a dithered tokenizer says so on its first line: its perplexity reads differently
+    from tests.conftest import make_tokenizer
+    from vqserve.model import save_tokenizer
+
+    save_tokenizer(make_tokenizer(dither="bayer4"), tmp_path / "dithered")
+    assert main(["eval", "--model", str(tmp_path / "dithered"), "--images", str(tmp_path),
+                 "--precisions", "bf16"]) == 0
+    assert "codebook 1000  dither bayer4" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_eval_rejects_bad_arguments(tiny_checkpoint, tmp_path, capsys):

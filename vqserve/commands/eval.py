@@ -156,7 +156,8 @@ def _png_writer(out: Path, names: list[str]):
 def _print_table(r: dict, precisions: list[str], out) -> None:
     cb = r["codebook"]
     print(f"model {r['model']}  images {r['images']} ({r['images_source']}, "
-          f"{r['skipped_images']} skipped)  factor {r['factor']}  codebook {r['codebook_size']}", file=out)
+          f"{r['skipped_images']} skipped)  factor {r['factor']}  codebook {r['codebook_size']}"
+          + (f"  dither {r['dither']}" if r.get("dither", "none") != "none" else ""), file=out)
     rows = [("PSNR (fp32 eager)", f"{r['psnr']:.2f} dB"),
             ("baseline area x{f} + bicubic".format(f=r["factor"]), f"{r['baseline_psnr']:.2f} dB"),
             ("SSIM", f"{r['ssim']:.4f} (baseline {r['baseline_ssim']:.4f})")]
