@@ -69,4 +69,3 @@ def min_sides(program: torch.export.ExportedProgram) -> tuple[int, int]:
         lows = {sym: program.range_constraints[sym].lower for sym in expr.free_symbols}
         sides.append(int(expr.subs(lows)))
     return sides[0], sides[1]
-

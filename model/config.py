@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 FORMAT = "vqserve-tokenizer"
 FORMAT_VERSION = 1
 QUANTIZERS = ("fsq", "lfq", "vq", "rfsq")
+DITHERS = ("none", "bayer4")  # FSQ rounding (vqserve.model.quantizers.fsq)
 
 
 @dataclass
@@ -47,8 +48,8 @@ class TokenizerConfig:
             raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
         if self.norm not in ("group", "pixel"):
             raise ValueError(f"norm must be 'group' or 'pixel', got {self.norm!r}")
-        if self.dither not in ("none", "bayer4"):
-            raise ValueError(f"dither must be 'none' or 'bayer4', got {self.dither!r}")
+        if self.dither not in DITHERS:
+            raise ValueError(f"dither must be one of {DITHERS}, got {self.dither!r}")
         if self.dither != "none" and self.quantizer != "fsq":
             raise ValueError(f"dither={self.dither!r} needs quantizer 'fsq', got {self.quantizer!r}")
         if self.patch_size not in (1, 2, 4):

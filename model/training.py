@@ -431,7 +431,7 @@ class Trainer:
         # the dither changes no weight: an undithered tokenizer may be fine-tuned into a dithered one
         if not isinstance(loaded, Tokenizer) or dataclasses.replace(theirs, dither=ours.dither) != ours:
             raise ValueError(f"init_from={source!r}: that tokenizer is {theirs or type(loaded).__name__}, "
-                             f"but this run trains {self.cfg.tokenizer_config()}; give the same model "
+                             f"but this run trains {ours}; give the same model "
                              "settings (or its own config file)")
         self.tokenizer.load_state_dict(loaded.state_dict())
         print(f"[train] starting from the weights of {path}", file=sys.stderr)

@@ -288,7 +288,7 @@ class Job:
             "identity": self.identity(),
             "model": {"ref": self.model_ref, **{k: info[k] for k in (
                 "model_hash", "backend", "dtype", "device", "quantizer", "codebook_size", "factor",
-                "codes_per_position", "levels")}, "dither": info.get("dither", "none")},
+                "codes_per_position", "levels", "dither")}},
             "index_dtype": info["index_dtype"],
             "preprocess": self.settings.preprocess.to_dict(),
             "shards": shards_list or [],

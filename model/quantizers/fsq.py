@@ -22,12 +22,12 @@ from collections.abc import Sequence
 
 import torch
 
+from vqserve.model.config import DITHERS
 from vqserve.model.precision import Fp32StateModule, fp32_island
 from vqserve.model.quantizers.common import check_indices, check_last_dim, to_fp32
 
 _EPS = 1e-3  # the same bound slack as vector-quantize-pytorch, so indices agree exactly
 
-DITHERS = ("none", "bayer4")
 _BAYER4 = ((0, 8, 2, 10), (12, 4, 14, 6), (3, 11, 1, 9), (15, 7, 13, 5))  # ranks 0..15
 # per-channel (row, column) shifts of the pattern, so channels do not dither in step
 _CHANNEL_SHIFTS = ((0, 0), (2, 2), (1, 3), (3, 1), (0, 2), (2, 0), (1, 1), (3, 3))
@@ -73,15 +73,14 @@ class FSQ(Fp32StateModule):
         return f"levels={self.levels}, codebook_size={self.codebook_size}{extra}"
 
     def dither_offsets(self, like: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[h, w, d]`` offsets for ``like[..., h, w, d]`` (zeros without a dither).
+        """fp32 ``[h, w, d]`` dither offsets for ``like[..., h, w, d]`` (callers apply them
+        only when ``dither != "none"``).
 
         Computed from the positions with integer ops (arange, remainder, gather), so every
         exported format rebuilds the pattern for whatever size it is given."""
         if like.dim() < 3:
             raise ValueError(f"a dithered FSQ needs positions: [..., h, w, {self.dim}], got shape {tuple(like.shape)}")
         h, w = like.shape[-3], like.shape[-2]
-        if self.dither == "none":
-            return torch.zeros((h, w, self.dim), dtype=torch.float32, device=like.device)
         ys = torch.remainder(torch.arange(h, device=like.device), 4)
         xs = torch.remainder(torch.arange(w, device=like.device), 4)
         ranks = self._dither_ranks[ys][:, xs]  # [h, w, d]
