@@ -161,6 +161,7 @@ class PlannedRuntime:
     def __init__(self, inner, plan: ExecutionPlan, source: str = ""):
         self.inner = inner
         self.plan = plan
+        self.source = source
         line = f"{label_of(inner.info.backend, inner.info.dtype)} {plan.describe()}" + (f" [{source}]" if source else "")
         self.info = dataclasses.replace(inner.info, extra={**inner.info.extra, "plan": plan.to_dict(),
                                                            "plan_line": line})
@@ -169,6 +170,14 @@ class PlannedRuntime:
         self._pixels_per_item = self._image_pixels
         self._pool = (concurrent.futures.ThreadPoolExecutor(plan.workers, thread_name_prefix="vqserve-model")
                       if plan.workers > 1 else None)
+
+    def relabel(self, source: str) -> None:
+        """Say the plan now comes from ``source`` (e.g. the safe plan turned out to be the
+        measured one): ``info.extra['plan_line']`` is updated in place, so every copy of
+        ``info`` that shares its ``extra`` (the engine's) reads the new line."""
+        self.source = source
+        line = self.info.extra["plan_line"].rsplit(" [", 1)[0]
+        self.info.extra["plan_line"] = f"{line} [{source}]" if source else line
 
     def __getattr__(self, name):  # everything else (fp32_layers, tokenizer, ...) is the inner's
         return getattr(self.inner, name)

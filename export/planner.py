@@ -1,32 +1,36 @@
-"""Choose the execution plan by measuring it: ``vqserve serve --plan auto`` and ``vqserve plan``.
+"""Choose the execution plan by measuring it: ``vqserve plan``, and ``vqserve serve`` /
+``vqserve tokenize`` with ``--plan auto`` (the default) or ``--plan FILE``.
 
-A plan is a dtype plus an :class:`~vqserve.export.execution.ExecutionPlan` (micro-batch per
-image size, parallel calls, intra-op threads). What is fastest depends on the hardware (bf16
-is 3x faster than fp32 on a CPU with AMX and slower than fp32 without it) and on the image
-size (batching pays at 64x64 on a CPU and not at 256x256), so the planner does not guess:
+A plan is a backend and dtype plus an :class:`~vqserve.export.execution.ExecutionPlan`
+(micro-batch per image size, parallel calls, intra-op threads). What is fastest depends on
+the hardware and the image size, so the planner does not guess - but it never trades
+tokens for speed unless asked:
 
-1. **probe** the device: CPU instruction sets from ``/proc/cpuinfo`` (AVX2, AVX-512 BF16 /
-   FP16, AMX), CUDA capability;
-2. **measure**, for each dtype the model can run in (a checkpoint: fp32, bf16, fp16, the
-   quantizer always fp32; an exported artifact: its own dtype), on calibration images:
-   token agreement with fp32 (photo tiles when scikit-image is installed, else synthetic
-   images), batch invariance (:mod:`vqserve.export.determinism`), and images/s as the
-   server runs it — one call per core with one thread each, at each micro-batch, at each
-   calibration size (64 and 256 by default) — plus one call at a time with every core's
-   threads inside it;
-3. **choose** the dtype with the best throughput (geometric mean over the sizes) among
-   those whose agreement is at least ``min_agreement`` and whose tokens do not depend on
-   the batch (fp32 always qualifies, so there is always a choice), and for it the smallest
-   micro-batch per size within 5 % of the fastest, and the faster of workers-vs-threads.
-   For each method (encode, decode) where a call of one image gave the result of the same
-   image inside a full micro-batch, a lone image runs unpadded
-   (``ExecutionPlan.lone_unpadded``): a lone request then costs one image, not a micro-batch.
+1. **probe** the device: CPU instruction sets from ``/proc/cpuinfo``, CUDA capability;
+2. **check exactness**: the reference is the model in eager fp32 (or the ``--dtype`` the
+   user pinned). Every other path - the model exported in-process to ONNX Runtime (and, on
+   request, TorchScript / torch.export) - qualifies only if its tokens *and* the pixels it
+   decodes equal the reference's on every calibration photograph, and its tokens do not
+   depend on the batch. So any plan the planner may pick by default gives the tokens of the
+   model in fp32. Lower precision is a choice the user makes: ``--dtype bf16|fp16``, or
+   ``--dtype auto`` (bf16/fp16 too, where they agree with fp32 on ``min_agreement`` of the
+   tokens); the result says ``exact`` true or false;
+3. **time** every way to run each qualifying path - each micro-batch with one single-threaded
+   call per core, and one call with every core's threads - in interleaved rounds (each round
+   times every candidate once), and keep each candidate's median speed *relative to the safe
+   plan in the same round*: a busy machine slows whole rounds, not one candidate;
+4. **choose**: the reference path and micro-batch 1 unless something more complex is faster
+   by more than 5 % and more than the spread of the rounds (where they cannot be told apart,
+   the simpler wins); for each method (encode, decode) where a call of one image gave the
+   result of the same image inside a full micro-batch, lone images run unpadded; the chosen
+   plan then passes the server's own start-up check, or loses those shortcuts.
 
-The result is cached on disk (:func:`cache_dir`), keyed by everything that could change it:
-the hardware probe, torch / onnxruntime / vqserve versions, the model's hash, backend,
-device, pinned dtype and the constraints. A restart reads the cache in milliseconds; a new
-machine, model or version measures again (tens of seconds for the default tokenizer on a
-2-core CPU).
+The measurement stops between two model calls when asked (``should_stop``; a signal, or its
+time budget): nothing half-measured is cached. A finished one is cached on disk
+(:func:`cache_dir`), keyed by the hardware probe, torch / onnxruntime / vqserve versions,
+the model's hash, backend, device, dtype rule and sizes, and can be written as a plan file
+(:meth:`PlanChoice.to_file`) that a fleet of machines of one kind shares
+(:meth:`PlanChoice.from_file`, checked by :func:`check_reproduces` where it loads).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -57,7 +62,9 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 DTYPES = ("fp32", "bf16", "fp16")
 CALIBRATION_SIDES = (64, 256)
 MICRO_BATCHES = (1, 2, 4, 8)
-PLANNER_VERSION = 6        # bump when the measurement or the choice rule changes
+PLANNER_VERSION = 7        # bump when the measurement or the choice rule changes
+ROUNDS = 3                 # interleaved timing rounds: every candidate once per round
+STALE_EXPORT_S = 3600      # a staging folder of an export this old was left by a killed process
 MAX_CALL_PIXELS = 4 << 20  # candidates above this many pixels per call are not tried
 
 
@@ -77,18 +84,27 @@ def probe_device(device: str) -> dict:
 
 @dataclass
 class Candidate:
-    """One way to run the model, and what it measured."""
+    """One way to run the model at one image size, and what it measured: images/s per
+    interleaved round, and its median speed relative to the safe plan in the same round."""
 
     dtype: str
     side: int
     micro_batch: int
     workers: int
     threads: int = 1
-    images_per_s: float = 0.0
+    images_per_s: float = 0.0     # median over rounds
     backend: str = "eager"
+    ratio: float = 0.0            # median over rounds of images/s / the safe plan's, same round
+    spread: float = 0.0           # half the range of that ratio over the rounds
+    rounds: list = field(default_factory=list)
 
     def plan(self) -> ExecutionPlan:
         return ExecutionPlan(micro_batch=self.micro_batch, workers=self.workers, intra_op_threads=self.threads)
+
+    @property
+    def complexity(self) -> tuple:
+        """Simpler first: parallel calls before one threaded call, smaller micro-batches first."""
+        return (self.threads > 1, self.micro_batch)
 
 
 @dataclass
@@ -97,19 +113,26 @@ class DtypeResult:
     pair shares it)."""
 
     dtype: str
-    agreement: float = 0.0        # share of tokens equal to fp32's on the calibration images
+    agreement: float = 0.0        # share of tokens equal to the reference's on the calibration images
+    pixels_equal: bool = False    # decoding the reference's tokens gave the reference's pixels, all of them
     batch_invariant: bool = False
     lone_invariant: list = field(default_factory=list)  # methods whose call of one equals a full call
     threads_invariant: bool = False  # the one-call-with-all-threads variant, checked too
     eligible: bool = False
     why_not: str = ""
-    score: float = 0.0            # geometric mean over sizes of the best images/s
+    score: float = 0.0            # geometric mean over sizes of the best speed, relative to the safe plan
     backend: str = "eager"        # eager, or the format exported in-process (onnx, torchscript, pt2)
     artifact: str | None = None   # where that export lies (in the plan cache)
+    exact: bool = False           # its tokens are the model's fp32 eager tokens
 
     @property
     def label(self) -> str:
         return label_of(self.backend, self.dtype)
+
+
+class PlanCancelled(Exception):
+    """The measurement was stopped (a signal, or its time budget ran out) between two model
+    calls. Nothing of it is cached: the next start measures again."""
 
 
 def row_label(row: dict) -> str:
@@ -117,11 +140,16 @@ def row_label(row: dict) -> str:
     return label_of(row["backend"], row["dtype"])
 
 
-def images_per_second(encode, images: np.ndarray, seconds: float) -> float:
-    """``encode(images)`` back to back for ``seconds`` after one warm-up call at this shape."""
-    encode(images)
+def images_per_second(encode, images: np.ndarray, seconds: float,
+                      check: Callable[[], None] | None = None, warm_up: bool = True) -> float:
+    """``encode(images)`` back to back for ``seconds`` (at least once) after one warm-up call
+    at this shape; ``check()`` runs between calls (it raises to stop)."""
+    check = check or (lambda: None)
+    if warm_up:
+        encode(images)
     n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    while not n or time.perf_counter() - t0 < seconds:
+        check()
         encode(images)
         n += len(images)
     return n / (time.perf_counter() - t0)
@@ -140,101 +168,157 @@ def calibration_images(side: int = 128) -> tuple[np.ndarray, str]:
         return synthetic_images(8, side, seed=1), f"8 synthetic images {side}x{side}"
 
 
-def _exactness(raw, dtype: str, reference: np.ndarray | None, photos: np.ndarray, side_small: int,
-               workers: int, min_agreement: float, max_micro: int = 8,
-               backend: str = "eager") -> tuple[DtypeResult, np.ndarray]:
-    res = DtypeResult(dtype, backend=backend)
+def exactness_rule(dtype: str | None) -> str:
+    """How a path qualifies. ``identical`` (no dtype, or a pinned one): its tokens and decoded
+    pixels equal the reference's (eager in that dtype, fp32 by default) on every calibration
+    image, so choosing it changes no output. ``agreement`` (``--dtype auto``): its tokens
+    agree with fp32's on at least ``min_agreement`` of the positions."""
+    return "agreement" if dtype == "auto" else "identical"
+
+
+def _exactness(raw, reference: tuple[np.ndarray, np.ndarray] | None, photos: np.ndarray, side_small: int,
+               workers: int, rule: str, min_agreement: float, max_micro: int,
+               check) -> tuple[DtypeResult, tuple[np.ndarray, np.ndarray | None]]:
+    """Agreement with the reference (tokens, then pixels decoded from the reference's tokens)
+    and batch invariance; ``reference`` None: this runtime is the reference."""
+    res = DtypeResult(raw.info.dtype, backend=raw.info.backend)
     runtime = PlannedRuntime(raw, ExecutionPlan(1, workers))
     try:
         tokens = runtime.encode(photos)
+        check()
+        ref_tokens, ref_pixels = reference if reference is not None else (tokens, None)
+        pixels = runtime.decode(ref_tokens)
     finally:
         runtime.close()
-    res.agreement = 1.0 if reference is None else float(np.mean(tokens == reference))
+    res.agreement = float(np.mean(tokens == ref_tokens))
+    res.pixels_equal = ref_pixels is None or bool(np.array_equal(pixels, ref_pixels))
+    check()
     small = synthetic_images(6, side_small, seed=2)
     cert = check_invariance(raw, ExecutionPlan(4, workers), small, "calibration", batch_sizes=(1, 2, 5),
                             compositions=1)
     res.batch_invariant = cert.batch_invariant and cert.decode_batch_invariant
+    check()
     cert = check_invariance(raw, ExecutionPlan(max_micro, workers, lone_unpadded=("decode", "encode")),
                             synthetic_images(max_micro, side_small, seed=4), "calibration",
                             batch_sizes=(1, 3, max_micro), compositions=1)
     res.lone_invariant = [m for m, ok in (("decode", cert.decode_batch_invariant), ("encode", cert.batch_invariant))
                           if ok]
     if workers > 1:
+        check()
         cert = check_invariance(raw, ExecutionPlan(1, 1, workers), small, "calibration",
                                 batch_sizes=(1, 5), compositions=1)
         res.threads_invariant = cert.batch_invariant and cert.decode_batch_invariant
-    if res.agreement < min_agreement:
+    if rule == "identical" and res.agreement < 1.0:
+        res.why_not = f"tokens differ from the reference on {1 - res.agreement:.4%} of positions"
+    elif rule == "identical" and not res.pixels_equal:
+        res.why_not = "decoded pixels differ from the reference's"
+    elif rule == "agreement" and res.agreement < min_agreement:
         res.why_not = f"agreement {res.agreement:.4%} < {min_agreement:.2%}"
     elif not res.batch_invariant:
         res.why_not = "tokens depend on the batch"
     res.eligible = not res.why_not
-    return res, tokens
+    return res, (tokens, pixels if reference is None else None)
 
 
-def _speeds(raw, dtype: str, sides: tuple[int, ...], micro_batches: tuple[int, ...], workers: int,
-            seconds: float, say, backend: str = "eager") -> list[Candidate]:
-    """Images/s per (size, micro-batch) with ``workers`` single-threaded calls, and per size
-    with one call using ``workers`` torch threads (not for ONNX Runtime, whose sessions run
-    one thread each: vqserve.export.runtimes). Micro-batches stop growing once one is slower
-    than the best so far by 3% (throughput is unimodal in the micro-batch)."""
-    rows: list[Candidate] = []
-    for side in sides:
-        images = synthetic_images(4, side, seed=3)
-        best = 0.0
-        for micro in micro_batches:
-            if micro * side * side > MAX_CALL_PIXELS:
-                break
-            cand = Candidate(dtype, side, micro, workers, backend=backend)
-            rows.append(_timed(raw, cand, images, seconds))
-            say(f"{label_of(backend, dtype)} {side}x{side} micro-batch {micro} x {workers} workers: {cand.images_per_s:.1f} img/s")
-            if cand.images_per_s < 0.97 * best:
-                break
-            best = max(best, cand.images_per_s)
-        if workers > 1 and backend != "onnx":  # onnxruntime sessions keep the thread count they were opened with
-            cand = Candidate(dtype, side, 1, 1, threads=workers, backend=backend)
-            rows.append(_timed(raw, cand, images, seconds))
-            say(f"{label_of(backend, dtype)} {side}x{side} micro-batch 1 x 1 worker x {workers} threads: {cand.images_per_s:.1f} img/s")
-    return rows
+def _candidates(res: DtypeResult, sides: tuple[int, ...], micro_batches: tuple[int, ...],
+                workers: int) -> list[Candidate]:
+    """The ways to run one path: each micro-batch with ``workers`` single-threaded calls, and
+    one call with ``workers`` torch threads (not for ONNX Runtime, whose sessions run one
+    thread each: vqserve.export.runtimes)."""
+    out = [Candidate(res.dtype, side, micro, workers, backend=res.backend)
+           for side in sides for micro in micro_batches if micro * side * side <= MAX_CALL_PIXELS]
+    if workers > 1 and res.backend != "onnx" and res.threads_invariant:
+        out += [Candidate(res.dtype, side, 1, 1, threads=workers, backend=res.backend) for side in sides]
+    return out
 
 
-def _timed(raw, cand: Candidate, images: np.ndarray, seconds: float) -> Candidate:
-    runtime = PlannedRuntime(raw, cand.plan())
+def _time_interleaved(raws: dict[str, object], rows: list[Candidate], safe: dict[int, Candidate], rounds: int,
+                      seconds: float, say, check) -> None:
+    """Time every candidate once per round, all of them in each round (a busy machine slows a
+    whole round, not one candidate), and keep per candidate the median over rounds of its speed
+    relative to the safe plan's in the same round, and the spread of that ratio."""
+    images = {side: synthetic_images(4, side, seed=3) for side in {c.side for c in rows}}
+    runners, batches, seen = {}, {}, {}
     try:
-        batch = np.resize(images, (cand.micro_batch * cand.workers * 2, *images.shape[1:]))
-        cand.images_per_s = images_per_second(runtime.encode, batch, seconds)
+        for c in rows:  # one full call per worker a measurement; warmed up once, before the rounds
+            runners[id(c)] = PlannedRuntime(raws[c_label(c)], c.plan())
+            batches[id(c)] = np.resize(images[c.side], (c.micro_batch * c.workers, *images[c.side].shape[1:]))
+            check()
+            apply_intra_op_threads(c.threads)
+            runners[id(c)].encode(batches[id(c)])
+            apply_intra_op_threads(1)
+        for r in range(rounds):
+            speeds = {}
+            for c in rows:
+                check()
+                apply_intra_op_threads(c.threads)
+                speeds[id(c)] = images_per_second(runners[id(c)].encode, batches[id(c)], seconds, check,
+                                                  warm_up=False)
+                apply_intra_op_threads(1)
+            for c in rows:
+                c.rounds.append(round(speeds[id(c)] / speeds[id(safe[c.side])], 4))
+                seen.setdefault(id(c), []).append(speeds[id(c)])
+            say(f"timing round {r + 1}/{rounds} done ({len(rows)} candidates)")
+        for c in rows:
+            c.ratio = float(np.median(c.rounds))
+            c.spread = float((max(c.rounds) - min(c.rounds)) / 2)
+            c.images_per_s = float(np.median(seen[id(c)]))
     finally:
-        runtime.close()
-        apply_intra_op_threads(1)  # the next candidate starts from one thread again
-    return cand
+        for runner in runners.values():
+            runner.close()
+        apply_intra_op_threads(1)
 
 
-MICRO_TOLERANCE = 0.05  # the smallest micro-batch within 5 % of the fastest wins: less padding, less memory
+def c_label(c: Candidate) -> str:
+    return label_of(c.backend, c.dtype)
+
+
+MICRO_TOLERANCE = 0.05  # a more complex candidate must beat a simpler one by more than this (and the spread)
+
+
+def _better(new: Candidate | DtypeResult, new_ratio: float, new_spread: float, old_ratio: float,
+            old_spread: float) -> bool:
+    """Whether a more complex choice beats a simpler one: by more than 5 % and more than the
+    two spreads together; where the measurements cannot tell them apart, the simpler wins."""
+    return new_ratio > old_ratio * (1 + max(MICRO_TOLERANCE, new_spread + old_spread))
+
+
+def _best_at(rows: list[Candidate], res: DtypeResult, side: int, threads: bool | None = None) -> Candidate | None:
+    pool = sorted((c for c in rows if (c.backend, c.dtype, c.side) == (res.backend, res.dtype, side)
+                   and (threads is None or (c.threads > 1) == threads)), key=lambda c: c.complexity)
+    best = None
+    for c in pool:
+        if best is None or _better(c, c.ratio, c.spread, best.ratio, best.spread):
+            best = c
+    return best
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values)) if values else 0.0
 
 
 def _choose(rows: list[Candidate], results: dict[str, DtypeResult], sides: tuple[int, ...],
             workers: int) -> tuple[DtypeResult, ExecutionPlan]:
-    def best(res: DtypeResult, side: int, threads: int | None = None) -> Candidate | None:
-        pool = [c for c in rows if (c.backend, c.dtype, c.side) == (res.backend, res.dtype, side)
-                and (threads is None or c.threads == threads)]
-        if not pool:
-            return None
-        top = max(c.images_per_s for c in pool)
-        return min((c for c in pool if c.images_per_s >= (1 - MICRO_TOLERANCE) * top), key=lambda c: c.micro_batch)
-
+    """The path (in measuring order: the reference first) and plan: a later path or a more
+    complex plan replaces an earlier, simpler one only where it is measurably faster."""
+    spread = {}
     for res in results.values():
-        tops = [best(res, s) for s in sides]
-        res.score = math.exp(sum(math.log(max(c.images_per_s, 1e-9)) for c in tops) / len(tops)) if all(tops) else 0
-    eligible = [r for r in results.values() if r.eligible]
-    choice = max(eligible, key=lambda r: r.score)
-    parallel = [best(choice, s, 1) for s in sides]
-    threaded = [best(choice, s, workers) for s in sides] if workers > 1 else []
-    use_threads = (choice.threads_invariant and threaded and all(threaded)
-                   and sum(math.log(t.images_per_s / p.images_per_s) for t, p in zip(threaded, parallel, strict=True)) > 0)
-    if use_threads:
+        tops = [_best_at(rows, res, s, threads=False) for s in sides]
+        res.score = _geomean([c.ratio for c in tops]) if all(tops) else 0.0
+        spread[res.label] = max((c.spread for c in tops if c), default=0.0)
+    choice = None
+    for res in (r for r in results.values() if r.eligible and r.score):
+        if choice is None or _better(res, res.score, spread[res.label], choice.score, spread[choice.label]):
+            choice = res
+    parallel = [_best_at(rows, choice, s, threads=False) for s in sides]
+    threaded = [_best_at(rows, choice, s, threads=True) for s in sides]
+    if all(threaded) and _better(threaded[0], _geomean([c.ratio for c in threaded]),
+                                 max(c.spread for c in threaded),
+                                 _geomean([c.ratio for c in parallel]), max(c.spread for c in parallel)):
         return choice, ExecutionPlan(1, 1, workers)
     by_pixels = tuple((s * s, c.micro_batch) for s, c in zip(sides, parallel, strict=True))
     return choice, ExecutionPlan(micro_batch=parallel[-1].micro_batch, workers=workers,
-                                       micro_batch_by_pixels=by_pixels, lone_unpadded=tuple(choice.lone_invariant))
+                                 micro_batch_by_pixels=by_pixels, lone_unpadded=tuple(choice.lone_invariant))
 
 
 def default_backends(device: str) -> tuple[str, ...]:
@@ -254,20 +338,24 @@ def default_backends(device: str) -> tuple[str, ...]:
 EXPORT_BACKENDS = ("onnx", "torchscript", "pt2")
 
 
-def _export_dtypes(fmt: str, device: str, pinned: str | None) -> list[str]:
-    """The dtypes worth exporting ``fmt`` in here: fp32 on a CPU (onnxruntime's CPU provider
-    runs an fp16 graph in fp32 with casts; bf16 eager already measures the bf16 kernels),
-    every supported one on CUDA; only the pinned one when ``--dtype`` is given."""
+def _export_dtypes(fmt: str, device: str, dtype: str | None) -> list[str]:
+    """The dtypes worth exporting ``fmt`` in: the reference's (fp32 by default, or the pinned
+    one); with ``--dtype auto``, fp32 on a CPU (onnxruntime's CPU provider runs an fp16 graph
+    in fp32 with casts; bf16 eager already measures the bf16 kernels) and every supported one
+    on CUDA."""
     from vqserve.export.exporter import check_combination
 
-    wanted = [pinned] if pinned else (["fp32"] if device == "cpu" else list(DTYPES))
+    if dtype == "auto":
+        wanted = ["fp32"] if device == "cpu" else list(DTYPES)
+    else:
+        wanted = [dtype or "fp32"]
     ok = []
-    for dtype in wanted:
+    for want in wanted:
         try:
-            check_combination(fmt, dtype, device)
+            check_combination(fmt, want, device)
         except ValueError:
             continue
-        ok.append(dtype)
+        ok.append(want)
     return ok
 
 
@@ -291,34 +379,64 @@ def _export_candidate(model, model_hash: str, fmt: str, dtype: str, device: str,
     out = artifact_dir(artifacts, model_hash, fmt, dtype, device)
     if (out / "manifest.json").is_file():
         return out
+    for stale in artifacts.glob(f".{out.name}.tmp-*"):  # a killed measurement's half export (ours)
+        if time.time() - stale.stat().st_mtime > STALE_EXPORT_S:
+            shutil.rmtree(stale, ignore_errors=True)
     say(f"exporting {fmt} {dtype} to {out} to measure it")
     artifacts.mkdir(parents=True, exist_ok=True)
     export_model(model, fmt, dtype, out, device=device, log=lambda msg: say(f"{fmt} {dtype}: {msg}"))
     return out
 
 
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - not on every platform
+        return None
+
+
 def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
             min_agreement: float = 0.995, sides: tuple[int, ...] = CALIBRATION_SIDES,
-            micro_batches: tuple[int, ...] = MICRO_BATCHES, seconds: float = 0.6,
+            micro_batches: tuple[int, ...] = MICRO_BATCHES, seconds: float = 0.3,
             workers: int | None = None, log: Callable[[str], None] | None = None,
             backends: tuple[str, ...] | None = None, artifacts: str | os.PathLike | None = None,
-            model_hash: str | None = None) -> dict:
-    """Measure every candidate and choose. ``dtype`` pins the dtype (or an artifact's own);
-    ``workers`` (default one per core on CPU, one on CUDA) is the parallel calls to try.
-    ``backends``: for a checkpoint served with ``backend`` auto, the formats to export
-    in-process into ``artifacts`` (default: the plan cache's ``artifacts/``) and measure
-    beside eager (default :func:`default_backends`); ``model_hash``: the model's, when the
-    caller has it already (it names the exports). Returns a JSON-able dict with ``dtype``,
-    ``backend``, ``artifact``, ``plan``, ``dtypes``, ``candidates``, ``device``."""
+            model_hash: str | None = None, rounds: int = ROUNDS,
+            should_stop: Callable[[], bool] | None = None) -> dict:
+    """Measure every candidate and choose.
+
+    ``dtype``: None (exact by default) measures fp32 eager - the reference - and the other
+    backends in fp32, and only a path whose tokens and decoded pixels equal the reference's on
+    the calibration photographs may be chosen; a pinned dtype does the same in that dtype;
+    ``"auto"`` also measures bf16 and fp16 and accepts ``min_agreement`` of fp32's tokens.
+    An artifact directory is measured as it is (its own dtype). ``workers`` (default one per
+    core on CPU, one on CUDA) is the parallel calls to try. ``backends``: for a checkpoint with
+    ``backend`` auto, the formats to export in-process into ``artifacts`` (default: the plan
+    cache's ``artifacts/``) and measure beside eager (default :func:`default_backends`);
+    ``model_hash``: the model's, when the caller has it already (it names the exports).
+    ``should_stop()`` is asked between model calls: True raises :class:`PlanCancelled`.
+    Returns a JSON-able dict with ``dtype``, ``backend``, ``artifact``, ``exact``, ``plan``,
+    ``dtypes``, ``candidates``, ``device``, ``load_average``."""
     from vqserve.export.runtime import load_runtime, model_hash_of
 
     say = log or (lambda msg: None)
+
+    def check() -> None:
+        if should_stop is not None and should_stop():
+            raise PlanCancelled("the measurement was stopped before it finished; nothing was cached")
+
     t0 = time.perf_counter()
+    load_before = load_average()
     workers = workers or default_model_workers(device)
+    rule = exactness_rule(dtype)
     is_artifact = (Path(str(model)) / "manifest.json").is_file()
     # (dtype, export format or None for the model as given): the model as given comes first,
-    # and its first dtype that runs (fp32 unless pinned) is the reference the others are measured against
-    paths = [(want, None) for want in ((dtype,) if dtype else ((None,) if is_artifact else DTYPES))]
+    # and its first dtype is the reference the others are measured against
+    if is_artifact:
+        paths = [(None, None)]
+    elif dtype == "auto":
+        paths = [(want, None) for want in DTYPES]
+    else:
+        paths = [(dtype or "fp32", None)]
     if not is_artifact and backend == "auto":
         paths += [(want, fmt) for fmt in (backends or default_backends(device)) if fmt in EXPORT_BACKENDS
                   for want in _export_dtypes(fmt, device, dtype)]
@@ -326,42 +444,80 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
     photos, source = calibration_images()
     reference = None
     results: dict[str, DtypeResult] = {}
-    rows: list[Candidate] = []
-    for want, fmt in paths:
-        artifact = None
-        try:
-            if fmt is None:
-                raw = load_runtime(model, backend=backend, dtype=want, device=device)
-            else:
-                artifact = str(_export_candidate(model, model_hash, fmt, want, device,
-                                                 Path(artifacts) if artifacts else cache_dir() / "artifacts", say))
-                raw = load_runtime(artifact, device=device)
-        except Exception as exc:  # noqa: BLE001 - a path that cannot load or export is refused, not fatal
-            refused = DtypeResult(want or "as exported", backend=fmt or "eager",
-                                  why_not=f"cannot run: {' '.join(str(exc).split())[:300]}")
-            say(f"{refused.label}: {refused.why_not}")
-            results[refused.label] = refused
-            continue
-        is_reference = fmt is None and reference is None
-        res, tokens = _exactness(raw, raw.info.dtype, None if is_reference else reference, photos, min(sides),
-                                 workers, min_agreement, max(micro_batches), backend=raw.info.backend)
-        reference = tokens if is_reference else reference
-        res.artifact = artifact
-        say(f"{res.label}: agreement with {dtype or 'fp32'} {res.agreement:.4%}, "
-            f"{'batch-invariant' if res.batch_invariant else 'NOT batch-invariant'}")
-        results[res.label] = res
-        rows += _speeds(raw, res.dtype, tuple(sides), tuple(micro_batches), workers, seconds, say, res.backend)
-        if hasattr(raw, "close"):
-            raw.close()
-    if not any(r.eligible for r in results.values()):
-        raise RuntimeError("no dtype met the constraints: " +
-                           "; ".join(f"{r.label}: {r.why_not}" for r in results.values()))
-    chosen, plan = _choose(rows, results, tuple(sides), workers)
+    raws: dict[str, object] = {}
+    try:
+        for want, fmt in paths:
+            check()
+            artifact = None
+            try:
+                if fmt is None:
+                    raw = load_runtime(model, backend=backend, dtype=want, device=device)
+                else:
+                    artifact = str(_export_candidate(model, model_hash, fmt, want, device,
+                                                     Path(artifacts) if artifacts else cache_dir() / "artifacts", say))
+                    raw = load_runtime(artifact, device=device)
+            except Exception as exc:  # noqa: BLE001 - a path that cannot load or export is refused, not fatal
+                refused = DtypeResult(want or "as exported", backend=fmt or "eager",
+                                      why_not=f"cannot run: {' '.join(str(exc).split())[:300]}")
+                say(f"{refused.label}: {refused.why_not}")
+                results[refused.label] = refused
+                continue
+            res, outputs = _exactness(raw, reference, photos, min(sides), workers, rule, min_agreement,
+                                      max(micro_batches), check)
+            if reference is None:
+                reference = outputs
+            res.artifact = artifact
+            # eager fp32 is the reference unless another dtype is pinned; an artifact says itself
+            res.exact = (raw.info.exact if is_artifact else
+                         res.dtype == "fp32" and res.agreement == 1.0 and dtype in (None, "fp32", "auto"))
+            say(f"{res.label}: tokens {res.agreement:.4%} equal to the reference, decoded pixels "
+                f"{'equal' if res.pixels_equal else 'DIFFERENT'}, "
+                f"{'batch-invariant' if res.batch_invariant else 'NOT batch-invariant'}"
+                + (f": refused ({res.why_not})" if res.why_not else ""))
+            results[res.label] = res
+            if res.eligible:
+                raws[res.label] = raw
+            elif hasattr(raw, "close"):
+                raw.close()
+        if not any(r.eligible for r in results.values()):
+            raise RuntimeError("no dtype met the constraints: " +
+                               "; ".join(f"{r.label}: {r.why_not}" for r in results.values()))
+        eligible = [r for r in results.values() if r.eligible]
+        rows = [c for r in eligible for c in _candidates(r, tuple(sides), tuple(micro_batches), workers)]
+        first = eligible[0]
+        safe = {c.side: c for c in rows
+                if (c.backend, c.dtype, c.micro_batch, c.threads) == (first.backend, first.dtype, 1, 1)}
+        say(f"timing {len(rows)} candidates in {rounds} interleaved rounds of {seconds:g} s each")
+        _time_interleaved(raws, rows, safe, rounds, seconds, say, check)
+        chosen, plan = _choose(rows, results, tuple(sides), workers)
+        check()
+        plan = _certified(raws[chosen.label], plan, say)
+    finally:
+        for raw in raws.values():
+            if hasattr(raw, "close"):
+                raw.close()
     return {"planner_version": PLANNER_VERSION, "device": probe_device(device), "dtype": chosen.dtype,
-            "backend": chosen.backend, "artifact": chosen.artifact,
-            "plan": plan.to_dict(), "min_agreement": min_agreement, "sides": list(sides),
-            "calibration": source, "dtypes": [asdict(r) for r in results.values()],
-            "candidates": [asdict(c) for c in rows], "measure_s": round(time.perf_counter() - t0, 2)}
+            "backend": chosen.backend, "artifact": chosen.artifact, "exact": chosen.exact, "rule": rule,
+            "plan": plan.to_dict(), "min_agreement": min_agreement if rule == "agreement" else None,
+            "sides": list(sides), "calibration": source, "rounds": rounds, "seconds": seconds,
+            "dtypes": [asdict(r) for r in results.values()],
+            "candidates": [asdict(c) for c in rows], "measure_s": round(time.perf_counter() - t0, 2),
+            "load_average": {"before": load_before, "after": load_average()}}
+
+
+def _certified(raw, plan: ExecutionPlan, say) -> ExecutionPlan:
+    """The plan as the server's own start-up check sees it: a plan that fails that check (a
+    lone call that moved a decoded pixel there although the calibration found it equal) loses
+    its unpadded lone calls, and failing still, falls back to micro-batch 1."""
+    from vqserve.export.determinism import start_up_check
+
+    for attempt in (plan, dataclasses.replace(plan, lone_unpadded=()),
+                    ExecutionPlan(1, plan.workers)):
+        cert = start_up_check(raw, attempt)
+        if cert.batch_invariant and cert.decode_batch_invariant:
+            return attempt
+        say(f"plan {attempt.describe()} failed the start-up check ({cert.summary()}); trying a simpler one")
+    return ExecutionPlan(1, plan.workers)
 
 
 # ---- the on-disk cache ------------------------------------------------------------------
@@ -393,7 +549,8 @@ def cache_key(model, device: str, backend: str, dtype: str | None, min_agreement
         ort = None
     return {"planner_version": PLANNER_VERSION, "vqserve": vqserve.__version__, "torch": torch.__version__,
             "onnxruntime": ort, "hardware": probe_device(device), "model_hash": model_hash_of(model),
-            "backend": backend, "dtype": dtype, "min_agreement": min_agreement, "sides": list(sides),
+            "backend": backend, "dtype": dtype, "min_agreement": min_agreement if dtype == "auto" else None,
+            "sides": list(sides),
             "micro_batches": list(micro_batches), "workers": workers or default_model_workers(device),
             "backends": list(backends or default_backends(device))}
 
@@ -431,9 +588,16 @@ def write_cached(directory: Path, key: dict, result: dict) -> Path | None:
     return path
 
 
+PLAN_FILE_FORMAT = "vqserve-plan"
+
+
+class PlanFileError(ValueError):
+    """A plan file this machine or model cannot use (one line: what and why)."""
+
+
 @dataclass
 class PlanChoice:
-    """What ``--plan auto`` decided and where it came from (``measured`` or ``cache``)."""
+    """What the planner decided and where it came from: ``measured``, ``cache`` or ``file``."""
 
     dtype: str
     plan: ExecutionPlan
@@ -451,45 +615,137 @@ class PlanChoice:
         """The in-process export chosen (in the plan cache), or None: serve the model as given."""
         return self.result.get("artifact")
 
+    @property
+    def exact(self) -> bool:
+        """The chosen path gives the model's fp32 eager tokens (measured equal)."""
+        return bool(self.result.get("exact"))
+
     def why(self) -> str:
         """One line for the log: the choice and the figures behind it."""
         parts = []
         for r in self.result.get("dtypes", []):
-            state = f"{r['score']:.1f} img/s" if r["eligible"] else f"refused: {r['why_not']}"
+            state = f"x{r['score']:.2f}" if r["eligible"] else f"refused: {r['why_not']}"
             parts.append(f"{row_label(r)} {state}")
-        return (f"{label_of(self.backend, self.dtype)} {self.plan.describe()} ({self.source}; " + ", ".join(parts) +
-                f"; agreement >= {self.result.get('min_agreement', 0):.2%})")
+        rule = ("tokens and pixels identical to the reference" if self.result.get("rule", "identical") == "identical"
+                else f"agreement >= {self.result.get('min_agreement') or 0:.2%}")
+        return (f"{label_of(self.backend, self.dtype)} {self.plan.describe()} ({self.source}; "
+                + ", ".join(parts) + f"; speeds relative to the safe plan; {rule})")
+
+    def to_dict(self) -> dict:
+        """The decision as JSON-able data: a plan file's body, and what a Ray driver ships to
+        its actors (:meth:`from_dict`)."""
+        return {"format": PLAN_FILE_FORMAT, "model_hash": self.model_hash, "source": self.source,
+                **{k: v for k, v in self.result.items() if k not in ("key", "source")}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PlanChoice:
+        return cls(data["dtype"], ExecutionPlan.from_dict(data["plan"]), data.get("source", "file"), None,
+                   data, data.get("model_hash", ""))
+
+    def to_file(self, path: str | os.PathLike) -> Path:
+        """Write the decision as a plan file (``vqserve plan --out``), atomically."""
+        path = Path(path)
+        body = {**self.to_dict(), "source": "file"}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, model, device: str, dtype: str | None = None) -> PlanChoice:
+        """A plan file written by ``vqserve plan --out``, for ``model`` on ``device``. Refused
+        (:class:`PlanFileError`, one line) when it is not a plan file, was measured for another
+        model (hash), another kind of device, or another dtype than ``--dtype`` pins. Whether
+        this machine reproduces its tokens is checked when it loads (:func:`check_reproduces`)."""
+        from vqserve.export.runtime import model_hash_of
+
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise PlanFileError(f"--plan {path}: cannot read it ({exc.strerror or exc})") from None
+        except ValueError:
+            raise PlanFileError(f"--plan {path}: not JSON; write one with `vqserve plan --out FILE`") from None
+        if not isinstance(data, dict) or data.get("format") != PLAN_FILE_FORMAT or "plan" not in data:
+            raise PlanFileError(f"--plan {path}: not a vqserve plan file; write one with `vqserve plan --out FILE`")
+        if int(data.get("planner_version", 0)) > PLANNER_VERSION:
+            raise PlanFileError(f"--plan {path}: written by a newer vqserve (planner version "
+                                f"{data['planner_version']}, this one reads up to {PLANNER_VERSION})")
+        want = model_hash_of(model)
+        if data.get("model_hash") != want:
+            raise PlanFileError(f"--plan {path} was measured for model {str(data.get('model_hash'))[:12]}, "
+                                f"not {model} ({want[:12]}); measure this model with "
+                                f"`vqserve plan --model {model} --out FILE`")
+        planned_on = str(data.get("device", {}).get("device", "cpu")).split(":")[0]
+        if planned_on != device.split(":")[0]:
+            raise PlanFileError(f"--plan {path} was measured on {planned_on}, this server runs on {device}; "
+                                "measure a plan per kind of device")
+        if dtype is not None and dtype != "auto" and data.get("dtype") != dtype:
+            raise PlanFileError(f"--plan {path} runs {data.get('dtype')}, not --dtype {dtype}")
+        return cls(data["dtype"], ExecutionPlan.from_dict(data["plan"]), "file", str(path), data, want)
 
     def load(self, model, backend: str = "auto", dtype: str | None = None, device: str = "cpu",
-             expect_hash: str | None = None):
+             expect_hash: str | None = None, artifacts: str | os.PathLike | None = None, log=None):
         """The runtime this plan measured. For an in-process export, the export is checked to
         come from ``model`` (its manifest's source hash) and reports ``model``'s hash, so
-        ``--expect-hash`` and clients see the same model whichever backend runs it."""
+        ``--expect-hash`` and clients see the same model whichever backend runs it. An export
+        that is not on this machine (a plan file from another one) is made again into
+        ``artifacts`` (default: the plan cache's)."""
         from vqserve.export.runtime import load_runtime, model_hash_of
 
-        if not self.artifact:
-            return load_runtime(model, backend=backend, dtype=dtype or self.dtype, device=device,
-                                expect_hash=expect_hash)
+        if self.backend == "eager" or (Path(str(model)) / "manifest.json").is_file():  # the model as given
+            return load_runtime(model, backend=backend, dtype=self.dtype, device=device, expect_hash=expect_hash)
         from vqserve.export.manifest import read_manifest
 
         want = self.model_hash or model_hash_of(model)
-        if read_manifest(self.artifact)["source"]["sha256"] != want:
-            raise ValueError(f"the plan cache's export {self.artifact} was not made from {model} "
+        artifact = self.artifact
+        if not artifact or not (Path(artifact) / "manifest.json").is_file():
+            artifact = str(_export_candidate(model, want, self.backend, self.dtype, device,
+                                             Path(artifacts) if artifacts else cache_dir() / "artifacts",
+                                             log or (lambda msg: None)))
+        if read_manifest(artifact)["source"]["sha256"] != want:
+            raise ValueError(f"the plan cache's export {artifact} was not made from {model} "
                              f"(hash {want[:12]}); remove it or run with --plan-cache elsewhere")
-        runtime = load_runtime(self.artifact, device=device)
-        runtime.info = dataclasses.replace(runtime.info, model_hash=want,
-                                           extra={**runtime.info.extra, "plan_artifact": self.artifact})
+        runtime = load_runtime(artifact, device=device)
+        runtime.info = dataclasses.replace(runtime.info, model_hash=want, source_hash=want,
+                                           extra={**runtime.info.extra, "plan_artifact": artifact})
         return runtime
 
 
-def choose_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
+def check_reproduces(runtime, model, device: str, choice: PlanChoice) -> None:
+    """The start-up check of a plan brought from elsewhere (a file, or one measured in the
+    background): for an exact plan, its runtime must give eager fp32's tokens and decoded
+    pixels on the calibration photographs here; and every plan must be batch-invariant under
+    its own execution plan here. Raises :class:`PlanFileError` naming what differs."""
+    from vqserve.export.determinism import start_up_check
+    from vqserve.export.runtime import load_runtime
+
+    if choice.exact and runtime.info.backend != "eager":
+        reference = load_runtime(model, dtype="fp32", device=device)
+        photos, _ = calibration_images()
+        ref_tokens = PlannedRuntime(reference, ExecutionPlan(1, 1)).encode(photos)
+        ref_pixels = PlannedRuntime(reference, ExecutionPlan(1, 1)).decode(ref_tokens)
+        ours = PlannedRuntime(runtime, ExecutionPlan(1, 1))
+        tokens = ours.encode(photos)
+        if not np.array_equal(tokens, ref_tokens):
+            raise PlanFileError(f"this machine cannot reproduce the plan's tokens: {choice.backend}/{choice.dtype} "
+                                f"differs from eager fp32 on {np.mean(tokens != ref_tokens):.4%} of the "
+                                "calibration tokens here; measure a plan on this kind of machine")
+        if not np.array_equal(ours.decode(ref_tokens), ref_pixels):
+            raise PlanFileError(f"this machine cannot reproduce the plan's decoded pixels: "
+                                f"{choice.backend}/{choice.dtype} decodes differently from eager fp32 here; "
+                                "measure a plan on this kind of machine")
+    cert = start_up_check(runtime, choice.plan)
+    if not (cert.batch_invariant and cert.decode_batch_invariant):
+        raise PlanFileError(f"the plan fails the start-up check on this machine: {cert.summary()}")
+
+
+def lookup_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
                 min_agreement: float = 0.995, cache: str | os.PathLike | None = None,
-                log: Callable[[str], None] | None = None, expect_hash: str | None = None,
-                refresh: bool = False, **measure_kw) -> PlanChoice:
-    """The plan for serving ``model`` here: from the cache when this hardware, versions and
-    model were measured before (unless ``refresh``), else measured now and cached.
-    ``expect_hash``: refuse a model whose hash (the cache key's, read from the files)
-    differs, before anything of it runs. ``PlanChoice.load`` opens what was chosen."""
+                expect_hash: str | None = None, **measure_kw) -> tuple[PlanChoice | None, dict]:
+    """The cached plan for ``model`` here, or None; and the cache key (for the measurement
+    that would fill it). ``expect_hash``: refuse a model whose hash differs, before anything
+    of it runs."""
     from vqserve.export.runtime import check_expected_hash
 
     directory = cache_dir(cache)
@@ -498,12 +754,28 @@ def choose_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | 
                     tuple(measure_kw.get("micro_batches", MICRO_BATCHES)), measure_kw.get("workers"),
                     measure_kw.get("backends"))
     check_expected_hash(expect_hash, key["model_hash"], model)
-    cached = None if refresh else read_cached(directory, key)
-    if cached is not None:
-        return PlanChoice(cached["dtype"], ExecutionPlan.from_dict(cached["plan"]), "cache",
-                          str(_key_file(directory, key)), cached, key["model_hash"])
+    cached = read_cached(directory, key)
+    if cached is None:
+        return None, key
+    return PlanChoice(cached["dtype"], ExecutionPlan.from_dict(cached["plan"]), "cache",
+                      str(_key_file(directory, key)), cached, key["model_hash"]), key
+
+
+def choose_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
+                min_agreement: float = 0.995, cache: str | os.PathLike | None = None,
+                log: Callable[[str], None] | None = None, expect_hash: str | None = None,
+                refresh: bool = False, should_stop: Callable[[], bool] | None = None,
+                **measure_kw) -> PlanChoice:
+    """The plan for serving ``model`` here: from the cache when this hardware, versions and
+    model were measured before (unless ``refresh``), else measured now and cached (only once
+    the measurement finished: a stopped one, :class:`PlanCancelled`, caches nothing).
+    ``PlanChoice.load`` opens what was chosen."""
+    cached, key = lookup_plan(model, device, backend, dtype, min_agreement, cache, expect_hash, **measure_kw)
+    if cached is not None and not refresh:
+        return cached
+    directory = cache_dir(cache)
     result = measure(model, device, backend, dtype, min_agreement, log=log, artifacts=directory / "artifacts",
-                     model_hash=key["model_hash"], **measure_kw)
+                     model_hash=key["model_hash"], should_stop=should_stop, **measure_kw)
     written = write_cached(directory, key, result)
     return PlanChoice(result["dtype"], ExecutionPlan.from_dict(result["plan"]), "measured",
                       str(written) if written else None, result, key["model_hash"])

@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from vqserve.identity import same_tokens  # noqa: F401 - where runtimes' users look for it
 from vqserve.model.mixed_precision import low_precision_encoder
 
 
@@ -51,9 +52,22 @@ class RuntimeInfo:
     model_hash: str = ""              # one sha256 over every file loaded (config + weights / artifact)
     max_pixels: int = 1024 * 1024     # per image; larger inputs are refused
     extra: dict = field(default_factory=dict)
+    # The token identity. ``source_hash``: the checkpoint whose tokens these are (a checkpoint's
+    # own model_hash; an export's source checkpoint). ``exact``: the tokens are that checkpoint's
+    # in fp32 eager, measured equal (eager fp32 itself; an fp32 export whose parity check found
+    # every token equal). Two runtimes that are both exact for one source give the same tokens,
+    # whatever backend runs them: see :func:`vqserve.identity.same_tokens`.
+    source_hash: str = ""
+    exact: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def identity(self) -> dict:
+        """The fields that say which tokens a client gets (GetModelInfo, OIP metadata, the
+        tokenize manifest, encode's identity files)."""
+        return {"model_hash": self.model_hash, "source_hash": self.source_hash or self.model_hash,
+                "dtype": self.dtype, "backend": self.backend, "exact": bool(self.exact)}
 
 
 @runtime_checkable
@@ -130,13 +144,15 @@ class EagerRuntime:
                  expect_hash: str | None = None):
         from vqserve.model import load_tokenizer, parse_dtype
         from vqserve.model.checkpoint import resolve_model_path
-        from vqserve.model.precision import dtype_name
+        from vqserve.model.precision import dtype_name, fp32_means_fp32
 
         device = resolve_device(device)
         torch_dtype = parse_dtype(dtype)
         path = resolve_model_path(model)
         model_hash = checkpoint_hash(path)
         check_expected_hash(expect_hash, model_hash, path)
+        if torch_dtype == torch.float32:
+            fp32_means_fp32(device)
         self.tokenizer = load_tokenizer(path, device=device)
         # the same encoder a bf16/fp16 export holds (fp32 residual stream for bf16/fp16, docs/EXPORT.md),
         # built from the fp32 weights; the quantizer is fp32 whatever the dtype
@@ -158,6 +174,8 @@ class EagerRuntime:
             index_dtype=self._index_dtype.name,
             model_hash=model_hash,
             extra={"family": getattr(cfg, "family", "vqserve")},
+            source_hash=model_hash,
+            exact=torch_dtype == torch.float32,  # eager fp32: the reference every other way is measured against
         )
 
     def encode(self, images: np.ndarray) -> np.ndarray:

@@ -21,6 +21,31 @@ from vqserve.export.manifest import artifact_hash, read_manifest, read_verified,
 from vqserve.export.runtime import RuntimeInfo, check_expected_hash, resolve_device
 
 
+def manifest_exact(manifest: dict) -> bool:
+    """An export gives its checkpoint's exact tokens when it runs in fp32 and its parity check
+    (against eager fp32, on the validation photographs) found every token equal."""
+    parity = manifest.get("parity") or {}
+    return (manifest.get("dtype") == "fp32" and bool(manifest.get("source", {}).get("sha256"))
+            and parity.get("index_agreement") == 1.0)
+
+
+def check_artifact_dtype(directory: str | os.PathLike, manifest: dict, dtype: str | None) -> None:
+    """Refuse a ``--dtype`` other than the one an artifact was exported in, as one line
+    (a ValueError: exit 2 on the command line). Its graphs were traced in that dtype, so it
+    cannot run in another; ``None`` (the flag left out) runs it as exported."""
+    exported = manifest["dtype"]
+    if dtype is None or dtype == exported:
+        return
+    fmt = manifest["format"]
+    article = "a" if exported.startswith("b") else "an"  # a bf16, an fp32
+    again = (f"export it again with vqserve export --format {fmt} --dtype {dtype}" if
+             (fmt, dtype) != ("onnx", "bf16") else  # onnx_export.BF16_REASON
+             "export a bf16 one with vqserve export --format pt2 --dtype bf16 (ONNX cannot run bf16)")
+    raise ValueError(f"--dtype {dtype}: {directory} holds {article} {exported} {fmt} export (its "
+                     f"dtype is fixed at export time); leave --dtype out to use it as exported, or "
+                     f"{again}")
+
+
 class ArtifactRuntime:
     """Common part: manifest, RuntimeInfo, input checks, wire dtypes."""
 
@@ -33,16 +58,16 @@ class ArtifactRuntime:
         fmt = self.manifest["format"]
         if fmt != self.backend:
             raise ValueError(f"{self.dir} holds a {fmt!r} export, not {self.backend!r}")
-        if dtype is not None and dtype != self.manifest["dtype"]:
-            raise ValueError(
-                f"{self.dir} was exported with dtype {self.manifest['dtype']}, not {dtype}; "
-                f"re-export with `vqserve export --dtype {dtype}` or pass dtype=None"
-            )
+        check_artifact_dtype(self.dir, self.manifest, dtype)
         if verify or expect_hash:  # the recorded hashes are the files' own from here on
             verify_files(self.dir, self.manifest)
         check_expected_hash(expect_hash, artifact_hash(self.manifest), self.dir)
         self.device = self._resolve_device(device)
         m = self.manifest
+        if m["dtype"] == "fp32" and self.backend != "onnx":  # torch runs it: no TF32 on CUDA
+            from vqserve.model.precision import fp32_means_fp32
+
+            fp32_means_fp32(self.device)
         self._index_dtype = np.dtype(m["index_dtype"])
         self.info = RuntimeInfo(
             backend=self.backend,
@@ -57,6 +82,8 @@ class ArtifactRuntime:
             index_dtype=self._index_dtype.name,
             model_hash=artifact_hash(m),  # every file of the artifact, not only the encoder
             extra={"artifact_dir": str(self.dir), "source_model_sha256": m.get("source", {}).get("sha256", "")},
+            source_hash=m.get("source", {}).get("sha256", ""),
+            exact=manifest_exact(m),
         )
 
     def _resolve_device(self, device: str) -> str:

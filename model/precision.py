@@ -84,6 +84,16 @@ def policy(name: str | torch.dtype = "fp32") -> PrecisionPolicy:
     return PrecisionPolicy(parse_dtype(name))
 
 
+def fp32_means_fp32(device: str) -> None:
+    """On CUDA, PyTorch runs fp32 cuDNN convolutions in TF32 by default (a 10-bit mantissa on
+    Ampere and newer), so "fp32" tokens would depend on the GPU generation. Serving fp32 is
+    the promise of exact tokens: turn TF32 off for convolutions and matmuls. The flags are
+    process-wide; a process serving one tokenizer is what they govern here."""
+    if str(device).startswith("cuda"):
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def cast_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Explicit boundary cast (failure 5): a no-op when the dtype already matches."""
     return x if x.dtype == dtype else x.to(dtype)

@@ -18,17 +18,32 @@ a shared machine's load changes do not favour one mode; each point keeps its bes
   install (e.g. the previous commit, ``pip install --no-deps --target DIR <checkout>``),
   with its own defaults, over v1: "never slower than before";
 * ``torchserve`` (``--torchserve``): the same model in TorchServe archives
-  (``vqserve.export.torchserve``), with TorchServe's batching set to the same size and
-  delay, called over TorchServe's gRPC ``Predictions`` (``.npy`` bodies).
+  (``vqserve.export.torchserve``), one worker, with TorchServe's batching set to the same
+  size and delay, called over TorchServe's gRPC ``Predictions`` (``.npy`` bodies);
+* ``torchserve-best`` (``--torchserve-workers N|cores``, ``--torchserve-batch B``): a second
+  TorchServe from the same archives with N workers and batch B (one worker per core and
+  batch 8 is TorchServe at its best on a CPU): TorchServe as its users would tune it;
+* ``in-process-capacity`` (``--capacity-mode``): the same runtime in one process per usable
+  core (``--capacity-workers``), each on one torch thread and one call at a time, fed one
+  image per request from a shared queue by the same closed-loop client levels: the
+  machine's raw capacity with no serving in between, what a server could reach at best.
+
+``vqserve serve`` chooses its execution plan itself (``--plan auto``: the cached plan, else
+the safe plan while a faster one is measured in the background, then a switch). The
+benchmark measures the server by the plan it ends up on: it waits until ``/metrics``
+(``vqserve_execution_plan{source=...}``) and the server's ``plan_switched`` /
+``plan_not_measured`` log lines say the measurement is over, and prints which plan it was
+(``--server-plan default`` measures the fixed default plan instead).
 
 Every client sends one image per request, back to back, over its own gRPC channel; the
 images are whole scikit-image photographs resized to ``--size``. Throughput is each
 client's calls that started inside the window over the time they took, summed over
 clients; p50/p99 are per request. Memory is the peak RSS
 (``VmHWM``) of each server's process tree: ``vqserve serve`` is one process; TorchServe is
-its Java frontend plus its Python workers.
+its Java frontend plus its Python workers; in-process-capacity is its worker processes.
 
     python -m vqserve.serve.bench --model default --size 128 --duration 10 --torchserve
+    python -m vqserve.serve.bench --size 256 --capacity-mode --torchserve --torchserve-workers cores --torchserve-batch 8
     python -m vqserve.serve.bench --model random --size 64   # default architecture, random weights
 """
 
@@ -39,12 +54,17 @@ import asyncio
 import contextlib
 import io
 import json
+import multiprocessing
 import os
+import queue
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +77,8 @@ PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field",
           "immunohistochemistry", "retina", "stereo_motorcycle_left")
 TORCHSERVE_PORTS = (19000, 19099)
 CALL_TIMEOUT_S = 300.0
+PLAN_WAIT_S = 600.0  # the server's plan budget (120 s by default) plus loading and the switch
+CAPACITY = "in-process-capacity"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -151,6 +173,13 @@ def tree_memory(root: int, include_root: bool = True) -> dict:
             "processes": procs}
 
 
+def pids_memory(pids: list[int]) -> dict:
+    """``tree_memory`` over several process trees (the capacity workers), added up."""
+    trees = [tree_memory(pid) for pid in pids]
+    return {"peak_mb": sum(t["peak_mb"] for t in trees), "rss_mb": sum(t["rss_mb"] for t in trees),
+            "processes": [p for t in trees for p in t["processes"]]}
+
+
 # ---- in-process ----------------------------------------------------------------------------
 def bench_in_process(runtime, inputs: np.ndarray, bs: int, duration: float, method: str) -> dict:
     """The runtime called directly, back to back, at batch size ``bs``."""
@@ -167,6 +196,147 @@ def bench_in_process(runtime, inputs: np.ndarray, bs: int, duration: float, meth
     return {"mode": "in-process", "level": bs, "throughput": n / elapsed,
             "p50_ms": 1e3 * _percentile(lat, 50), "p99_ms": 1e3 * _percentile(lat, 99),
             "requests": len(lat)}
+
+
+# ---- in-process capacity -------------------------------------------------------------------
+def warm_allocator() -> None:
+    """Free one 31 MiB block, so glibc's malloc raises its mmap threshold (it follows the
+    largest mmapped block freed, up to 32 MiB) and a model call's buffers come from the heap.
+
+    Otherwise each call maps its largest buffers afresh: measured with the default model at
+    64x64, ~2,000 page faults and +30% time per call. This process gets there by chance
+    (``bench_photos`` frees large decoded photographs); a fresh capacity worker would not,
+    and would measure malloc's start-up state rather than the machine."""
+    block = bytearray(31 << 20)
+    del block
+
+
+def _capacity_worker(model: str, backend: str, dtype: str | None, device: str, method: str,
+                     inputs: np.ndarray, tasks, results) -> None:
+    """One capacity worker: the runtime on one torch thread, one call at a time. Takes
+    ``(client, image index)`` from ``tasks`` until ``None``; answers ``("done", client,
+    output)`` on ``results`` (``("ready", pid, threads)`` first, ``("error", text)`` if it
+    fails)."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # before torch loads: no thread pool to oversubscribe
+    try:
+        import torch
+
+        from vqserve.export.runtime import load_runtime
+
+        torch.set_num_threads(1)
+        warm_allocator()
+        runtime = load_runtime(model, backend=backend, dtype=dtype, device=device)
+        fn = getattr(runtime, method)
+        fn(inputs[:1])  # warm-up: lazy allocations, first-call dispatch
+        results.put(("ready", os.getpid(), torch.get_num_threads()))
+        while (task := tasks.get()) is not None:
+            client, index = task
+            results.put(("done", client, fn(inputs[index][None])[0]))
+    except BaseException:  # noqa: BLE001 - the parent raises it with the worker's traceback
+        results.put(("error", traceback.format_exc()))
+
+
+class CapacityPool:
+    """``workers`` processes (spawned: a fork would copy this process's torch thread pools),
+    each the runtime on one thread running one call at a time, fed from one shared queue:
+    any free worker takes the next request, as a server's free model slot would, with
+    nothing of serving (no network, no batching, no decoding) in between."""
+
+    mode = CAPACITY
+
+    def __init__(self, model: str, args, inputs: np.ndarray, workers: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.tasks, self.results = ctx.Queue(), ctx.Queue()
+        self.procs = [ctx.Process(target=_capacity_worker, daemon=True, name=f"vqserve-capacity-{i}",
+                                  args=(model, args.backend, args.dtype, args.device, args.method,
+                                        inputs, self.tasks, self.results))
+                      for i in range(workers)]
+        try:
+            for p in self.procs:
+                p.start()
+            self.threads = {pid: threads for _, pid, threads in (self._get(300) for _ in self.procs)}
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def _get(self, timeout: float = CALL_TIMEOUT_S) -> tuple:
+        """The next message; raises a worker's error, or if one died or none answered."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self.procs if p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"capacity worker {dead[0].name} exited {dead[0].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no capacity worker answered in {timeout:.0f} s") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"a capacity worker failed:\n{msg[1]}")
+            return msg
+
+    def submit(self, client: int, index: int) -> None:
+        self.tasks.put((client, index))
+
+    def answer(self) -> tuple[int, np.ndarray]:
+        """(client, output) of the next request done, whichever worker ran it."""
+        _, client, out = self._get()
+        return client, out
+
+    def stop(self) -> None:
+        for _ in self.procs:
+            self.tasks.put(None)
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(10)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        for q in (self.tasks, self.results):
+            q.cancel_join_thread()  # requests left unread must not block this process's exit
+            q.close()
+
+
+def bench_capacity(pool: CapacityPool, expected: np.ndarray, clients: int, duration: float,
+                   warmup: float, mode: str = CAPACITY) -> dict:
+    """``clients`` closed-loop clients over ``pool``, counted exactly as ``bench_served``
+    counts its clients: client ``i`` sends image ``i % N``, one request in flight; its first
+    answer is kept for ``agreement``, calls before ``warmup`` s are not timed, the calls that
+    start within the next ``duration`` s are. One loop plays every client: it sends a
+    client's next request as soon as its answer is back."""
+    lat: list[float] = []
+    n, began, ended = [0] * clients, [0.0] * clients, [0.0] * clients
+    sent, timed = [0.0] * clients, [False] * clients
+    first: list[np.ndarray | None] = [None] * clients
+    start_at = time.perf_counter() + warmup
+    stop_at = start_at + duration
+    for c in range(clients):
+        sent[c] = time.perf_counter()
+        pool.submit(c, c % len(expected))
+    active = clients
+    while active:
+        c, out = pool.answer()
+        now = time.perf_counter()
+        if first[c] is None:
+            first[c] = out
+        elif timed[c]:
+            lat.append(now - sent[c])
+            n[c] += 1
+            ended[c] = now
+        if now >= stop_at:
+            active -= 1
+            continue
+        if now >= start_at and not timed[c]:
+            timed[c], began[c] = True, now
+        sent[c] = now
+        pool.submit(c, c % len(expected))
+    results = [(n[c], ended[c] - began[c], first[c]) for c in range(clients)]
+    return _closed_loop_row(mode, clients, results, lat, expected)
 
 
 # ---- servers -------------------------------------------------------------------------------
@@ -204,23 +374,121 @@ def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | No
     return proc, port[0]
 
 
-def start_torchserve(model: str, args, workdir: Path, log=print):
-    """Build the archives from ``model`` (same backend and dtype as ``vqserve serve``), start
-    TorchServe on ports in 19000-19099 with its own batching set like vqserve's, and
-    register the archive for ``args.method``. Returns the running ``TorchServe``."""
+def log_events(lines: list[str], *names: str) -> list[dict]:
+    """The server's JSON log records (one per line) whose ``event`` is one of ``names``."""
+    out = []
+    for line in list(lines):  # the pump thread appends meanwhile
+        if '"event"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") in names:
+            out.append(record)
+    return out
+
+
+def plan_labels(exposition: str) -> dict | None:
+    """The labels of ``vqserve_execution_plan`` (the plan every model call runs by now:
+    backend, dtype, micro_batch, workers, intra_op_threads, source) in a ``/metrics`` page."""
+    for line in exposition.splitlines():
+        if line.startswith("vqserve_execution_plan{"):
+            return dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line[:line.rindex("}")]))
+    return None
+
+
+def scrape_plan(metrics_port: int) -> dict | None:
+    """``plan_labels`` of the server's ``/metrics`` on loopback; None where it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            return plan_labels(r.read().decode())
+    except OSError:
+        return None
+
+
+def settle_plan(name: str, proc: subprocess.Popen, lines: list[str], log=print,
+                timeout: float = PLAN_WAIT_S) -> dict:
+    """Wait until the server serves by its final execution plan, and say which it is.
+
+    A ``--plan auto`` server without a cached plan serves the safe plan and measures a
+    faster one in a background process (up to its ``--plan-budget-s``), then switches: a
+    benchmark started meanwhile would time the safe plan, or a switch, under the load of
+    the measurement. Done when ``/metrics`` no longer says ``source="measuring"`` and, if it
+    did at start, the log has ``plan_switched`` or ``plan_not_measured``. Returns the
+    ``vqserve_execution_plan`` labels (or the ``serving`` line's plan) and the plan lines."""
+    serving = (log_events(lines, "serving") or [{}])[-1]
+    metrics_port = serving.get("metrics_port")
+    measuring = str(serving.get("plan_source", "")).startswith("measuring")
+    if measuring:
+        log(f"{name}: serving the safe plan while it measures a faster one in the background; "
+            "waiting for the measurement to end before measuring this server")
+    deadline = time.monotonic() + timeout
+    while True:
+        labels = scrape_plan(metrics_port) if metrics_port else None
+        source = (labels or {}).get("source") or str(serving.get("plan_source", "unknown"))
+        ended = not measuring or log_events(lines, "plan_switched", "plan_not_measured")
+        if ended and not source.startswith("measuring"):
+            break
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited {proc.returncode} while measuring its plan:\n"
+                               + "".join(lines[-20:]))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} still measuring its plan after {timeout:.0f} s")
+        time.sleep(1.0)
+    events = [{k: e.get(k) for k in ("event", "msg", "source")}
+              for e in log_events(lines, "plan", "plan_switched", "plan_not_measured")]
+    plan = labels or {"source": source, **(serving.get("plan") or {})}
+    log(f"{name}: benchmarked on its execution plan source={source} ("
+        + ", ".join(f"{k} {v}" for k, v in plan.items() if k != "source") + ")")
+    for e in events:
+        log(f"  {name} log: {e['event']}: {e['msg']}")
+    if source.startswith("safe"):
+        log(f"  note: {name}'s plan measurement did not finish; this is the safe plan, not the "
+            "measured one (`vqserve plan --model ...` fills the cache without a budget)")
+    return {"source": source, "plan": plan, "events": events}
+
+
+def torchserve_workers(value: str) -> int:
+    """``--torchserve-workers`` / ``--capacity-workers``: a count, or ``cores`` (the cores
+    this process may run on)."""
+    from vqserve.machine import available_cores
+
+    n = available_cores() if value == "cores" else int(value)
+    if n < 1:
+        raise ValueError(f"workers must be 1 or more, or 'cores', got {value!r}")
+    return n
+
+
+def start_torchserve(model: str, args, workdir: Path, log=print, workers: int = 1,
+                     batch_size: int | None = None, name: str = "run"):
+    """Build the archives from ``model`` (same backend and dtype as ``vqserve serve``) into
+    ``workdir/store`` unless there already, start TorchServe on ports in 19000-19099 with
+    its own batching set like vqserve's (``batch_size``: another batch), and register the
+    archive for ``args.method`` with ``workers`` workers (``initial_workers``; each on
+    ``args.threads`` threads). ``name``: its run directory under ``workdir``, so two
+    TorchServes can run from one store. Returns the running ``TorchServe``."""
     from vqserve.export.torchserve import ARCHIVE_NAMES, build_archives
     from vqserve.export.torchserve_server import TorchServe
 
     delay = int(round(args.max_delay_ms))
-    log(f"building TorchServe archives (batch {args.max_batch_size}, delay {delay} ms)")
-    build_archives(model, workdir / "store", backend=args.backend, dtype=args.dtype,
-                   batch_size=args.max_batch_size, max_batch_delay_ms=delay,
-                   device=args.device, threads=args.threads or 0)
-    (workdir / "run").mkdir()
-    ts = TorchServe(workdir / "store", workdir / "run", TORCHSERVE_PORTS, threads=args.threads or 0)
+    batch = batch_size or args.max_batch_size
+    store = workdir / "store"
+    if not store.exists():
+        log(f"building TorchServe archives (batch {args.max_batch_size}, delay {delay} ms)")
+        build_archives(model, store, backend=args.backend, dtype=args.dtype,
+                       batch_size=args.max_batch_size, max_batch_delay_ms=delay,
+                       device=args.device, threads=args.threads or 0)
+    (workdir / name).mkdir()
+    ts = TorchServe(store, workdir / name, TORCHSERVE_PORTS, threads=args.threads or 0)
     try:
         ts.wait_ready(120)
-        ts.register(ARCHIVE_NAMES[args.method], args.max_batch_size, delay)
+        ts.register(ARCHIVE_NAMES[args.method], batch, delay, workers=workers,
+                    timeout=180 + 30 * workers)
+        described = ts.describe(ARCHIVE_NAMES[args.method])
+        ready = sum(w.get("status") == "READY" for w in described.get("workers", []))
+        log(f"TorchServe ({name}): {ready}/{workers} worker(s) ready, batch {described.get('batchSize')}, "
+            f"delay {described.get('maxBatchDelay')} ms")
     except BaseException:
         ts.stop()
         raise
@@ -351,7 +619,12 @@ def bench_served(protocol: str, target: str, method: str, inputs: np.ndarray, ex
             _client_loop(protocol, target, method, inputs[i % len(inputs)], start_at, stop_at, lat)
             for i in range(clients)))
 
-    results = asyncio.run(run())
+    return _closed_loop_row(mode, clients, asyncio.run(run()), lat, expected)
+
+
+def _closed_loop_row(mode: str, clients: int, results: list[tuple[int, float, np.ndarray]],
+                     lat: list[float], expected: np.ndarray) -> dict:
+    """One row from each client's (calls, span, first answer) and every timed latency."""
     throughput = sum(n / span for n, span, _ in results if n and span > 0)
     same = sum(int(np.sum(first == expected[i % len(expected)])) for i, (*_, first) in enumerate(results))
     total = sum(expected[i % len(expected)].size for i in range(clients))
@@ -396,8 +669,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocols", default="v1,oip", help="vqserve protocols to load: v1, oip")
     p.add_argument("--torchserve", action="store_true",
                    help="also serve the model in TorchServe (needs java and vqserve[torchserve])")
+    p.add_argument("--torchserve-workers", default="1", metavar="N|cores",
+                   help="torchserve-best: TorchServe workers, a count or 'cores' (one per usable core); "
+                        "a count other than 1 or a --torchserve-batch starts a second TorchServe, "
+                        "torchserve-best, beside --torchserve's 1-worker one (default 1: none)")
+    p.add_argument("--torchserve-batch", type=int, default=None,
+                   help="torchserve-best: TorchServe's batch size (default: --max-batch-size; 8 is its best on CPU)")
     p.add_argument("--no-batching-mode", action=argparse.BooleanOptionalAction, default=True,
                    help="also run vqserve with batching off (v1)")
+    p.add_argument("--capacity-mode", action=argparse.BooleanOptionalAction, default=False,
+                   help="also measure in-process-capacity: the runtime in one process per core, one "
+                        "thread and one call each, fed by the same clients (the machine's raw capacity)")
+    p.add_argument("--capacity-workers", default="cores", metavar="N|cores",
+                   help="in-process-capacity's processes (default: one per usable core)")
+    p.add_argument("--server-plan", choices=["auto", "default"], default=None,
+                   help="the vqserve servers' --plan (default: theirs, auto unless VQSERVE_PLAN says otherwise); "
+                        "with auto the benchmark waits until the server serves by its measured or cached "
+                        "plan, and prints which plan it measured")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of calls before each window")
     p.add_argument("--prime", type=float, default=5.0,
@@ -417,8 +705,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args, log=lambda m: print(m, flush=True)) -> dict:
-    """Start the servers, measure every mode at every level in interleaved rounds, stop the
-    servers; return ``{"rows": every round's rows, "best": the kept rows, "memory": ...}``."""
+    """Start the servers (and the capacity pool), measure every mode at every level in
+    interleaved rounds, stop them; return ``{"rows": every round's rows, "best": the kept
+    rows, "memory": ..., "plans": the plan each vqserve server was measured on}``."""
     import torch
 
     from vqserve.export.runtime import load_runtime
@@ -431,12 +720,17 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
     unknown = set(protocols) - {"v1", "oip"}
     if unknown:
         raise ValueError(f"--protocols takes v1 and oip, got {sorted(unknown)}")
+    ts_workers = torchserve_workers(args.torchserve_workers)
+    ts_batch = args.torchserve_batch or args.max_batch_size
+    ts_best = (ts_workers, ts_batch) != (1, args.max_batch_size)
+    plan_flags = ["--plan", args.server_plan] if args.server_plan else []
 
     tmp = tempfile.TemporaryDirectory(prefix="vqserve-bench-")
     model = bench_model(args.model, Path(tmp.name))
     runtime = load_runtime(model, backend=args.backend, dtype=args.dtype, device=args.device)
     info = runtime.info
     photos = bench_photos(args.size)
+    warm_allocator()  # as every capacity worker does: the in-process rows never depend on chance
     if args.method == "encode":
         inputs = photos
     else:
@@ -449,52 +743,75 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
     procs: list[subprocess.Popen] = []
     served: list[Served] = []
     servers: dict[str, tuple[int, bool]] = {}  # name -> (root pid of its tree, count the root)
-    torchserve = None
+    torchserves: list = []
+    pool: CapacityPool | None = None
     memory: dict[str, dict] = {}
+    plans: dict[str, dict] = {}
     rows: list[dict] = []
     try:
         server_log: list[str] = []
-        proc, port = start_server(model, args, args.max_batch_size, args.max_delay_ms, log=server_log)
+        proc, port = start_server(model, args, args.max_batch_size, args.max_delay_ms,
+                                  extra=plan_flags, log=server_log)
         procs.append(proc)
         servers["vqserve"] = (proc.pid, True)
-        plan_line = next((json.loads(x)["msg"] for x in server_log if '"event": "plan"' in x), None)
-        if plan_line:
-            log(plan_line)
+        # before the other servers start: they find its plan in the cache, none measures alongside
+        plans["vqserve"] = settle_plan("vqserve", proc, server_log, log)
         if args.baseline_pythonpath:
-            proc, port_b = start_server(model, args, args.max_batch_size, None, pythonpath=args.baseline_pythonpath)
+            before_log: list[str] = []
+            proc, port_b = start_server(model, args, args.max_batch_size, None, log=before_log,
+                                        pythonpath=args.baseline_pythonpath)
             procs.append(proc)
             servers["vqserve-before"] = (proc.pid, True)
+            plans["vqserve-before"] = settle_plan("vqserve-before", proc, before_log, log)
             served.append(Served("served-v1-before", "v1", f"127.0.0.1:{port_b}"))
         served += [Served(f"served-{p}", p, f"127.0.0.1:{port}") for p in protocols]
         if args.no_batching_mode:
-            proc, port = start_server(model, args, 1, 0.0)
+            off_log: list[str] = []
+            proc, port = start_server(model, args, 1, 0.0, extra=plan_flags, log=off_log)
             procs.append(proc)
             servers["vqserve-no-batching"] = (proc.pid, True)
+            plans["vqserve-no-batching"] = settle_plan("vqserve-no-batching", proc, off_log, log)
             served.append(Served("served-v1-no-batching", "v1", f"127.0.0.1:{port}"))
+        ts_args = argparse.Namespace(**{**vars(args), "max_delay_ms": args.max_delay_ms or 5.0})
         if args.torchserve:
-            ts_args = argparse.Namespace(**{**vars(args), "max_delay_ms": args.max_delay_ms or 5.0})
-            torchserve = start_torchserve(model, ts_args, Path(tmp.name), log)
+            torchserves.append(start_torchserve(model, ts_args, Path(tmp.name), log))
             # the launcher script only waits on Java: count the frontend and its workers
-            servers["torchserve"] = (torchserve.proc.pid, False)
-            served.append(Served("torchserve", "torchserve", f"127.0.0.1:{torchserve.grpc}"))
+            servers["torchserve"] = (torchserves[-1].proc.pid, False)
+            served.append(Served("torchserve", "torchserve", f"127.0.0.1:{torchserves[-1].grpc}"))
+        if ts_best:
+            torchserves.append(start_torchserve(model, ts_args, Path(tmp.name), log, workers=ts_workers,
+                                                batch_size=ts_batch, name="run-best"))
+            servers["torchserve-best"] = (torchserves[-1].proc.pid, False)
+            served.append(Served("torchserve-best", "torchserve", f"127.0.0.1:{torchserves[-1].grpc}"))
+        if args.capacity_mode:
+            workers = torchserve_workers(args.capacity_workers)
+            log(f"starting {workers} capacity worker process(es), one torch thread each")
+            pool = CapacityPool(model, args, inputs, workers)
+            bench_capacity(pool, expected, max(clients), args.prime, 0.0)  # as the servers are primed
         for m in served:  # first calls are slow (JVM JIT, lazy allocations): not measured
             bench_served(m.protocol, m.target, args.method, inputs, expected, max(clients),
                          args.prime, 0.0, m.mode)
         in_process = {"in-process": runtime}
         if args.plan_modes:
             in_process["in-process-plan"] = planned_in_process(model, args)
-        modes: list[str | Served] = [*in_process, *served]
+        modes: list[str | CapacityPool | Served] = [*in_process, *([pool] if pool else []), *served]
+
+        def measure(m, level: int) -> dict:
+            if isinstance(m, str):
+                row = bench_in_process(in_process[m], inputs, level, args.duration, args.method)
+                row["mode"] = m
+                return row
+            if isinstance(m, CapacityPool):
+                return bench_capacity(m, expected, level, args.duration, args.warmup)
+            return bench_served(m.protocol, m.target, args.method, inputs, expected,
+                                level, args.duration, args.warmup, m.mode)
+
         for r in range(args.repeats):
             for level in clients:
                 k = r % len(modes)
                 results = []
                 for m in modes[k:] + modes[:k]:
-                    if isinstance(m, str):
-                        row = bench_in_process(in_process[m], inputs, level, args.duration, args.method)
-                        row["mode"] = m
-                    else:
-                        row = bench_served(m.protocol, m.target, args.method, inputs, expected,
-                                           level, args.duration, args.warmup, m.mode)
+                    row = measure(m, level)
                     row["round"] = r + 1
                     results.append(row)
                 rows.extend(results)
@@ -502,11 +819,15 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
                     + ", ".join(f"{x['mode']} {x['throughput']:.1f}/s" for x in results))
         # peaks over the whole run, read before the servers stop
         memory = {name: tree_memory(pid, root) for name, (pid, root) in servers.items()}
+        if pool is not None:
+            memory[CAPACITY] = pids_memory(pool.pids)
     finally:
         for proc in procs:  # all drain at once, TorchServe meanwhile
             proc.terminate()
-        if torchserve is not None:
-            torchserve.stop()
+        if pool is not None:
+            pool.stop()
+        for ts in torchserves:
+            ts.stop()
         for proc in procs:
             try:
                 proc.wait(30)
@@ -518,9 +839,14 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
         key = (row["mode"], row["level"])
         if key not in best or row["throughput"] > best[key]["throughput"]:
             best[key] = row
-    order = [*in_process, *(m.mode for m in served)]
+    order = [*in_process, *([CAPACITY] if pool else []), *(m.mode for m in served)]
     kept = [best[(m, level)] for m in order for level in clients]
-    return {"rows": rows, "best": kept, "memory": memory, "model_info": _info_dict(info)}
+    result = {"rows": rows, "best": kept, "memory": memory, "model_info": _info_dict(info), "plans": plans}
+    if pool is not None:
+        result["capacity"] = {"workers": len(pool.procs), "threads": sorted(set(pool.threads.values()))}
+    if ts_best:
+        result["torchserve_best"] = {"workers": ts_workers, "batch_size": ts_batch}
+    return result
 
 
 def _info_dict(info) -> dict:
@@ -550,10 +876,21 @@ def main(argv: list[str] | None = None) -> int:
     on, off = pick(rows, "served-v1", top), pick(rows, "served-v1-no-batching", top)
     if on and off:
         print(f"batching on / off at {top} clients: {on['throughput'] / off['throughput']:.2f}")
-    ts = pick(rows, "torchserve", top)
-    if on and ts:
-        print(f"vqserve / TorchServe at {top} clients: throughput {on['throughput'] / ts['throughput']:.2f} "
-              f"(target >= 2), p99 {on['p99_ms'] / ts['p99_ms']:.2f} (target <= 0.5)")
+    cap = pick(rows, CAPACITY, top)
+    if on and cap:
+        workers = result["capacity"]["workers"]
+        print(f"served-v1 / in-process-capacity ({workers} processes x 1 thread) at {top} clients: "
+              f"{on['throughput'] / cap['throughput']:.2f} of the machine's raw capacity")
+    best = result.get("torchserve_best", {})
+    for mode, label in (("torchserve", "TorchServe (1 worker)"),
+                        ("torchserve-best", f"TorchServe-best ({best.get('workers')} workers, "
+                                            f"batch {best.get('batch_size')})")):
+        ts = pick(rows, mode, top)
+        if on and ts:
+            print(f"vqserve / {label} at {top} clients: throughput {on['throughput'] / ts['throughput']:.2f} "
+                  f"(target >= 2), p99 {on['p99_ms'] / ts['p99_ms']:.2f} (target <= 0.5)")
+    for name, plan in result["plans"].items():
+        print(f"{name} was benchmarked on its execution plan source={plan['source']}")
     for name, mem in result["memory"].items():
         print(f"{name}: peak RSS {mem['peak_mb']:.0f} MiB over {len(mem['processes'])} process(es)")
     if args.json:

@@ -143,6 +143,8 @@ def _info_dict(info: pb.ModelInfo) -> dict:
         "backend": info.backend,
         "device": info.device,
         "model_hash": info.model_hash,
+        "source_hash": info.source_hash or info.model_hash,  # servers before 26 Nov 2026: unset
+        "exact": bool(info.exact),
         "server_version": info.server_version,
         "execution_plan": info.execution_plan,
         "determinism": {"batch_invariant": info.determinism.batch_invariant,

@@ -70,16 +70,34 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_message_bytes = max_message_bytes if max_message_bytes and max_message_bytes > 0 else None
         self.max_batch_pixels = max_batch_pixels
-        self.batcher = Batcher(runtime, max_batch_size=max_batch_size, max_delay_s=max_delay_s,
-                               max_queue=max_queue, observer=metrics.observe_batch,
-                               max_batch_pixels=max_batch_pixels, pixels_per_item=self._pixels_per_item)
-        if max_batch_pixels and hasattr(runtime, "limit_call_pixels"):  # a PlannedRuntime
-            runtime.limit_call_pixels(max_batch_pixels, self._pixels_per_item)
+        self._batching = {"max_batch_size": max_batch_size, "max_delay_s": max_delay_s, "max_queue": max_queue}
+        self.batcher = self._batcher_for(runtime)
         self.determinism = None  # the start-up batch-invariance Certificate, set by the server
         self.decoder = ImageDecoder(
             max_decoded_bytes or default_decoded_bytes(max_batch_size, self.info.max_pixels),
             decode_threads)
         metrics.set_codebook(self.info.codebook_size)
+
+    def _batcher_for(self, runtime) -> Batcher:
+        if self.max_batch_pixels and hasattr(runtime, "limit_call_pixels"):  # a PlannedRuntime
+            runtime.limit_call_pixels(self.max_batch_pixels, self._pixels_per_item)
+        return Batcher(runtime, observer=self.metrics.observe_batch, max_batch_pixels=self.max_batch_pixels,
+                       pixels_per_item=self._pixels_per_item, **self._batching)
+
+    async def use_runtime(self, runtime, determinism=None) -> None:
+        """Run every call from now on by ``runtime`` (a measured plan replacing the safe one).
+        Only for a runtime that gives the same tokens and pixels as the one it replaces: the
+        switch happens between calls, requests already queued finish on the old runtime, and
+        a request never sees both. ``info`` keeps the server's limits (``max_pixels``)."""
+        old_batcher, old_runtime = self.batcher, self.runtime
+        self.batcher = self._batcher_for(runtime)
+        self.batcher.start()
+        self.runtime = runtime
+        self.info = dataclasses.replace(runtime.info, max_pixels=self.info.max_pixels)
+        self.determinism = determinism
+        await old_batcher.close()  # what it had queued runs to the end; it takes nothing new
+        if hasattr(old_runtime, "close"):
+            old_runtime.close()
 
     async def close(self) -> None:
         """Run what is queued, then stop the model and decoding threads."""

@@ -4,7 +4,8 @@
 - ``vqserve_queue_wait_seconds{method}``, ``vqserve_inference_seconds{method}``,
   ``vqserve_batch_size{method}``: per batch, ``method`` = encode | decode
 - ``vqserve_requests_in_flight``: gauge; ``vqserve_streams_open{service}``: open streams
-- ``vqserve_model_info{model_hash,backend,dtype,device}``: 1, the served model's identity
+- ``vqserve_model_info{model_hash,source_hash,backend,dtype,device,exact}``: 1, the served model's
+  identity (exact="true": the tokens of the model in fp32 eager)
 - ``vqserve_batch_invariant{what}``: 1 when the start-up check found ``what`` (tokens |
   pixels) identical in every batch composition tried, 0 when not, -1 when not checked
 - ``vqserve_requests_total{method,code}``, ``vqserve_errors_total{method,code}``,
@@ -138,17 +139,22 @@ class Metrics:
         self.streams_open = Gauge("vqserve_streams_open", "Open streaming calls, by gRPC service "
                                   "(at most --max-streams each).", ["service"], registry=r)
         self.model_info = Gauge("vqserve_model_info", "1 for the model being served; its identity "
-                                "is in the labels (model_hash: sha256 over every file loaded).",
-                                ["model_hash", "backend", "dtype", "device"], registry=r)
+                                "is in the labels (model_hash: sha256 over every file loaded; source_hash: "
+                                "the checkpoint whose tokens these are; exact: true when they are that "
+                                "checkpoint's fp32 eager tokens).",
+                                ["model_hash", "source_hash", "backend", "dtype", "device", "exact"], registry=r)
         self.batch_invariant = Gauge("vqserve_batch_invariant", "1 when the start-up check found "
                                      "tokens (what=tokens) or decoded pixels (what=pixels) "
                                      "independent of the batch; 0 when not; -1 not checked.",
                                      ["what"], registry=r)
         self.plan_info = Gauge("vqserve_execution_plan", "1 for the execution plan every model call "
                                "runs by; the plan is in the labels (micro_batch: per image side when "
-                               "measured, e.g. '64:8 256:1'; source: --plan auto from the cache or "
-                               "measured, or --plan default, and whether flags overrode it).",
-                               ["dtype", "micro_batch", "workers", "intra_op_threads", "source"], registry=r)
+                               "measured, e.g. '64:8 256:1'; source: safe (serving before or without a "
+                               "measurement), measuring (safe, a measurement running in the background), "
+                               "measured, cache, file (--plan FILE) or default (--plan default); "
+                               "'+flags' when flags overrode part of it).",
+                               ["backend", "dtype", "micro_batch", "workers", "intra_op_threads", "source"],
+                               registry=r)
         self.usage: dict[str, CodebookUsage] = {}
         if codebook_size:
             self.set_codebook(codebook_size, window)
@@ -176,12 +182,16 @@ class Metrics:
 
     def set_model(self, info) -> None:
         """Publish the served model's identity (a ``RuntimeInfo``) as ``vqserve_model_info``."""
-        self.model_info.labels(info.model_hash, info.backend, info.dtype, info.device).set(1)
+        self.model_info.clear()  # one series: the model served now (a measured plan can switch backend)
+        self.model_info.labels(info.model_hash, info.source_hash or info.model_hash, info.backend, info.dtype,
+                               info.device, str(bool(info.exact)).lower()).set(1)
 
-    def set_plan(self, dtype: str, plan, source: str) -> None:
-        """Publish the execution plan (an ``ExecutionPlan``) as ``vqserve_execution_plan``."""
+    def set_plan(self, backend: str, dtype: str, plan, source: str) -> None:
+        """Publish the execution plan (an ``ExecutionPlan``) as ``vqserve_execution_plan``
+        (one series: the plan every call runs by now)."""
         micro = " ".join(f"{math.isqrt(p)}:{m}" for p, m in plan.micro_batch_by_pixels) or str(plan.micro_batch)
-        self.plan_info.labels(dtype, micro, str(plan.workers), str(plan.intra_op_threads), source).set(1)
+        self.plan_info.clear()
+        self.plan_info.labels(backend, dtype, micro, str(plan.workers), str(plan.intra_op_threads), source).set(1)
 
     def set_determinism(self, certificate) -> None:
         """Publish the start-up batch-invariance check (a ``Certificate`` or None)."""

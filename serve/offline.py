@@ -140,6 +140,15 @@ def encode_task(runtime, decoded: DecodedTask) -> EncodedTask:
     return EncodedTask(decoded.task, rows, errors)
 
 
+def token_identity(info: dict) -> dict:
+    """The part of a run's identity that says which tokens it holds (``RuntimeInfo.to_dict()``)."""
+    device = info["device"].split(":")[0]
+    if info.get("exact"):
+        return {"source_hash": info.get("source_hash") or info["model_hash"], "dtype": "fp32", "exact": True,
+                "device": device}
+    return {"hash": info["model_hash"], "backend": info["backend"], "dtype": info["dtype"], "device": device}
+
+
 # ---- the job ----------------------------------------------------------------------------------
 @dataclass
 class Job:
@@ -175,13 +184,15 @@ class Job:
         return -(-len(self.shard_records(shard)) // self.settings.batch_size)
 
     def identity(self) -> dict:
-        """What must be equal for two runs to share a folder."""
-        info = self.runtime_info
+        """What must be equal for two runs to share a folder. Exact tokens (the model's fp32
+        eager tokens, whatever backend the plan ran) are named by the checkpoint they are the
+        tokens of, so runs on different backends - or the checkpoint and its exact export,
+        or the local and the Ray engine - resume each other; other tokens by the very files
+        and backend that made them."""
         return {
             "layout": LAYOUT,
-            "model": {"hash": info["model_hash"], "backend": info["backend"], "dtype": info["dtype"],
-                      "device": info["device"].split(":")[0]},
-            "index_dtype": info["index_dtype"],
+            "model": token_identity(self.runtime_info),
+            "index_dtype": self.runtime_info["index_dtype"],
             "preprocess": self.settings.preprocess.to_dict(),
             "shard_size": self.settings.shard_size,
             "batch_size": self.settings.batch_size,
@@ -288,7 +299,10 @@ class Job:
             "identity": self.identity(),
             "model": {"ref": self.model_ref, **{k: info[k] for k in (
                 "model_hash", "backend", "dtype", "device", "quantizer", "codebook_size", "factor",
-                "codes_per_position", "levels", "dither")}},
+                "codes_per_position", "levels", "dither")},
+                "source_hash": info.get("source_hash") or info["model_hash"], "exact": bool(info.get("exact")),
+                **({"artifact": info["extra"]["plan_artifact"]}
+                   if not info.get("exact") and info.get("extra", {}).get("plan_artifact") else {})},
             "index_dtype": info["index_dtype"],
             "preprocess": self.settings.preprocess.to_dict(),
             "shards": shards_list or [],

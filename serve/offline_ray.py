@@ -56,20 +56,27 @@ class TokenizerActor:
     """Holds one runtime; one call = one Task = the runtime calls the local engine makes."""
 
     def __init__(self, model: str, backend: str, dtype: str | None, device: str,
-                 expect_hash: str | None = None):
+                 expect_hash: str | None = None, plan: dict | None = None):
         from vqserve.export.runtime import load_runtime
 
         # an actor sees only the GPU Ray gave it (CUDA_VISIBLE_DEVICES): "cuda:3" -> "cuda";
         # expect_hash (the driver's model_hash): another model is refused before it loads
-        self.runtime = load_runtime(model, backend=backend, dtype=dtype,
-                                    device="cuda" if device.startswith("cuda") else device,
-                                    expect_hash=expect_hash)
+        local = "cuda" if device.startswith("cuda") else device
+        chosen = None
+        if plan is not None:  # the driver's plan: the backend and micro-batches the local engine runs
+            from vqserve.export.planner import PlanChoice
+
+            chosen = PlanChoice.from_dict(plan)
+            self.runtime = chosen.load(model, backend, None, local, expect_hash)
+        else:
+            self.runtime = load_runtime(model, backend=backend, dtype=dtype, device=local, expect_hash=expect_hash)
         from vqserve.export.execution import PlannedRuntime, plan_for
 
         # the same arithmetic as the server and the local engine; on a CPU the actors are
         # the parallelism, so each runs one model call at a time
         cpu = not device.startswith("cuda")
-        self.runtime = PlannedRuntime(self.runtime, plan_for(device, workers=1 if cpu else None))
+        self.runtime = PlannedRuntime(self.runtime, plan_for(device, workers=1 if cpu else None,
+                                                             base=chosen.plan if chosen else None))
         info = self.runtime.info
         self.identity = json.dumps([info.model_hash, info.backend, info.dtype, info.index_dtype])
 
@@ -156,8 +163,10 @@ def _actor_count(ray, actors: int, device: str, local: bool) -> int:
 
 def run_ray(job: offline.Job, model: str, backend: str, dtype: str | None, device: str,
             address: str | None = None, actors: int = 0, fail_fast: bool = False,
-            progress: bool = True) -> dict:
-    """Decode in Ray tasks, encode in ``actors`` tokenizer actors, commit here shard by shard."""
+            progress: bool = True, plan: dict | None = None) -> dict:
+    """Decode in Ray tasks, encode in ``actors`` tokenizer actors, commit here shard by shard.
+    ``plan``: the driver's execution plan (``PlanChoice.to_dict()``), which every actor runs,
+    so the output is byte-identical to the local engine's with the same plan."""
     if model != "default" and Path(model).exists():
         model = str(Path(model).resolve())  # workers need not share the driver's cwd
     tasks = {(t.shard, t.index): t for s in job.pending for t in job.tasks(s)}
@@ -186,7 +195,7 @@ def run_ray(job: offline.Job, model: str, backend: str, dtype: str | None, devic
                                    compute=ray.data.ActorPoolStrategy(size=n_actors),
                                    num_cpus=1, num_gpus=1 if device.startswith("cuda") else 0,
                                    fn_constructor_kwargs={"model": model, "backend": backend,
-                                                          "dtype": dtype, "device": device,
+                                                          "dtype": dtype, "device": device, "plan": plan,
                                                           "expect_hash": job.runtime_info["model_hash"]}))
                 for row in ds.iter_rows():
                     if row["runtime"] != expected:

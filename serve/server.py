@@ -39,6 +39,7 @@ from vqserve.serve import service_oip, service_v1
 from vqserve.serve.engine import Engine, default_batch_pixels
 from vqserve.serve.errors import Tracker
 from vqserve.serve.metrics import Metrics
+from vqserve.serve.planning import BackgroundPlan, plan_argv, run_in_daemon
 
 log = logging.getLogger("vqserve.serve")
 
@@ -75,10 +76,12 @@ class ServerConfig:
     model_workers: int | None = None  # model calls at once, one thread each; None: default_plan(device)
     self_check: bool = True          # measure batch invariance at start (GetModelInfo.determinism)
     threads: int | None = None       # intra-op threads per model call; None: the plan's (1 on CPU)
-    plan: str = "default"            # "auto": measure (or read from the cache) the fastest exact plan;
-    #                                  "default": default_plan(device). `vqserve serve` defaults to auto.
+    plan: str = "default"            # "auto": the cached plan, else serve the safe plan and measure in
+    #                                  the background; "default": default_plan(device); else a plan
+    #                                  file (`vqserve plan --out`). `vqserve serve` defaults to auto.
     plan_cache: str | None = None    # where measured plans are kept; None: export.planner.cache_dir()
-    min_agreement: float = 0.995     # --plan auto: least token agreement with fp32 for a lower dtype
+    min_agreement: float = 0.995     # --dtype auto: least token agreement with fp32 for a lower dtype
+    plan_budget_s: float = 120.0     # --plan auto: the background measurement stops after this long
 
 
 class PortInUseError(OSError):
@@ -422,6 +425,8 @@ class TokenizerServer:
         self.metrics_port: int | None = None
         self._metrics_http = None
         self._load_task: asyncio.Task | None = None
+        self._plan_task: asyncio.Task | None = None
+        self._measurement: BackgroundPlan | None = None
         self._stopped = False
 
     async def start(self) -> int:
@@ -515,38 +520,39 @@ class TokenizerServer:
         return port
 
     async def _load(self) -> None:
+        """Load the model and serve it at once: by the plan from the cache or a plan file, else
+        by the safe plan while the fast one is measured in the background (serve/planning.py)."""
         cfg = self.config
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
         runtime = self._runtime
-        chosen = None
+        chosen, measure_later, device = None, False, cfg.device
         if runtime is None:
             from vqserve.export.runtime import load_runtime, resolve_device
 
-            device = resolve_device(cfg.device) if cfg.plan == "auto" else cfg.device
-            if cfg.plan == "auto":
-                chosen = await loop.run_in_executor(None, self._choose_plan, device)
+            device = resolve_device(cfg.device)
+            chosen, measure_later = await run_in_daemon(lambda: self._find_plan(device))
+            if measure_later and cfg.dtype == "auto":  # a lower dtype changes tokens: choose before serving
+                chosen, measure_later = await self._measure_plan(device, foreground=True), False
 
             def runtime():
-                if chosen is not None:  # the measured backend: the model as given, or its export
-                    return chosen.load(cfg.model, cfg.backend, cfg.dtype, device, cfg.expect_hash)
-                return load_runtime(cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=device,
-                                    expect_hash=cfg.expect_hash)  # checked before the files load
+                if chosen is not None:  # the planned backend: the model as given, or its export
+                    return chosen.load(cfg.model, cfg.backend, None, device, cfg.expect_hash,
+                                       artifacts=self._artifacts(), log=lambda msg: _event("plan_progress", msg))
+                return load_runtime(cfg.model, backend=cfg.backend, dtype=None if cfg.dtype == "auto" else cfg.dtype,
+                                    device=device, expect_hash=cfg.expect_hash)  # checked before the files load
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
-            runtime = await loop.run_in_executor(None, runtime)
+            runtime = await run_in_daemon(runtime)
         from vqserve.export.runtime import check_expected_hash
 
         check_expected_hash(cfg.expect_hash, runtime.info.model_hash, cfg.model)  # a runtime given ready-made
-        self.metrics.set_model(runtime.info)
-        plan = self._plan(runtime.info.device, chosen.plan if chosen else None)
-        source = (f"--plan auto ({chosen.source})" if chosen else "--plan default") + (
-            ", flags" if (cfg.micro_batch or cfg.model_workers or cfg.threads) else "")
-        self.metrics.set_plan(runtime.info.dtype, plan, source)
-        certificate = None
-        if cfg.self_check:  # before SERVING: a client never sees tokens from an unchecked plan
-            certificate = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: start_up_check(runtime, plan))
-        runtime = PlannedRuntime(runtime, plan, source)
+        if chosen is not None and chosen.source == "file":  # measured elsewhere: does this machine agree?
+            from vqserve.export.planner import check_reproduces
+
+            await run_in_daemon(lambda: check_reproduces(runtime, cfg.model, device, chosen))
+        source = chosen.source if chosen else ("measuring" if measure_later else
+                                              "safe" if cfg.plan == "auto" else "default")
+        runtime, plan, certificate = await self._planned(runtime, chosen.plan if chosen else None, source)
+        self._publish(runtime, certificate)
         max_pixels = cfg.max_pixels or runtime.info.max_pixels
         engine = Engine(runtime, self.metrics, max_batch_size=cfg.max_batch_size,
                         max_delay_s=cfg.max_delay_ms / 1000.0, max_queue=cfg.max_queue,
@@ -556,10 +562,6 @@ class TokenizerServer:
                         max_decoded_bytes=(cfg.max_decoded_mb or 0) << 20 or None,
                         decode_threads=cfg.decode_threads)
         engine.determinism = certificate
-        self.metrics.set_determinism(certificate)
-        if certificate is not None and not (certificate.batch_invariant and certificate.decode_batch_invariant):
-            _event("not_batch_invariant", certificate.summary(), level=logging.WARNING,
-                   plan=plan.to_dict())
         engine.batcher.start()
         self.state.engine = engine
         self.state.ready = True
@@ -567,34 +569,147 @@ class TokenizerServer:
         for name in ("", *self.SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         info = runtime.info
-        _event("serving", f"serving {info.backend}/{info.dtype} on {info.device} at port {self.port}",
+        tokens = "exact: the model's fp32 tokens" if info.exact else f"NOT exact: {info.dtype}, asked for"
+        _event("serving", f"serving {info.backend}/{info.dtype} on {info.device} at port {self.port} ({tokens})",
                port=self.port, metrics_port=self.metrics_port, backend=info.backend, dtype=info.dtype,
-               device=info.device, codebook_size=info.codebook_size, factor=info.factor,
-               model_hash=info.model_hash, load_s=round(time.perf_counter() - t0, 3),
+               exact=info.exact, device=info.device, codebook_size=info.codebook_size, factor=info.factor,
+               model_hash=info.model_hash, source_hash=info.source_hash, load_s=round(time.perf_counter() - t0, 3),
                max_batch_size=cfg.max_batch_size, max_delay_ms=cfg.max_delay_ms, max_queue=cfg.max_queue,
                max_pixels=engine.info.max_pixels, max_batch_pixels=engine.max_batch_pixels,
-               max_decoded_bytes=engine.decoder.budget.limit, plan=plan.to_dict(),
+               max_decoded_bytes=engine.decoder.budget.limit, plan=plan.to_dict(), plan_source=source,
                determinism=certificate.summary() if certificate else "not checked (--no-self-check)")
+        if measure_later and not self._stopped:
+            self._plan_task = asyncio.get_running_loop().create_task(self._switch_to_measured(device))
+
+    async def _planned(self, runtime, base: ExecutionPlan | None, source: str):
+        """``runtime`` run by ``base`` (or the device's default) with the user's flags, and its
+        batch-invariance certificate (checked before any client sees its tokens)."""
+        cfg = self.config
+        plan = self._plan(runtime.info.device, base)
+        if cfg.micro_batch or cfg.model_workers or cfg.threads:
+            source += "+flags"
+        certificate = None
+        if cfg.self_check:
+            certificate = await run_in_daemon(lambda: start_up_check(runtime, plan), "vqserve-check")
+        return PlannedRuntime(runtime, plan, source), plan, certificate
+
+    def _publish(self, runtime: PlannedRuntime, certificate) -> None:
+        """The identity, plan and start-up check of what serves now, in the metrics and logs."""
+        info = runtime.info
+        self.metrics.set_model(info)
+        self.metrics.set_plan(info.backend, info.dtype, runtime.plan, runtime.source)
+        self.metrics.set_determinism(certificate)
+        if certificate is not None and not (certificate.batch_invariant and certificate.decode_batch_invariant):
+            _event("not_batch_invariant", certificate.summary(), level=logging.WARNING, plan=runtime.plan.to_dict())
 
     def _plan(self, device: str, base: ExecutionPlan | None = None) -> ExecutionPlan:
         """The measured plan (``base``) or the device's default, with the settings the user gave."""
         cfg = self.config
         return plan_for(device, cfg.micro_batch, cfg.model_workers, cfg.threads, base=base)
 
-    def _choose_plan(self, device: str):
-        """``--plan auto``: the cached plan for this hardware + model + version, or measure one."""
-        from vqserve.export.planner import choose_plan
+    def _artifacts(self):
+        """Where exports made for a plan go: the plan cache's ``artifacts/``."""
+        from vqserve.export.planner import cache_dir
+
+        return cache_dir(self.config.plan_cache) / "artifacts"
+
+    def _find_plan(self, device: str):
+        """(plan, measure later?): ``--plan FILE`` read and checked against the model; ``--plan
+        auto`` the cached plan for this hardware + model + versions, or None and True (the
+        safe plan serves while the measurement runs); ``--plan default`` None."""
+        from vqserve.export.planner import PlanChoice, lookup_plan
 
         cfg = self.config
-        _event("planning", f"choosing an execution plan for {cfg.model} on {device} "
-               "(cached after the first start)")
-        chosen = choose_plan(cfg.model, device=device, backend=cfg.backend, dtype=cfg.dtype,
-                             min_agreement=cfg.min_agreement, cache=cfg.plan_cache, expect_hash=cfg.expect_hash,
-                             log=lambda msg: _event("plan_candidate", msg, level=logging.DEBUG))
-        _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, plan=chosen.plan.to_dict(),
-               source=chosen.source, cache_file=chosen.cache_file,
-               measure_s=chosen.result.get("measure_s"))
+        if cfg.plan == "default":
+            return None, False
+        if cfg.plan != "auto":
+            chosen = PlanChoice.from_file(cfg.plan, cfg.model, device, cfg.dtype)
+        else:
+            chosen, _ = lookup_plan(cfg.model, device, cfg.backend, cfg.dtype, cfg.min_agreement, cfg.plan_cache,
+                                    cfg.expect_hash)
+            if chosen is None:
+                return None, True
+        _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, backend=chosen.backend,
+               exact=chosen.exact, plan=chosen.plan.to_dict(), source=chosen.source, file=chosen.cache_file)
+        return chosen, False
+
+    async def _measure_plan(self, device: str, foreground: bool = False):
+        """Run ``vqserve plan`` in a child process (lower priority, within --plan-budget-s,
+        ended by :meth:`stop`) and return the plan it cached, or None."""
+        from vqserve.export.planner import cache_dir, lookup_plan
+
+        cfg = self.config
+        argv = plan_argv(cfg.model, device, cfg.backend, cfg.dtype, str(cache_dir(cfg.plan_cache)),
+                         cfg.plan_budget_s, cfg.min_agreement if cfg.dtype == "auto" else None)
+        _event("plan_measuring", f"measuring the execution plan for {cfg.model} on {device} "
+               + ("before serving (--dtype auto chooses the dtype, so tokens would change at a switch)"
+                  if foreground else "in the background at low priority; serving the safe plan meanwhile")
+               + f" (budget {cfg.plan_budget_s:g} s; cached for later starts)", budget_s=cfg.plan_budget_s)
+        self._measurement = BackgroundPlan(argv)
+        status = await self._measurement.run(lambda line: _event("plan_progress", line))
+        if self._stopped:
+            return None
+        if status != 0:
+            _event("plan_not_measured", f"the plan measurement ended with status {status}: keeping the safe "
+                   f"plan (`vqserve plan --model {cfg.model}` measures without a budget and fills the cache)",
+                   level=logging.WARNING, status=status)
+            return None
+        chosen, _ = await run_in_daemon(lambda: lookup_plan(cfg.model, device, cfg.backend, cfg.dtype,
+                                                            cfg.min_agreement, cfg.plan_cache))
+        if chosen is not None:
+            chosen.source = "measured"
+            _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, backend=chosen.backend,
+                   exact=chosen.exact, plan=chosen.plan.to_dict(), source=chosen.source, file=chosen.cache_file,
+                   measure_s=chosen.result.get("measure_s"))
         return chosen
+
+    async def _switch_to_measured(self, device: str) -> None:
+        """Measure, then serve by the measured plan from the next call on. Every path the planner
+        may choose here gives the safe plan's tokens and pixels, so no client sees a change
+        but in speed; anything that fails leaves the safe plan serving."""
+        cfg = self.config
+        try:
+            chosen = await self._measure_plan(device)
+            if chosen is None or self._stopped:
+                if not self._stopped:
+                    self._republish_plan("safe")
+                return
+            current = self.state.engine.runtime
+            if (chosen.backend, chosen.dtype) == (current.info.backend, current.info.dtype) and \
+                    self._plan(device, chosen.plan) == current.plan:
+                self._republish_plan("measured")
+                _event("plan_switched", "the measured plan is the safe plan: nothing to switch")
+                return
+            raw = await run_in_daemon(lambda: chosen.load(cfg.model, cfg.backend, None, device, cfg.expect_hash,
+                                                          artifacts=self._artifacts()))
+            from vqserve.export.planner import check_reproduces
+
+            await run_in_daemon(lambda: check_reproduces(raw, cfg.model, device, chosen))
+            if self._stopped:
+                return
+            runtime, plan, certificate = await self._planned(raw, chosen.plan, "measured")
+            if certificate is not None and not (certificate.batch_invariant and certificate.decode_batch_invariant):
+                raise RuntimeError(f"the measured plan failed the start-up check here: {certificate.summary()}")
+            if self._stopped:
+                return
+            await self.state.engine.use_runtime(runtime, certificate)
+            self._publish(runtime, certificate)
+            _event("plan_switched", f"now serving by the measured plan: {runtime.info.extra['plan_line']}",
+                   backend=runtime.info.backend, dtype=runtime.info.dtype, plan=plan.to_dict())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the safe plan keeps serving
+            _event("plan_not_measured", f"could not switch to a measured plan ({type(exc).__name__}: "
+                   f"{' '.join(str(exc).split())[:300]}); keeping the safe plan", level=logging.WARNING)
+            if not self._stopped:
+                self._republish_plan("safe")
+
+    def _republish_plan(self, source: str) -> None:
+        """The plan serving now keeps serving, from now on known as coming from ``source``."""
+        engine = self.state.engine
+        if engine is not None and hasattr(engine.runtime, "relabel"):
+            engine.runtime.relabel(source + ("+flags" if engine.runtime.source.endswith("+flags") else ""))
+            self._publish(engine.runtime, engine.determinism)
 
     async def wait_loaded(self) -> None:
         """Wait for the model; re-raises a load failure."""
@@ -613,8 +728,11 @@ class TokenizerServer:
         self.state.ready = False
         await self.health.enter_graceful_shutdown()  # also ends every health Watch
         self.gate.drain()  # client streams: answer what was read, then UNAVAILABLE
-        if self._load_task is not None and not self._load_task.done():
-            self._load_task.cancel()
+        if self._measurement is not None:
+            self._measurement.stop()  # a plan being measured: ended now, nothing of it cached
+        for task in (self._load_task, self._plan_task):
+            if task is not None and not task.done():
+                task.cancel()
         t0 = time.perf_counter()
         if self.server is not None:
             await self.server.stop(grace)

@@ -167,6 +167,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):
                     accepted_sizes=engine.size_rule, max_pixels=info.max_pixels,
                     max_batch_size=engine.max_batch_size, dtype=info.dtype, backend=info.backend,
                     device=info.device, model_hash=info.model_hash, server_version=__version__,
+                    exact=bool(info.exact), source_hash=info.source_hash or info.model_hash,
                     execution_plan=info.extra.get("plan_line", ""),
                     determinism=_determinism_msg(getattr(engine, "determinism", None)),
                 )

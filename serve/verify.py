@@ -377,9 +377,16 @@ def _open_runtime(manifest: dict, model: str | None, device: str | None, report:
     elif device.split(":")[0] != recorded:
         report.notes.append(f"tokens were made on {recorded}, re-encoding on {device}: an index at "
                             "a rounding boundary may differ")
+    if m.get("exact"):
+        # the model's fp32 eager tokens, whatever backend the plan ran: the model as given
+        # (a checkpoint in eager fp32, or an exact export as exported) re-encodes them
+        backend, dtype = "auto", None
+    elif m.get("artifact") and not model:  # a lower precision export the plan made in its cache
+        ref, backend, dtype = m["artifact"], "auto", None
+    else:
+        backend, dtype = m.get("backend", "auto"), m.get("dtype")
     try:
-        runtime = load_runtime(ref, backend=m.get("backend", "auto"), dtype=m.get("dtype"),
-                               device=device)
+        runtime = load_runtime(ref, backend=backend, dtype=dtype, device=device)
     except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a damaged checkpoint
         hint = "" if model else "; pass --model with the model the tokens were made with"
         raise NotADataset(f"cannot load the model {ref!r} to re-encode the sample: {exc}{hint} "
@@ -391,8 +398,12 @@ def _open_runtime(manifest: dict, model: str | None, device: str | None, report:
 
 
 def check_model_hash(runtime, manifest: dict, ref: str) -> None:
+    """The runtime must make the recorded tokens: the same files, or both exact for the same
+    checkpoint (an export of it and the checkpoint itself; ``same_tokens``)."""
+    from vqserve.identity import same_tokens
+
     want, got = manifest["model"]["model_hash"], runtime.info.model_hash
-    if got != want:
+    if not same_tokens(manifest["model"], runtime.info):
         raise ModelMismatch(f"the model {ref!r} has hash {got[:16]}..., but the tokens were made "
                             f"with {want[:16]}...; re-encoding with another model proves nothing: "
                             "pass --model with the original model (or --sample 0)")

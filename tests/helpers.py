@@ -54,3 +54,32 @@ class FaultyRuntime:
 
     def times(self, row: int) -> int:
         return sum(call.count(row) for call in self.calls)
+
+
+def export_plan_file(checkpoint: str, folder, fmt: str = "torchscript") -> tuple[str, str]:
+    """A plan file that chose the checkpoint's own ``fmt`` export (fp32, exact), as a machine
+    where it measured fastest would write it with ``vqserve plan --out``. Written rather than
+    measured: which backend wins on a shared CPU is noise, what every reader of the plan does
+    with it is not. (TorchScript by default: on this CPU its tokens and decoded pixels equal
+    eager's, as a plan's must; the tiny model's ONNX export moves some pixels by a level.)
+    Returns (plan file, export folder)."""
+    from pathlib import Path
+
+    from vqserve.export.execution import ExecutionPlan
+    from vqserve.export.exporter import export_model
+    from vqserve.export.planner import PlanChoice, artifact_dir, probe_device
+    from vqserve.export.runtime import model_hash_of
+
+    folder = Path(folder)
+    model_hash = model_hash_of(checkpoint)
+    artifact = artifact_dir(folder / "artifacts", model_hash, fmt, "fp32", "cpu")
+    manifest = export_model(checkpoint, fmt, "fp32", artifact, parity_count=2)
+    assert manifest["parity"]["index_agreement"] == 1.0, f"the tiny model's {fmt} export is exact"
+    result = {"planner_version": 7, "dtype": "fp32", "backend": fmt, "artifact": str(artifact), "exact": True,
+              "rule": "identical", "device": probe_device("cpu"),
+              "plan": ExecutionPlan(2, 1, micro_batch_by_pixels=((32 * 32, 2), (64 * 64, 1))).to_dict(),
+              "dtypes": [{"dtype": "fp32", "backend": "eager", "eligible": True, "score": 1.0, "why_not": ""},
+                         {"dtype": "fp32", "backend": fmt, "eligible": True, "score": 1.3, "why_not": "",
+                          "pixels_equal": True, "agreement": 1.0}]}
+    plan = PlanChoice("fp32", ExecutionPlan.from_dict(result["plan"]), "measured", None, result, model_hash)
+    return str(plan.to_file(folder / "plan.json")), str(artifact)

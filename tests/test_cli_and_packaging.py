@@ -178,6 +178,46 @@ def test_info_table_reports_the_measurement(capsys):
     assert "bf16 cpu" in out and "fp16 cpu" in out and "fp32 (" in out
 
 
+def test_info_probe_never_runs_an_emulated_dtype_at_full_size(monkeypatch):
+    """`vqserve info` took 14-19 s on a 2-core CPU: fp16 without avx512_fp16/amx_fp16 runs
+    ~100x slower than fp32, and the probe ran it six times at full size on both threads. A
+    dtype is now timed on a 64x smaller pilot first and is only run at full size when that
+    fits PROBE_BUDGET_S; the CPU probe runs on one thread. Simulated on a fake clock."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vqserve.commands import info
+
+    threads = torch.get_num_threads()
+    clock = [0.0]
+    calls: list[tuple[str, tuple[int, int, int], int]] = []
+    per_call = {"fp32": 0.005, "bf16": 0.003, "fp16": 0.5}  # seconds at full size
+
+    def workload(device, dtype, sizes=None):
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        sizes = sizes or info.PROBE_SIZES["cpu"]
+        scale = 1 if sizes == info.PROBE_SIZES["cpu"] else info.PILOT_SCALE
+
+        def run():
+            calls.append((name, sizes, torch.get_num_threads()))
+            clock[0] += per_call[name] / scale
+        return run
+
+    monkeypatch.setattr(info, "_workload", workload)
+    monkeypatch.setattr(info, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    results = info.probe_device("cpu")
+
+    full = info.PROBE_SIZES["cpu"]
+    assert not [c for c in calls if c[0] == "fp16" and c[1] == full], calls
+    assert [c for c in calls if c[0] == "bf16" and c[1] == full]  # a fast dtype still is
+    assert {c[2] for c in calls} == {1} and torch.get_num_threads() == threads
+    assert clock[0] < 1.0  # the old probe spent 3 s of this fake clock on fp16 alone
+    assert results["fp16"] == {"runs": True, "speed_vs_fp32": 0.01, "workload": "pilot"}
+    assert results["bf16"]["workload"] == "full" and results["bf16"]["speed_vs_fp32"] > 1
+    assert "64x smaller" in info.describe_dtype(results["fp16"], [])
+
+
 # ---- make serve HOST= MODEL= PORT= ----------------------------------------------------------
 def test_make_serve_passes_its_variables_to_vqserve_serve(tmp_path):
     import shlex

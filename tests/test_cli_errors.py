@@ -161,6 +161,61 @@ def test_serve_missing_model_is_one_line_before_binding(tmp_path, capsys, monkey
     assert str(missing) in one_line(capsys.readouterr().err)
 
 
+@pytest.fixture(scope="module")
+def onnx_fp32(tiny_checkpoint, tmp_path_factory) -> str:
+    """The tiny tokenizer exported to ONNX in fp32 (its dtype is fixed from here on)."""
+    from vqserve.export.exporter import export_model
+
+    out = tmp_path_factory.mktemp("exports") / "onnx-fp32"
+    export_model(tiny_checkpoint, "onnx", "fp32", out, parity_size=32, parity_count=1)
+    return str(out)
+
+
+def _wrong_dtype_line(err: str, command: str, artifact: str, dtype: str) -> str:
+    line = one_line(err)
+    assert line.startswith(f"vqserve {command}: error: --dtype {dtype}: {artifact} holds an fp32 "
+                           "onnx export (its dtype is fixed at export time); leave --dtype out"), line
+    assert "dtype=None" not in line and "unexpected" not in line and "Traceback" not in err
+    return line
+
+
+def test_serve_dtype_other_than_the_artifacts_is_one_line_before_binding(onnx_fp32, monkeypatch, capsys):
+    # before: four JSON log lines (listening, planning, load_failed, ...), then "RuntimeError:
+    # no dtype met the constraints: ... or pass dtype=None (unexpected; ...)", exit 1
+    proc = run_cli("serve", "--model", onnx_fp32, "--dtype", "bf16", "--port", "0",
+                   "--metrics-port", "-1", env={"VQSERVE_PLAN": "auto"})
+    assert proc.returncode == 2, proc.stderr
+    line = _wrong_dtype_line(proc.stderr, "serve", onnx_fp32, "bf16")
+    assert "--format pt2 --dtype bf16" in line  # ONNX cannot run bf16: no advice that fails
+    from vqserve.serve import server
+
+    def never(config):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(server, "serve_until_signal", never)  # in-process, from VQSERVE_DTYPE
+    monkeypatch.setenv("VQSERVE_DTYPE", "fp16")
+    assert main(["serve", "--model", onnx_fp32, "--port", "0", "--metrics-port", "-1"]) == 2
+    line = _wrong_dtype_line(capsys.readouterr().err, "serve", onnx_fp32, "fp16")
+    assert line.endswith("vqserve export --format onnx --dtype fp16")
+
+
+def test_runtime_and_tokenize_refuse_another_dtype_in_one_line(onnx_fp32, tmp_path, capsys):
+    from PIL import Image
+
+    from vqserve.export.runtimes import OnnxRuntime
+
+    with pytest.raises(ValueError, match=r"^--dtype fp16: .* holds an fp32 onnx export") as exc:
+        OnnxRuntime(onnx_fp32, dtype="fp16")
+    assert "dtype=None" not in str(exc.value)
+    OnnxRuntime(onnx_fp32, dtype="fp32")  # its own dtype, or None, still loads
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (32, 32)).save(images / "a.png")
+    assert main(["tokenize", "--model", onnx_fp32, "--dtype", "bf16", "--plan", "default",
+                 "--out", str(tmp_path / "tokens"), str(images)]) == 2
+    _wrong_dtype_line(capsys.readouterr().err, "tokenize", onnx_fp32, "bf16")
+
+
 def test_max_pixels_flag_env_and_message_size(monkeypatch, capsys):
     from vqserve.cli import build_parser
     from vqserve.commands.serve import config_from_args

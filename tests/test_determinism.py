@@ -164,13 +164,13 @@ def test_server_reports_its_plan_and_the_start_up_check(tiny_checkpoint):
     with _server(tiny_checkpoint, dtype="bf16") as srv:
         info = TokenizerClient(srv.target).model_info()
         assert info["execution_plan"].startswith("bf16 micro_batch=1 workers=")
-        assert info["execution_plan"].endswith("[--plan default]")
+        assert info["execution_plan"].endswith("[default]")
         det = info["determinism"]
         assert det["batch_invariant"] and det["decode_batch_invariant"]
         assert det["summary"].startswith("batch-invariant")
         body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
         assert 'vqserve_batch_invariant{what="tokens"} 1.0' in body
-        assert 'vqserve_execution_plan{dtype="bf16",intra_op_threads="1",micro_batch="1",' in body
+        assert 'vqserve_execution_plan{backend="eager",dtype="bf16",intra_op_threads="1",micro_batch="1",' in body
 
 
 def test_a_batch_dependent_runtime_is_reported_at_start_up(tiny_checkpoint, caplog):

@@ -110,7 +110,7 @@ def test_encode_validates_images(ts_fp32):
 
 
 def test_load_runtime_errors_name_the_problem(ts_fp32, tiny_checkpoint):
-    with pytest.raises(ValueError, match="exported with dtype fp32, not bf16"):
+    with pytest.raises(ValueError, match="--dtype bf16: .* holds an fp32 torchscript export"):
         load_runtime(ts_fp32, dtype="bf16")
     with pytest.raises(ValueError, match="holds a 'torchscript' export; backend 'onnx'"):
         load_runtime(ts_fp32, backend="onnx")

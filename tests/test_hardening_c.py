@@ -335,8 +335,10 @@ def test_expected_hash_serves_and_is_shown(pt2_artifact, photos):
         assert info["model_hash"] == good and info["backend"] == "pt2"
         assert client.encode(photos[:1]).shape == (1, 8, 8)
         text = metrics_text(srv)
+        source = info["source_hash"]
         assert metric(text, "vqserve_model_info", backend="pt2", device="cpu", dtype="fp32",
-                      model_hash=good) == 1
+                      model_hash=good, source_hash=source, exact=str(info["exact"]).lower()) == 1
+        assert source != good and info["exact"], "an exact export names its checkpoint beside its own hash"
     with pytest.raises(ModelHashMismatch):  # the API refuses as the command line does
         ServerThread(config(str(pt2_artifact), backend="auto", expect_hash="0" * 64)).start()
 

@@ -132,3 +132,27 @@ def test_ray_fail_fast_and_actor_refusal(ray_local, photos_dir, tiny_checkpoint,
     err = capsys.readouterr().err
     assert "img3x.png" in err and "(--fail-fast)" in err
     assert not (tmp_path / "b" / "errors.jsonl").exists()
+
+
+def test_ray_runs_the_drivers_plan_and_either_engine_resumes_the_other(ray_local, photos_dir, tiny_checkpoint,
+                                                                      tmp_path):
+    """Was: the local engine followed the plan (an export) while the Ray actors ran eager, so
+    every shard and the manifest differed and neither could resume the other's run."""
+    import json
+
+    from tests.helpers import export_plan_file
+
+    plan, _ = export_plan_file(tiny_checkpoint, tmp_path / "plan")
+    local, dist = tmp_path / "local", tmp_path / "ray"
+    args = ("--size", "32", "--plan", plan)
+    assert tokenize(photos_dir, local, tiny_checkpoint, "local", *args) == 0
+    assert tokenize(photos_dir, dist, tiny_checkpoint, "ray", *args) == 0
+    want = files(local)
+    assert json.loads(want["manifest.json"])["model"]["backend"] == "torchscript", "the plan's backend ran"
+    assert files(dist) == want
+    (dist / "shard-000001.parquet").unlink()  # a Ray run finished by the local engine
+    assert tokenize(photos_dir, dist, tiny_checkpoint, "local", *args) == 0
+    assert files(dist) == want
+    (local / "shard-000000.parquet").unlink()  # and a local run finished on Ray
+    assert tokenize(photos_dir, local, tiny_checkpoint, "ray", *args) == 0
+    assert files(local) == want

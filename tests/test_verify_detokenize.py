@@ -160,7 +160,7 @@ def test_verify_usage_errors(copy, tmp_path, capsys, tiny_checkpoint):
     assert main(["verify", str(tmp_path / "other")]) == 2
     assert "not a `vqserve tokenize` manifest" in capsys.readouterr().err
     manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["model"]["model_hash"] = "0" * 64
+    manifest["model"]["model_hash"] = manifest["model"]["source_hash"] = "0" * 64  # another model
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert main(["verify", str(copy), "--sample", "1"]) == 2
     assert "re-encoding with another model proves nothing" in capsys.readouterr().err
@@ -262,7 +262,7 @@ def test_detokenize_bad_inputs(dataset, copy, tmp_path, capsys, tiny_checkpoint)
     assert main(["detokenize", str(lone), "--model", tiny_checkpoint, *base]) == 0
     # the recorded model changed: refused, unless --model is explicit (then a warning)
     manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["model"]["model_hash"] = "0" * 64
+    manifest["model"]["model_hash"] = manifest["model"]["source_hash"] = "0" * 64  # another model
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert main(["detokenize", str(copy), *base, "--overwrite"]) == 2
     assert "pass --model explicitly" in capsys.readouterr().err

@@ -85,7 +85,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("quantizer", "codebook_size", "levels", "factor", "codes_per_position", "index_dtype", "accepted_sizes", "max_pixels", "max_batch_size", "dtype", "backend", "device", "model_hash", "server_version", "execution_plan", "determinism", "dither")
+    __slots__ = ("quantizer", "codebook_size", "levels", "factor", "codes_per_position", "index_dtype", "accepted_sizes", "max_pixels", "max_batch_size", "dtype", "backend", "device", "model_hash", "server_version", "execution_plan", "determinism", "dither", "exact", "source_hash")
     QUANTIZER_FIELD_NUMBER: _ClassVar[int]
     CODEBOOK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEVELS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class ModelInfo(_message.Message):
     EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
     DETERMINISM_FIELD_NUMBER: _ClassVar[int]
     DITHER_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_HASH_FIELD_NUMBER: _ClassVar[int]
     quantizer: str
     codebook_size: int
     levels: _containers.RepeatedScalarFieldContainer[int]
@@ -120,7 +122,9 @@ class ModelInfo(_message.Message):
     execution_plan: str
     determinism: Determinism
     dither: str
-    def __init__(self, quantizer: _Optional[str] = ..., codebook_size: _Optional[int] = ..., levels: _Optional[_Iterable[int]] = ..., factor: _Optional[int] = ..., codes_per_position: _Optional[int] = ..., index_dtype: _Optional[str] = ..., accepted_sizes: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., model_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., execution_plan: _Optional[str] = ..., determinism: _Optional[_Union[Determinism, _Mapping]] = ..., dither: _Optional[str] = ...) -> None: ...
+    exact: bool
+    source_hash: str
+    def __init__(self, quantizer: _Optional[str] = ..., codebook_size: _Optional[int] = ..., levels: _Optional[_Iterable[int]] = ..., factor: _Optional[int] = ..., codes_per_position: _Optional[int] = ..., index_dtype: _Optional[str] = ..., accepted_sizes: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., model_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., execution_plan: _Optional[str] = ..., determinism: _Optional[_Union[Determinism, _Mapping]] = ..., dither: _Optional[str] = ..., exact: _Optional[bool] = ..., source_hash: _Optional[str] = ...) -> None: ...
 
 class Determinism(_message.Message):
     __slots__ = ("batch_invariant", "decode_batch_invariant", "summary")

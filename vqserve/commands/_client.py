@@ -19,7 +19,7 @@ from typing import IO, Any
 from vqserve.commands.common import UsageError  # one exit-2 error for every command
 
 IDENTITY_FORMAT = "vqserve-tokens/1"
-MODEL_FIELDS = ("model_hash", "codebook_size", "factor", "index_dtype", "quantizer", "levels",
+MODEL_FIELDS = ("model_hash", "source_hash", "exact", "codebook_size", "factor", "index_dtype", "quantizer", "levels",
                 "dither", "codes_per_position", "dtype", "backend", "server_version")
 
 

@@ -24,7 +24,9 @@ class UsageError(CliError):
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_device: str = "auto",
-                   model_default: str | None = "default") -> argparse._ArgumentGroup:
+                   model_default: str | None = "default", dtype_auto: bool = False) -> argparse._ArgumentGroup:
+    """``dtype_auto``: the command plans (serve, tokenize, plan), so ``--dtype auto`` - let the
+    planner pick a lower precision where it agrees with fp32 on ``--min-agreement`` - is offered."""
     m = parser.add_argument_group("model")
     m.add_argument("--model", default=model_default,
                    help="`default` (the shipped tokenizer), a model directory (a vqserve checkpoint, a "
@@ -32,9 +34,12 @@ def add_model_args(parser: argparse.ArgumentParser, default_device: str = "auto"
     m.add_argument("--backend", default="auto", choices=["auto", "eager", "torchscript", "onnx", "pt2"],
                    help="runtime; auto = the recorded format for artifacts; for checkpoints eager, or with "
                         "--plan auto the fastest exact backend measured (eager or its ONNX export)")
-    m.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+    m.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16", *(["auto"] if dtype_auto else [])],
                    help="network compute dtype (the quantizer always runs in fp32); default: fp32 for "
-                        "checkpoints, the exported dtype for artifacts")
+                        "checkpoints (the model's exact tokens), the exported dtype for artifacts"
+                        + ("; auto: the fastest of fp32/bf16/fp16 whose tokens agree with fp32's on "
+                           "--min-agreement (tokens then change by up to that share, and the served "
+                           "identity says exact=false)" if dtype_auto else ""))
     m.add_argument("--device", default=default_device, help="auto | cpu | cuda | cuda:N")
     return m
 
@@ -121,3 +126,19 @@ def resolve_env_fallbacks(parser_actions, args: argparse.Namespace, env_names: d
             if action.choices and value not in action.choices:
                 raise ValueError(f"{env}={raw!r} must be one of {', '.join(map(str, action.choices))}")
         setattr(args, action.dest, value)
+
+
+DEFAULT_MIN_AGREEMENT = 0.995
+
+
+def min_agreement_for(dtype: str | None, min_agreement: float | None) -> float:
+    """``--min-agreement`` belongs to ``--dtype auto`` (default 0.995 there): with any other
+    dtype the tokens are the reference's exactly, so a threshold would mean nothing."""
+    if min_agreement is None:
+        return DEFAULT_MIN_AGREEMENT
+    if dtype != "auto":
+        raise UsageError(f"--min-agreement {min_agreement:g} applies to --dtype auto only (without it the "
+                         "planner serves only paths whose tokens equal the reference's)")
+    if not 0.5 <= min_agreement <= 1:
+        raise UsageError(f"--min-agreement must be 0.5..1, got {min_agreement:g}")
+    return float(min_agreement)

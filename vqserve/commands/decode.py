@@ -47,6 +47,7 @@ from vqserve.commands._client import (
     rpc_failure,
     write_atomic,
 )
+from vqserve.identity import same_tokens
 
 NOT_TOKENS = "not a token array"
 
@@ -190,7 +191,7 @@ def check_identity(files: list[_TokenFile], info: dict, server: str, force: bool
             continue
         if ident is None:
             unknown.append(tf.src.shown)
-        elif ident.get("model_hash") != info["model_hash"]:
+        elif not same_tokens(ident, info):  # the same files, or exact tokens of the same checkpoint
             mismatched.append((tf.src.shown, str(ident.get("model_hash", ""))))
     if unknown:
         more = ", ..." if len(unknown) > 1 else ""

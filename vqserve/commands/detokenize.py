@@ -214,9 +214,13 @@ def open_runtime(args: argparse.Namespace, manifest: dict | None):
                          "model made them")
     ref = args.model or recorded["ref"]
     backend = args.backend
-    if args.model is None and backend == "auto":
-        backend = recorded.get("backend", "auto")
-    dtype = args.dtype or (recorded.get("dtype") if args.model is None else None)
+    dtype = args.dtype
+    if args.model is None and not recorded.get("exact"):  # exact tokens: the model as given decodes them
+        if recorded.get("artifact"):  # a lower precision export the plan made in its cache
+            ref = recorded["artifact"]
+        elif backend == "auto":
+            backend = recorded.get("backend", "auto")
+        dtype = dtype or recorded.get("dtype")
     try:
         runtime = load_runtime(ref, backend=backend, dtype=dtype, device=args.device)
     except (OSError, ValueError) as exc:
@@ -224,8 +228,10 @@ def open_runtime(args: argparse.Namespace, manifest: dict | None):
             raise
         raise ValueError(f"{exc} (the model recorded in manifest.json beside the shards); pass "
                          "--model with the model the tokens were made with") from None
+    from vqserve.identity import same_tokens
+
     want, got = recorded.get("model_hash"), runtime.info.model_hash
-    if want and got != want:
+    if want and not same_tokens(recorded, runtime.info):
         msg = (f"the model {ref!r} has hash {got[:16]}..., but the shards were tokenized with "
                f"{want[:16]}...")
         if args.model is None:

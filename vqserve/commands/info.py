@@ -1,11 +1,16 @@
 """Print the vqserve version, torch build, devices and the runtimes available here.
 
 bf16 and fp16 support is measured, not assumed: a small matmul and convolution run in each
-dtype and in fp32 on every device (under 0.1 s on a CPU), and the CPU's own flags for
-native low-precision arithmetic (amx_bf16, avx512_bf16, avx512_fp16, ...) are read from
-/proc/cpuinfo where it exists. A dtype that runs much slower than fp32 is likely emulated.
-The ratio is a quick probe (it moves by ~0.2 between runs on a busy 2-core machine); for
-the tokenizer's own speed per dtype and runtime use `vqserve bench runtimes`.
+dtype and in fp32 on every device, and the CPU's own flags for native low-precision
+arithmetic (amx_bf16, avx512_bf16, avx512_fp16, ...) are read from /proc/cpuinfo where it
+exists. A dtype that runs much slower than fp32 is likely emulated. The probe takes about
+0.1-0.3 s on a CPU (importing torch takes longer): it runs on one thread (vqserve's
+execution plan runs each model call on one thread too; more threads on a busy machine time
+the scheduler, not the dtype), and each dtype first runs a 64x smaller workload; one that
+would need more than 0.25 s at full size (fp16 emulated on a CPU without
+avx512_fp16/amx_fp16 runs ~100x slower than fp32) is reported from that small workload.
+The ratio is a quick probe; for the tokenizer's own speed per dtype and runtime use
+`vqserve bench runtimes`.
 
 Example:
   vqserve info
@@ -33,6 +38,12 @@ NATIVE_FLAGS = {
 }
 # Workload sizes: big enough that arithmetic, not call overhead, dominates the timing.
 PROBE_SIZES = {"cpu": (512, 64, 64), "cuda": (2048, 256, 128)}  # matmul n, conv channels, side
+# The pilot workload: n/4, channels/4, side/2, so both the matmul (n^3) and the conv
+# (channels^2 * side^2) do PILOT_SCALE times less arithmetic than the full one.
+PILOT_SCALE = 64
+# Most seconds the timed full-size calls of one dtype may take (as predicted from the
+# pilot); a slower dtype is reported from the pilot, whose own repeats stop at this too.
+PROBE_BUDGET_S = 0.25
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -41,12 +52,14 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="skip running bf16/fp16 on each device (report CPU flags only)")
 
 
-def _time_median(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 5) -> float:
-    """Median seconds of ``fn`` after one warm-up call (which also triggers lazy kernels)."""
+def _time_median(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 5,
+                 budget_s: float | None = None) -> float:
+    """Median seconds of ``fn`` after one warm-up call (which also triggers lazy kernels);
+    with ``budget_s``, the repeats stop once they took that long (at least one runs)."""
     fn()
     sync()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats and (budget_s is None or not times or sum(times) < budget_s):
         start = time.perf_counter()
         fn()
         sync()
@@ -54,11 +67,17 @@ def _time_median(fn: Callable[[], object], sync: Callable[[], None], repeats: in
     return sorted(times)[len(times) // 2]
 
 
-def _workload(device: str, dtype) -> Callable[[], object]:
+def probe_sizes(device: str, pilot: bool = False) -> tuple[int, int, int]:
+    """(matmul n, conv channels, side) of the full workload on ``device``, or of its pilot."""
+    n, channels, side = PROBE_SIZES["cuda" if device.startswith("cuda") else "cpu"]
+    return (n // 4, channels // 4, side // 2) if pilot else (n, channels, side)
+
+
+def _workload(device: str, dtype, sizes: tuple[int, int, int] | None = None) -> Callable[[], object]:
     """A matmul and a 3x3 convolution in ``dtype``: the two op kinds a tokenizer spends on."""
     import torch
 
-    n, channels, side = PROBE_SIZES["cuda" if device.startswith("cuda") else "cpu"]
+    n, channels, side = sizes or probe_sizes(device)
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
     x = torch.randn(1, channels, side, side, generator=gen).to(device, dtype)
@@ -72,20 +91,44 @@ def _workload(device: str, dtype) -> Callable[[], object]:
 
 
 def probe_device(device: str) -> dict:
-    """For each low-precision dtype: does it run on ``device``, and at what speed vs fp32."""
+    """For each low-precision dtype: does it run on ``device``, and at what speed vs fp32.
+
+    Each dtype runs the pilot workload first; only when the full one is predicted to fit in
+    PROBE_BUDGET_S is it timed too, otherwise the pilot's ratio is reported (``"workload":
+    "pilot"``). On the CPU everything runs on one thread (restored afterwards)."""
+    import torch
+
+    if device.startswith("cuda"):
+        return _probe(device, lambda: torch.cuda.synchronize(device))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _probe(device, lambda: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe(device: str, sync: Callable[[], None]) -> dict:
     import torch
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
-    fp32 = _time_median(_workload(device, dtypes["fp32"]), sync)
+    full, small = probe_sizes(device), probe_sizes(device, pilot=True)
+    fp32 = {"full": _time_median(_workload(device, dtypes["fp32"], full), sync),
+            "pilot": _time_median(_workload(device, dtypes["fp32"], small), sync)}
     results = {}
     for name in LOW_PRECISION:
         try:
-            seconds = _time_median(_workload(device, dtypes[name]), sync)
+            seconds = _time_median(_workload(device, dtypes[name], small), sync,
+                                   budget_s=PROBE_BUDGET_S)
+            workload = "pilot"
+            if seconds * PILOT_SCALE * 6 <= PROBE_BUDGET_S:  # warm-up + 5 repeats at full size
+                seconds, workload = _time_median(_workload(device, dtypes[name], full), sync), "full"
         except (RuntimeError, NotImplementedError) as exc:  # no kernel for this dtype here
             results[name] = {"runs": False, "error": str(exc).splitlines()[0][:160]}
             continue
-        results[name] = {"runs": True, "speed_vs_fp32": round(fp32 / seconds, 2)}
+        ratio = fp32[workload] / seconds
+        results[name] = {"runs": True, "speed_vs_fp32": round(ratio, 2 if ratio >= 0.1 else 3),
+                         "workload": workload}
     return results
 
 
@@ -155,7 +198,9 @@ def describe_dtype(result: dict | None, flags: list[str] | None) -> str:
         ratio = result["speed_vs_fp32"]
         verdict = "faster than" if ratio >= 1.2 else "about as fast as" if ratio > 0.8 else \
             "slower than"
-        text = f"yes, {verdict} fp32 ({ratio:.2f}x its speed on a matmul + conv)"
+        size = ("a matmul + conv" if result.get("workload", "full") == "full" else
+                f"a {PILOT_SCALE}x smaller matmul + conv; too slow to time at full size")
+        text = f"yes, {verdict} fp32 ({ratio:.{2 if ratio >= 0.1 else 3}f}x its speed on {size})"
     if flags is not None:
         text += f"; native CPU support: {', '.join(flags) if flags else 'none found'}"
     return text

@@ -1,20 +1,24 @@
 """Measure the candidate execution plans on this machine, print them and the choice.
 
-What `vqserve serve --plan auto` does at its first start, without serving: for each dtype
-the model can run in (fp32, bf16, fp16 for a checkpoint — the quantizer always fp32 —; an
-exported artifact's own), and for a checkpoint also each backend of --backends exported
-in-process into the plan cache (ONNX Runtime fp32 by default on a CPU), token agreement with fp32 on calibration photos and whether tokens
-depend on the batch; then images/s as the server runs it, at each calibration size, for each
-micro-batch with one single-threaded call per core, and for one call with every core's
-threads. The choice: the fastest dtype (geometric mean over sizes) with agreement >=
---min-agreement whose tokens do not depend on the batch, its fastest micro-batch per size,
-and workers or threads, whichever was faster. The result is written to the plan cache, so
-a server started afterwards on this machine with this model and version uses it at once.
+Exact by default: the reference is the model in eager fp32; the model exported in-process
+(ONNX Runtime by default; --backends adds TorchScript and torch.export) qualifies only where
+its tokens and decoded pixels equal the reference's on every calibration photograph and do
+not depend on the batch. --dtype bf16|fp16 pins a lower precision (the same rule, in that
+dtype); --dtype auto also measures bf16 and fp16 and accepts --min-agreement of fp32's
+tokens (the choice then says exact: false).
+
+Every qualifying way to run it - each micro-batch with one single-threaded call per core,
+and one call with every core's threads, at each calibration size - is timed in interleaved
+rounds; speeds are compared as ratios to the safe plan within a round, and something more
+complex than the safe plan wins only where it is faster by more than 5 % and the rounds'
+spread. The result goes to the plan cache (a server or tokenize run started afterwards on
+this machine uses it at once) and, with --out, to a plan file for a fleet of such machines.
 
 Examples:
   vqserve plan --model default
-  vqserve plan --model runs/mine --sizes 64,128,512 --min-agreement 0.999 --json
-  vqserve plan --model artifacts/onnx-fp16 --refresh      # measure again, replace the cached plan
+  vqserve plan --model default --out plan.json        # serve/tokenize --plan plan.json elsewhere
+  vqserve plan --model runs/mine --dtype auto --min-agreement 0.999 --json
+  vqserve plan --model artifacts/onnx-fp32 --refresh  # measure again, replace the cached plan
   vqserve plan --model default --backends eager,onnx,torchscript,pt2   # every backend
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -40,12 +45,22 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def add_parser(parser: argparse.ArgumentParser) -> None:
     from vqserve.commands.common import add_model_args
 
-    add_model_args(parser)
+    add_model_args(parser, dtype_auto=True)
+    parser.add_argument("--out", default=None, metavar="FILE",
+                        help="also write the decision as a plan file, for `vqserve serve --plan FILE` and "
+                             "`vqserve tokenize --plan FILE` on every machine of this kind")
     parser.add_argument("--sizes", default="64,256", help="calibration image sides (default 64,256)")
     parser.add_argument("--micro-batches", default="1,2,4,8", help="micro-batches to try (default 1,2,4,8)")
-    parser.add_argument("--min-agreement", type=float, default=0.995,
-                        help="least share of tokens equal to fp32's (default 0.995)")
-    parser.add_argument("--seconds", type=float, default=0.6, help="timing window per candidate (default 0.6)")
+    parser.add_argument("--min-agreement", type=float, default=None,
+                        help="with --dtype auto: least share of tokens equal to fp32's for bf16/fp16 "
+                             "(default 0.995)")
+    parser.add_argument("--seconds", type=float, default=0.3,
+                        help="timing window per candidate and round (default 0.3)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved timing rounds: every candidate once per round (default 3)")
+    parser.add_argument("--budget-s", type=float, default=0,
+                        help="stop measuring after this many seconds (nothing is cached then); "
+                             "0 = no limit (default)")
     parser.add_argument("--plan-cache", default=None, help="plan cache directory (as `vqserve serve`)")
     parser.add_argument("--refresh", action="store_true", help="measure even when a cached plan exists")
     parser.add_argument("--backends", default=None,
@@ -54,26 +69,40 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                              "pt2; default eager,onnx where onnxruntime runs on the device; eager, the reference, is "
                              "always measured)")
     parser.add_argument("--json", action="store_true", help="print every measurement as JSON")
+    parser.add_argument("--background", action="store_true", help=argparse.SUPPRESS)  # vqserve serve's child
 
 
 def run(args: argparse.Namespace) -> int:
-    from vqserve.commands.common import UsageError, check_model_exists
+    from vqserve.commands.common import UsageError, check_model_exists, min_agreement_for
 
-    if not 0 < args.min_agreement <= 1 or args.seconds <= 0:
-        raise UsageError("--seconds must be positive and --min-agreement in (0, 1]")
+    if args.background:  # measuring for a server: below its priority, never outliving it
+        import signal
+
+        from vqserve.lifetime import die_with_parent, lower_priority
+
+        # SIGTERM (the server stopping, or dying) unwinds: a half-written export is removed
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        die_with_parent()
+        lower_priority()
+    if args.seconds <= 0 or args.rounds < 1 or args.budget_s < 0:
+        raise UsageError("--seconds must be positive, --rounds at least 1 and --budget-s at least 0")
+    min_agreement = min_agreement_for(args.dtype, args.min_agreement)
     sizes = _ints(args.sizes, "--sizes")
     micro = _ints(args.micro_batches, "--micro-batches")
     check_model_exists(args.model, "VQSERVE_MODEL")
-    from vqserve.export.planner import EXPORT_BACKENDS, choose_plan
+    from vqserve.export.planner import EXPORT_BACKENDS, PlanCancelled, choose_plan
     from vqserve.export.runtime import load_runtime, resolve_device
 
     device = resolve_device(args.device)
-    factor = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=device).info.factor
+    factor = load_runtime(args.model, backend=args.backend, dtype=None if args.dtype == "auto" else args.dtype,
+                          device=device).info.factor
     bad = [s for s in sizes if s % factor]
     if bad:
         raise UsageError(f"--sizes {bad} must be multiples of the model's factor {factor}")
-    log = None if args.json else (lambda msg: print(f"[plan] {msg}", file=sys.stderr, flush=True))
-    kw = {"sides": sizes, "micro_batches": micro, "seconds": args.seconds}
+    t0 = time.monotonic()
+    log = None if args.json and not args.background else (
+        lambda msg: print(f"[plan {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True))
+    kw = {"sides": sizes, "micro_batches": micro, "seconds": args.seconds, "rounds": args.rounds}
     if args.backends:
         backends = tuple(b.strip() for b in args.backends.split(","))
         unknown = [b for b in backends if b not in ("eager", *EXPORT_BACKENDS)]
@@ -81,34 +110,53 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--backends {','.join(unknown)}: each must be one of eager, "
                              f"{', '.join(EXPORT_BACKENDS)}")
         kw["backends"] = backends
-    chosen = choose_plan(args.model, device, args.backend, args.dtype, args.min_agreement, args.plan_cache,
-                         log=log, refresh=args.refresh, **kw)
+    deadline = t0 + args.budget_s if args.budget_s else None
+    try:
+        chosen = choose_plan(args.model, device, args.backend, args.dtype, min_agreement, args.plan_cache,
+                             log=log, refresh=args.refresh,
+                             should_stop=(lambda: time.monotonic() > deadline) if deadline else None, **kw)
+    except PlanCancelled:
+        print(f"vqserve plan: stopped after --budget-s {args.budget_s:g} s before the measurement finished; "
+              "nothing was cached (run `vqserve plan` without --budget-s to measure to the end)",
+              file=sys.stderr)
+        return 3
+    if args.out:
+        chosen.to_file(args.out)
+        if log:
+            log(f"plan written to {args.out}")
     result, source = chosen.result, chosen.source
     if args.json:
         print(json.dumps({**result, "source": source}, indent=2))
         return 0
-    _print(result, source, args.min_agreement)
+    if not args.background:
+        _print(result, source)
     return 0
 
 
-def _print(result: dict, source: str, min_agreement: float) -> None:
+def _print(result: dict, source: str) -> None:
     from vqserve.export.planner import label_of, row_label
 
     dev = result["device"]
     flags = ", ".join(f for f, on in dev["cpu_flags"].items() if on) or "none found"
     where = dev.get("cuda_name") or dev["cpu"] or "CPU"
-    print(f"{where} ({dev['cores']} cores; {flags}); min agreement {min_agreement:.2%}; "
-          f"calibration: {result['calibration']}; {source}"
-          + (f" in {result['measure_s']} s" if source == "measured" else " (--refresh to measure again)"))
-    print(f"{'path':10} {'agreement':>10}  invariant  {'img/s':>7}  verdict")
+    rule = ("tokens and decoded pixels identical to the reference (exact by default)"
+            if result.get("rule", "identical") == "identical"
+            else f"--dtype auto: agreement with fp32 >= {result.get('min_agreement') or 0:.2%}")
+    load = result.get("load_average") or {}
+    print(f"{where} ({dev['cores']} cores; {flags}); {rule}; calibration: {result['calibration']}; {source}"
+          + (f" in {result['measure_s']} s, load average {load.get('before')} -> {load.get('after')}"
+             if source == "measured" else " (--refresh to measure again)"))
+    print(f"{'path':10} {'agreement':>10} {'pixels':>7}  invariant  {'speed':>6}  verdict")
     for d in result["dtypes"]:
         verdict = "eligible" if d["eligible"] else d["why_not"]
-        print(f"{row_label(d):10} {d['agreement']:>10.4%}  "
-              f"{'yes' if d['batch_invariant'] else 'NO':9}  {d['score']:>7.1f}  {verdict}")
-    print(f"{'path':10} {'side':>5} {'micro':>5} {'workers':>7} {'threads':>7} {'img/s':>7}")
+        print(f"{row_label(d):10} {d['agreement']:>10.4%} {'equal' if d.get('pixels_equal') else 'differ':>7}  "
+              f"{'yes' if d['batch_invariant'] else 'NO':9}  {d['score']:>6.2f}  {verdict}")
+    print(f"speeds relative to the safe plan (micro-batch 1, one call per core) in the same round, "
+          f"median of {result.get('rounds', 1)} interleaved rounds:")
+    print(f"{'path':10} {'side':>5} {'micro':>5} {'workers':>7} {'threads':>7} {'img/s':>7} {'ratio':>6} {'spread':>7}")
     for c in result["candidates"]:
-        print(f"{row_label(c):10} {c['side']:>5} {c['micro_batch']:>5} "
-              f"{c['workers']:>7} {c['threads']:>7} {c['images_per_s']:>7.1f}")
+        print(f"{row_label(c):10} {c['side']:>5} {c['micro_batch']:>5} {c['workers']:>7} {c['threads']:>7} "
+              f"{c['images_per_s']:>7.1f} {c.get('ratio', 0):>6.2f} {c.get('spread', 0):>7.2f}")
     plan = result["plan"]
     sizes = " ".join(f"{int(p ** 0.5)}:{m}" for p, m in plan["micro_batch_by_pixels"])
     lone = plan.get("lone_unpadded") or []
@@ -116,8 +164,7 @@ def _print(result: dict, source: str, min_agreement: float) -> None:
                "other short calls padded" if lone else "short calls padded")
     how = label_of(result["backend"], result["dtype"])
     artifact = f" (exported to {result['artifact']})" if result.get("artifact") else ""
-    print(f"choice: {how}{artifact}, micro-batch per side {sizes or plan['micro_batch']} ({padding}), "
+    exact = "exact: the model's fp32 tokens" if result.get("exact") else "NOT exact: lower precision, asked for"
+    print(f"choice: {how}{artifact} ({exact}), micro-batch per side {sizes or plan['micro_batch']} ({padding}), "
           f"{plan['workers']} workers x {plan['intra_op_threads']} threads "
-          f"(`vqserve serve` with --plan auto uses it; by hand: "
-          f"{'--model ' + result['artifact'] if result.get('artifact') else '--dtype ' + result['dtype']} "
-          f"--model-workers {plan['workers']} --threads {plan['intra_op_threads']})")
+          "(`vqserve serve` and `vqserve tokenize` with --plan auto use it; `--out FILE` writes it for --plan FILE)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from pathlib import Path
 
 from vqserve.commands.common import (
@@ -28,6 +29,7 @@ from vqserve.commands.common import (
     add_expect_hash,
     add_model_args,
     check_model_exists,
+    min_agreement_for,
     resolve_env_fallbacks,
     switch,
 )
@@ -50,6 +52,7 @@ ENV_VARS = {
     "micro_batch": "VQSERVE_MICRO_BATCH", "model_workers": "VQSERVE_MODEL_WORKERS",
     "no_self_check": "VQSERVE_NO_SELF_CHECK", "plan": "VQSERVE_PLAN", "plan_cache": "VQSERVE_PLAN_CACHE",
     "min_agreement": "VQSERVE_MIN_AGREEMENT", "threads": "VQSERVE_THREADS",
+    "plan_budget_s": "VQSERVE_PLAN_BUDGET_S",
 }
 # The flag that moves each port, for the one-line "port in use" error.
 PORT_FLAGS = {"gRPC": "port", "metrics": "metrics_port"}
@@ -73,8 +76,16 @@ def pixel_budget(text: str) -> int:
     return 0 if text.strip() == "0" else pixel_count(text)
 
 
+def plan_choice(text: str) -> str:
+    """``--plan`` value: ``auto``, ``default`` or the path of a plan file that exists."""
+    if text in ("auto", "default") or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, default or a plan file (`vqserve plan --out FILE`), "
+                                     f"got {text!r}, which is not a file")
+
+
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_expect_hash(add_model_args(parser))
+    add_expect_hash(add_model_args(parser, dtype_auto=True))
     n = parser.add_argument_group("network")
     n.add_argument("--host", default="[::]", help="address to bind (default all interfaces)")
     n.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (logged)")
@@ -119,21 +130,24 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     x = parser.add_argument_group(
         "execution plan", "how each model call runs; tokens never depend on the batch "
                           "(docs/SERVING.md, \"Tokens do not depend on the batch\")")
-    x.add_argument("--plan", choices=["auto", "default"], default="auto",
-                   help="auto (default): measure dtype x backend (a checkpoint is also exported to "
-                        "ONNX in-process with --backend auto) x micro-batch per image size x workers-vs-"
-                        "threads on this hardware at the first start and serve the fastest whose "
-                        "tokens agree with fp32 on at least --min-agreement and do not depend on "
-                        "the batch; the result is cached (--plan-cache), so later starts take "
-                        "milliseconds. default: fp32 (or the artifact's dtype), micro-batch 1 on "
-                        "CPU / 8 on CUDA, one call per core. Each flag below overrides its part")
+    x.add_argument("--plan", type=plan_choice, default="auto", metavar="auto|default|FILE",
+                   help="auto (default): serve at once - by the plan cached for this hardware and model, "
+                        "else by the safe plan (the model as given, micro-batch 1, one call per core) while "
+                        "the fast one is measured in the background at low priority (--plan-budget-s) and "
+                        "switched to between calls; every plan it may choose gives the same tokens and "
+                        "pixels as fp32 eager (or the --dtype given). FILE: a plan file written by "
+                        "`vqserve plan --out`, checked against the model hash and on this machine at start. "
+                        "default: the safe plan, nothing measured. Each flag below overrides its part")
     x.add_argument("--plan-cache", default=None,
                    help="directory of measured plans, keyed by hardware + model hash + versions "
                         "(default $XDG_CACHE_HOME/vqserve/plans or ~/.cache/vqserve/plans; mount "
                         "it in a container to keep restarts fast)")
-    x.add_argument("--min-agreement", type=float, default=0.995,
-                   help="--plan auto: least share of tokens equal to fp32's for bf16/fp16 to be "
-                        "chosen (default 0.995; 1 keeps fp32 tokens; --dtype pins the dtype)")
+    x.add_argument("--plan-budget-s", type=float, default=120.0,
+                   help="--plan auto: the background measurement stops after this many seconds and "
+                        "caches nothing (the safe plan keeps serving; default 120)")
+    x.add_argument("--min-agreement", type=float, default=None,
+                   help="--dtype auto only: least share of tokens equal to fp32's for bf16/fp16 to be "
+                        "chosen (default 0.995)")
     x.add_argument("--micro-batch", type=int, default=0,
                    help="images per model call, fixed: a batch is cut into calls of exactly "
                         "this many (the last padded), so kernels always see one shape "
@@ -197,7 +211,7 @@ def config_from_args(args: argparse.Namespace):
         metrics_tls=args.metrics_tls, micro_batch=args.micro_batch or None,
         model_workers=args.model_workers or None, self_check=not args.no_self_check,
         threads=args.threads or None, plan=args.plan, plan_cache=args.plan_cache,
-        min_agreement=args.min_agreement,
+        min_agreement=min_agreement_for(args.dtype, args.min_agreement), plan_budget_s=args.plan_budget_s,
     )
 
 
@@ -220,7 +234,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "micro_batch": (0, 4096, "images per model call, 0 = auto"),
     "model_workers": (0, 1024, "parallel model calls, 0 = auto"),
     "threads": (0, 1024, "intra-op threads per model call, 0 = the plan's"),
-    "min_agreement": (0.5, 1.0, "share of tokens equal to fp32's"),
+    "plan_budget_s": (1, 86400, "seconds"),
 }
 
 
@@ -254,6 +268,28 @@ def port_in_use_message(exc) -> str:
     return f"{exc}; pick another with {flag} (or {ENV_VARS[dest]}){extra}"
 
 
+def check_artifact_dtype(model: str | None, dtype: str | None) -> None:
+    """``--dtype`` for an exported artifact must be the dtype it was exported in: refused here,
+    in one line (exit 2), rather than by the model load after the port is bound."""
+    if dtype in (None, "auto") or model in (None, "default") or not (Path(model) / "manifest.json").is_file():
+        return
+    from vqserve.export.manifest import read_manifest
+    from vqserve.export.runtimes import check_artifact_dtype as check
+
+    check(model, read_manifest(model), dtype)
+
+
+def check_plan_file(config) -> None:
+    """``--plan FILE`` for another model or kind of device: refused in one line (exit 2)
+    before any port is bound; whether this machine reproduces it is checked as it loads."""
+    if config.plan in ("auto", "default"):
+        return
+    from vqserve.export.planner import PlanChoice
+    from vqserve.export.runtime import resolve_device
+
+    PlanChoice.from_file(config.plan, config.model, resolve_device(config.device), config.dtype)
+
+
 def run(args: argparse.Namespace) -> int:
     from vqserve.serve.server import PortInUseError, serve_until_signal, setup_logging
 
@@ -261,12 +297,32 @@ def run(args: argparse.Namespace) -> int:
     # before any log line or bound port, so a usage error is the only output
     config = config_from_args(args)
     check_model_exists(config.model, ENV_VARS["model"])
+    check_artifact_dtype(config.model, config.dtype)
+    check_plan_file(config)
     if config.expect_hash:  # a one-line refusal before any port is bound; the load checks again
         from vqserve.export.runtime import check_expected_hash, model_hash_of
 
         check_expected_hash(config.expect_hash, model_hash_of(config.model), config.model)
     setup_logging(args.log_level)
     try:
-        return asyncio.run(serve_until_signal(config))
+        status = asyncio.run(serve_until_signal(config))
     except PortInUseError as exc:
         raise CliError(port_in_use_message(exc)) from exc
+    exit_now_if_loading(status)
+    return status
+
+
+def exit_now_if_loading(status: int) -> None:
+    """A signal during the model load ends the server while its loader thread (a daemon,
+    serve/planning.py) may still be inside torch: exit at once, skipping the interpreter's
+    finalisation, which would abort on that thread ("terminate called without an active
+    exception") instead of exiting ``status``."""
+    import logging
+    import os
+    import threading
+
+    if any(t.is_alive() and t.name.startswith(("vqserve-load", "vqserve-check")) for t in threading.enumerate()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)

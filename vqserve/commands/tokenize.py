@@ -39,7 +39,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="folders, list files, WebDataset .tar shards, .parquet files, images")
     parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier run's)")
-    add_expect_hash(add_model_args(parser))
+    add_expect_hash(add_model_args(parser, dtype_auto=True))
     p = parser.add_argument_group("preprocessing (recorded in the manifest)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--size", type=int, default=0,
@@ -64,15 +64,17 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--threads", type=int, default=0,
                    help="model calls running at once, each on one thread, so tokens never "
                         "depend on this number (default: the CPU cores the decode workers leave)")
-    r.add_argument("--plan", choices=["auto", "default"], default=None,
-                   help="auto (default; or VQSERVE_PLAN): the execution plan `vqserve serve --plan "
-                        "auto` measures for this hardware and model (read from the same cache, or "
-                        "measured once), so offline and online runs are equally fast and give the "
-                        "same tokens; default: fp32 (or --dtype), micro-batch 1 on CPU")
+    r.add_argument("--plan", default=None, metavar="auto|default|FILE",
+                   help="auto (default; or VQSERVE_PLAN): the execution plan `vqserve plan` or a server "
+                        "measured for this hardware and model (read from the same cache; where none is "
+                        "cached yet, the safe plan: fp32 eager, micro-batch 1 - the same tokens, "
+                        "slower); FILE: a plan file from `vqserve plan --out`, checked here against the "
+                        "model and this machine; default: the safe plan. Every plan gives the same "
+                        "tokens unless --dtype asks for a lower precision")
     r.add_argument("--plan-cache", default=None,
                    help="measured plans directory (default: VQSERVE_PLAN_CACHE, else ~/.cache/vqserve/plans)")
-    r.add_argument("--min-agreement", type=float, default=0.995,
-                   help="--plan auto: least share of tokens equal to fp32's for bf16/fp16 (default 0.995)")
+    r.add_argument("--min-agreement", type=float, default=None,
+                   help="--dtype auto only: least share of tokens equal to fp32's for bf16/fp16 (default 0.995)")
     r.add_argument("--engine", default="local", choices=["local", "ray"],
                    help="local processes (default) or Ray Data (pip install 'vqserve[ray]')")
     r.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local Ray)")
@@ -98,29 +100,39 @@ def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
                        runtime_info=runtime_info, model_ref=model_ref(args.model))
 
 
-def _chosen_plan(args: argparse.Namespace):
-    """``--plan auto``: the serving plan for this hardware + model (cached, or measured now,
-    with a note on stderr because the first time takes tens of seconds)."""
+def _chosen_plan(args: argparse.Namespace, device: str):
+    """The plan this run uses: a plan file, the cached plan for this hardware + model, or None
+    (the safe plan; with a note saying how to measure one). ``--dtype auto`` measures now when
+    nothing is cached: the dtype it picks decides the tokens, so it is chosen before the first one."""
     import os
 
+    from vqserve.commands.common import UsageError, min_agreement_for
+
     plan = args.plan or os.environ.get("VQSERVE_PLAN") or "auto"
-    if plan not in ("auto", "default"):
-        raise ValueError(f"VQSERVE_PLAN={plan!r} must be one of auto, default")
-    if plan != "auto" or args.engine == "ray":  # Ray actors run one call each on their own devices
+    if plan not in ("auto", "default") and not Path(plan).is_file():
+        raise UsageError(f"--plan {plan}: expected auto, default or a plan file (`vqserve plan --out FILE`)")
+    min_agreement = min_agreement_for(args.dtype, args.min_agreement)
+    if plan == "default":
         return None
-    if not 0.5 <= args.min_agreement <= 1:
-        raise ValueError(f"--min-agreement must be 0.5..1, got {args.min_agreement}")
-    from vqserve.export.planner import choose_plan
-    from vqserve.export.runtime import resolve_device
+    from vqserve.export.planner import PlanChoice, choose_plan, lookup_plan
 
     def say(msg: str) -> None:
         print(f"tokenize: plan: {msg}", file=sys.stderr, flush=True)
 
-    device = resolve_device(args.device)
-    say(f"choosing an execution plan for {args.model} on {device} (cached after the first time)")
-    chosen = choose_plan(args.model, device=device, backend=args.backend, dtype=args.dtype,
-                         min_agreement=args.min_agreement, cache=args.plan_cache, log=say,
-                         expect_hash=args.expect_hash)
+    if plan != "auto":
+        chosen = PlanChoice.from_file(plan, args.model, device, args.dtype)
+    else:
+        chosen, _ = lookup_plan(args.model, device, args.backend, args.dtype, min_agreement, args.plan_cache,
+                                args.expect_hash)
+        if chosen is None and args.dtype == "auto":
+            say(f"measuring a plan for {args.model} on {device} (--dtype auto; cached for later runs)")
+            chosen = choose_plan(args.model, device=device, backend=args.backend, dtype="auto",
+                                 min_agreement=min_agreement, cache=args.plan_cache, log=say,
+                                 expect_hash=args.expect_hash)
+        elif chosen is None:
+            say(f"none measured for {args.model} on this machine yet: the safe plan (the model as given, "
+                f"micro-batch 1; the same tokens). `vqserve plan --model {args.model}` measures a faster one")
+            return None
     say(chosen.why())
     return chosen
 
@@ -135,27 +147,31 @@ def run(args: argparse.Namespace) -> int:
     inputs = sources.expand_inputs(args.inputs)  # a missing INPUT: usage error before the model loads
     import torch
 
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtime import load_runtime, resolve_device
 
-    chosen = _chosen_plan(args)  # None with --engine ray: each actor runs one call on its device
+    # the driver of a Ray run plans for the actors' device, which it may not have itself
+    device = (args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")) \
+        if args.engine == "ray" else resolve_device(args.device)
+    chosen = _chosen_plan(args, device)
+    dtype = None if args.dtype == "auto" else args.dtype
+    # the Ray driver only plans and writes: it reads the model's description on the CPU and
+    # leaves the GPUs to the actors, which run the same plan
+    load_on = "cpu" if args.engine == "ray" else device
+    if chosen is not None:  # the plan's backend: the model as given, or its export in the plan cache
+        from vqserve.export.planner import cache_dir
 
-    if args.engine == "ray":
-        # the driver only plans and writes: it reads the model's description on the CPU and
-        # leaves the GPUs to the actors (the device may exist only on the cluster's workers)
-        runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device="cpu",
-                               expect_hash=args.expect_hash)
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        info = {**runtime.info.to_dict(), "device": device}
-        del runtime
-    elif chosen is not None:  # the plan's backend: the model as given, or its export in the plan cache
-        from vqserve.export.runtime import resolve_device
+        runtime = chosen.load(args.model, args.backend, None, load_on, args.expect_hash,
+                              artifacts=cache_dir(args.plan_cache) / "artifacts", log=lambda msg: print(f"tokenize: plan: {msg}", file=sys.stderr, flush=True))
+        if chosen.source == "file" and args.engine != "ray":
+            from vqserve.export.planner import check_reproduces
 
-        runtime = chosen.load(args.model, args.backend, args.dtype, resolve_device(args.device), args.expect_hash)
-        info = runtime.info.to_dict()
+            check_reproduces(runtime, args.model, device, chosen)
     else:
-        runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+        runtime = load_runtime(args.model, backend=args.backend, dtype=dtype, device=load_on,
                                expect_hash=args.expect_hash)
-        info = runtime.info.to_dict()
+    info = {**runtime.info.to_dict(), "device": device}
+    if args.engine == "ray":
+        del runtime
     try:
         job = build_job(args, info, inputs)
         job.prepare()
@@ -167,14 +183,15 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "ray":
             from vqserve.serve.offline_ray import run_ray
 
-            result = run_ray(job, model=args.model, backend=args.backend, dtype=args.dtype,
+            result = run_ray(job, model=args.model, backend=args.backend, dtype=dtype,
                              device=info["device"], address=args.ray_address, actors=args.ray_actors,
+                             plan=chosen.to_dict() if chosen is not None else None,
                              fail_fast=args.fail_fast, progress=not args.no_progress)
         else:
             workers = offline.default_workers(info["device"]) if args.workers is None else args.workers
             runtime = offline.planned_runtime(runtime, info["device"], workers, args.threads,
                                               base=chosen.plan if chosen else None,
-                                              source=f"--plan auto ({chosen.source})" if chosen else "")
+                                              source=chosen.source if chosen else "safe")
             result = offline.run_local(job, runtime, workers=workers, fail_fast=args.fail_fast,
                                        progress=False if args.no_progress else None)
     except offline.Interrupted as exc:

@@ -1,0 +1,135 @@
+"""`vqserve bench serve`'s comparison modes, run for real on the tiny model for a second or so.
+
+Not performance tests: they check that the in-process-capacity pool runs the runtime in
+separate one-thread processes and returns the runtime's own tokens, that the benchmark reads
+which execution plan a server ended up on, and that TorchServe-best really starts N workers
+with its batch. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from vqserve.export.runtime import load_runtime
+from vqserve.serve import bench
+
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def images() -> np.ndarray:
+    return bench.bench_photos(SIZE)[:4]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_checkpoint, images, one_thread) -> np.ndarray:
+    """The runtime's own tokens, one image per call on one thread, as the workers run it."""
+    runtime = load_runtime(tiny_checkpoint, backend="eager", device="cpu")
+    return np.stack([runtime.encode(x[None])[0] for x in images])
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"backend": "eager", "dtype": None, "device": "cpu", "method": "encode",
+                                 "max_batch_size": 8, "max_delay_ms": 5.0, "threads": 1, **kw})
+
+
+def test_capacity_pool_runs_one_thread_per_process_and_returns_the_runtimes_tokens(
+        tiny_checkpoint, images, expected):
+    pool = bench.CapacityPool(tiny_checkpoint, _args(), images, workers=2)
+    try:
+        assert len(set(pool.pids)) == 2 and set(pool.threads.values()) == {1}
+        for c in range(len(images)):  # straight answers, whichever worker takes them
+            pool.submit(c, c)
+        answers = dict(pool.answer() for _ in images)
+        for c in range(len(images)):
+            np.testing.assert_array_equal(answers[c], expected[c])
+        for level in (1, 5):  # 5 clients over 4 images: client 4 sends image 0 again
+            row = bench.bench_capacity(pool, expected, level, duration=0.5, warmup=0.1)
+            assert row["mode"] == "in-process-capacity" and row["level"] == level
+            assert row["requests"] >= level and row["throughput"] > 0
+            assert 0 < row["p50_ms"] <= row["p99_ms"]
+            assert row["agreement"] == 1.0
+        memory = bench.pids_memory(pool.pids)
+        assert len(memory["processes"]) >= 2 and memory["peak_mb"] > 0
+    finally:
+        pool.stop()
+    assert all(not p.is_alive() for p in pool.procs)
+
+
+def test_a_failing_capacity_worker_is_reported_with_its_traceback(tmp_path, images):
+    with pytest.raises(RuntimeError, match="a capacity worker failed"):
+        bench.CapacityPool(str(tmp_path / "no-such-model"), _args(), images, workers=1)
+
+
+def test_plan_is_read_from_metrics_and_the_log():
+    page = ('# HELP vqserve_execution_plan 1 for the plan\n'
+            'vqserve_execution_plan{backend="eager",dtype="fp32",intra_op_threads="1",'
+            'micro_batch="64:8 256:1",source="measured",workers="2"} 1.0\n')
+    assert bench.plan_labels(page) == {"backend": "eager", "dtype": "fp32", "intra_op_threads": "1",
+                                       "micro_batch": "64:8 256:1", "source": "measured", "workers": "2"}
+    assert bench.plan_labels("vqserve_model_info{a=\"b\"} 1.0\n") is None
+    lines = [json.dumps({"event": "serving", "port": 1, "plan_source": "measuring"}) + "\n",
+             "not json\n", json.dumps({"event": "plan_switched", "msg": "now serving by ..."}) + "\n"]
+    assert [e["event"] for e in bench.log_events(lines, "serving", "plan_switched")] == \
+        ["serving", "plan_switched"]
+
+
+def test_workers_take_a_count_or_cores():
+    from vqserve.machine import available_cores
+
+    assert bench.torchserve_workers("cores") == available_cores()
+    assert bench.torchserve_workers("3") == 3
+    with pytest.raises(ValueError):
+        bench.torchserve_workers("0")
+
+
+@pytest.mark.slow
+def test_bench_serve_compares_the_server_with_the_capacity_pool(tiny_checkpoint, tmp_path, capsys,
+                                                                 monkeypatch):
+    """One short run: served-v1 on the fixed default plan beside in-process-capacity."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--model", tiny_checkpoint, "--backend", "eager", "--device", "cpu", "--size", str(SIZE),
+                     "--clients", "1,4", "--duration", "0.5", "--warmup", "0.2", "--prime", "0.3",
+                     "--repeats", "1", "--protocols", "v1", "--no-no-batching-mode", "--capacity-mode",
+                     "--capacity-workers", "2", "--server-plan", "default", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "served-v1 / in-process-capacity (2 processes x 1 thread) at 4 clients: " in text
+    assert "vqserve: benchmarked on its execution plan source=default (" in text
+    result = json.loads(out.read_text())
+    assert [(r["mode"], r["level"]) for r in result["best"]] == [
+        (m, level) for m in ("in-process", "in-process-capacity", "served-v1") for level in (1, 4)]
+    for row in result["best"]:
+        if row["mode"] != "in-process":
+            assert row["agreement"] == 1.0, row
+    assert result["capacity"] == {"workers": 2, "threads": [1]}
+    assert result["plans"]["vqserve"]["source"] == "default"
+    assert result["plans"]["vqserve"]["plan"]["backend"] == "eager"
+    assert len(result["memory"]["in-process-capacity"]["processes"]) >= 2
+
+
+@pytest.mark.slow
+def test_torchserve_best_starts_n_workers_with_its_batch(tiny_checkpoint, tmp_path, images, expected):
+    """TorchServe registered with 2 workers and batch 8 (what --torchserve-workers and
+    --torchserve-batch set): both workers are up, and its answers are the runtime's."""
+    if shutil.which("java") is None:
+        pytest.skip("java is not on PATH: TorchServe's frontend is a Java program")
+    lines: list[str] = []
+    ts = bench.start_torchserve(tiny_checkpoint, _args(), tmp_path, lines.append, workers=2,
+                                batch_size=8, name="run-best")
+    try:
+        described = ts.describe("vqserve-encode")
+        assert described["batchSize"] == 8
+        assert [w["status"] for w in described["workers"]] == ["READY", "READY"]
+        assert "TorchServe (run-best): 2/2 worker(s) ready, batch 8, delay 5 ms" in lines
+        row = bench.bench_served("torchserve", f"127.0.0.1:{ts.grpc}", "encode", images, expected,
+                                 4, 0.5, 0.2, "torchserve-best")
+        assert row["requests"] >= 4 and row["agreement"] == 1.0
+    finally:
+        ts.stop()

@@ -1,0 +1,38 @@
+"""How a helper process lives: below its parent's priority, and never longer than its parent.
+
+A child started to do background work for a server (the execution-plan measurement) must
+not outlive it, whatever ends the parent - SIGTERM, Ctrl-C or kill -9 - nor compete with
+the requests the parent is serving. Linux delivers a signal to a process whose parent dies
+(``prctl(PR_SET_PDEATHSIG)``); elsewhere the child checks that its parent is still there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent exits; True where that
+    is in place (Linux). Call it first thing in the child: if the parent is already gone
+    (this process was re-parented), exit at once."""
+    parent = os.getppid()
+    armed = False
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    if parent == 1 or os.getppid() != parent:  # the parent died before the request was in place
+        os._exit(1)
+    return armed
+
+
+def lower_priority(increment: int = 10) -> None:
+    """Run below the parent's priority (``nice``), so serving keeps the CPU it needs."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(increment)
