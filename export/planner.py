@@ -507,17 +507,27 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
 
 def _certified(raw, plan: ExecutionPlan, say) -> ExecutionPlan:
     """The plan as the server's own start-up check sees it: a plan that fails that check (a
-    lone call that moved a decoded pixel there although the calibration found it equal) loses
-    its unpadded lone calls, and failing still, falls back to micro-batch 1."""
+    lone call that moved a decoded pixel there although the calibration found it equal)
+    loses the unpadded lone calls of the method that failed (decode pixels, or encode
+    tokens), then all of them, and failing still, falls back to micro-batch 1."""
     from vqserve.export.determinism import start_up_check
 
-    for attempt in (plan, dataclasses.replace(plan, lone_unpadded=()),
-                    ExecutionPlan(1, plan.workers)):
+    attempt, tried = plan, set()
+    while True:
         cert = start_up_check(raw, attempt)
         if cert.batch_invariant and cert.decode_batch_invariant:
             return attempt
-        say(f"plan {attempt.describe()} failed the start-up check ({cert.summary()}); trying a simpler one")
-    return ExecutionPlan(1, plan.workers)
+        tried.add(attempt)
+        failed = {"encode"} if not cert.batch_invariant else set()
+        failed |= {"decode"} if not cert.decode_batch_invariant else set()
+        candidates = (dataclasses.replace(attempt, lone_unpadded=tuple(set(attempt.lone_unpadded) - failed)),
+                      dataclasses.replace(attempt, lone_unpadded=()), ExecutionPlan(1, plan.workers))
+        simpler = next((c for c in candidates if c not in tried), None)
+        say(f"plan {attempt.describe()} failed the start-up check ({cert.summary()}); "
+            + (f"trying {simpler.describe()}" if simpler else "keeping micro-batch 1"))
+        if simpler is None:
+            return ExecutionPlan(1, plan.workers)
+        attempt = simpler
 
 
 # ---- the on-disk cache ------------------------------------------------------------------

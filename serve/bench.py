@@ -199,16 +199,6 @@ def bench_in_process(runtime, inputs: np.ndarray, bs: int, duration: float, meth
 
 
 # ---- in-process capacity -------------------------------------------------------------------
-def warm_allocator() -> None:
-    """Free one 31 MiB block, so glibc's malloc raises its mmap threshold (it follows the
-    largest mmapped block freed, up to 32 MiB) and a model call's buffers come from the heap.
-
-    Otherwise each call maps its largest buffers afresh: measured with the default model at
-    64x64, ~2,000 page faults and +30% time per call. This process gets there by chance
-    (``bench_photos`` frees large decoded photographs); a fresh capacity worker would not,
-    and would measure malloc's start-up state rather than the machine."""
-    block = bytearray(31 << 20)
-    del block
 
 
 def _capacity_worker(model: str, backend: str, dtype: str | None, device: str, method: str,
@@ -221,6 +211,7 @@ def _capacity_worker(model: str, backend: str, dtype: str | None, device: str, m
     try:
         import torch
 
+        from vqserve.export.execution import warm_allocator
         from vqserve.export.runtime import load_runtime
 
         torch.set_num_threads(1)
@@ -730,6 +721,8 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
     runtime = load_runtime(model, backend=args.backend, dtype=args.dtype, device=args.device)
     info = runtime.info
     photos = bench_photos(args.size)
+    from vqserve.export.execution import warm_allocator
+
     warm_allocator()  # as every capacity worker does: the in-process rows never depend on chance
     if args.method == "encode":
         inputs = photos

@@ -37,6 +37,19 @@ import numpy as np
 from vqserve.machine import cpu_info
 
 DOC_NAME = "BENCHMARKS.md"
+# Sections measured by other commands (each says which) that `bench all` keeps when it
+# rewrites the file: everything from this line on.
+KEPT_MARKER = "<!-- kept by vqserve bench all: sections below are measured by the commands they name -->"
+
+
+def with_kept_sections(text: str, old: Path) -> str:
+    """``text`` followed by what ``old`` holds from :data:`KEPT_MARKER` on, if anything."""
+    try:
+        previous = old.read_text()
+    except OSError:
+        return text
+    at = previous.find(KEPT_MARKER)
+    return text if at < 0 else text.rstrip("\n") + "\n\n" + previous[at:]
 ASSETS = "bench"
 JSON_NAME = "benchmarks.json"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
@@ -668,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     result["verdicts"] = [verdict(k, result["ratios"][k]) for k in TARGETS]
     result["plots"] = plot_all(result, assets)
     (assets / JSON_NAME).write_text(json.dumps(result, indent=2) + "\n")
-    (out / DOC_NAME).write_text(render(result))
+    (out / DOC_NAME).write_text(with_kept_sections(render(result), out / DOC_NAME))
     log(f"wrote {out / DOC_NAME}, {assets}/ ({', '.join(result['plots'])}, {JSON_NAME}) "
         f"in {result['wall_s'] / 60:.1f} minutes")
     for v in result["verdicts"]:

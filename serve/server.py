@@ -39,7 +39,7 @@ from vqserve.serve import service_oip, service_v1
 from vqserve.serve.engine import Engine, default_batch_pixels
 from vqserve.serve.errors import Tracker
 from vqserve.serve.metrics import Metrics
-from vqserve.serve.planning import BackgroundPlan, plan_argv, run_in_daemon
+from vqserve.serve.planning import DEFAULT_PLAN_BUDGET_S, BackgroundPlan, plan_argv, run_in_daemon
 
 log = logging.getLogger("vqserve.serve")
 
@@ -81,7 +81,7 @@ class ServerConfig:
     #                                  file (`vqserve plan --out`). `vqserve serve` defaults to auto.
     plan_cache: str | None = None    # where measured plans are kept; None: export.planner.cache_dir()
     min_agreement: float = 0.995     # --dtype auto: least token agreement with fp32 for a lower dtype
-    plan_budget_s: float = 120.0     # --plan auto: the background measurement stops after this long
+    plan_budget_s: float = DEFAULT_PLAN_BUDGET_S  # --plan auto: the background measurement stops after this
 
 
 class PortInUseError(OSError):

@@ -113,3 +113,16 @@ def test_missed_targets_are_explained_and_a_missing_torchserve_is_named(report):
     assert "### Where a target is missed, and why" in doc
     assert f"**vqserve, v1 at {top} clients is 0.50× in-process**" in doc
     assert "missed: 0.400 short (44.4% below the target)" in doc
+
+
+def test_bench_all_keeps_the_sections_other_commands_measured(tmp_path):
+    from vqserve.serve.bench_report import KEPT_MARKER, with_kept_sections
+
+    doc = tmp_path / "BENCHMARKS.md"
+    assert with_kept_sections("# new\n", doc) == "# new\n", "no file yet: the report alone"
+    doc.write_text(f"# old generated part\n\n{KEPT_MARKER}\n## Fleet ratios\nkept 1.23\n")
+    out = with_kept_sections("# new generated part\n", doc)
+    assert out.startswith("# new generated part\n") and "old generated part" not in out
+    assert out.endswith(f"{KEPT_MARKER}\n## Fleet ratios\nkept 1.23\n")
+    doc.write_text("# a file without the marker\n")
+    assert with_kept_sections("# new\n", doc) == "# new\n"

@@ -517,6 +517,6 @@ def test_a_plan_failing_the_servers_start_up_check_loses_its_lone_calls(tiny_che
     said = []
     plan = ExecutionPlan(4, 2, lone_unpadded=("decode", "encode"))
     kept = _certified(LoneDecodeMoves(), plan, said.append)
-    assert kept.lone_unpadded == () and kept.micro_batch == 4, kept
+    assert kept.lone_unpadded == ("encode",) and kept.micro_batch == 4, "only the method that failed pads"
     assert "failed the start-up check" in said[0]
     assert _certified(inner, plan, said.append) == plan, "an honest plan is kept as measured"
