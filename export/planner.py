@@ -276,11 +276,16 @@ def c_label(c: Candidate) -> str:
 MICRO_TOLERANCE = 0.05  # a more complex candidate must beat a simpler one by more than this (and the spread)
 
 
-def _better(new: Candidate | DtypeResult, new_ratio: float, new_spread: float, old_ratio: float,
-            old_spread: float) -> bool:
+def _noise(c: Candidate) -> float:
+    """How far a candidate's rounds scattered, relative to its median ratio."""
+    return c.spread / c.ratio if c.ratio > 0 else 0.0
+
+
+def _better(new_ratio: float, new_noise: float, old_ratio: float, old_noise: float) -> bool:
     """Whether a more complex choice beats a simpler one: by more than 5 % and more than the
-    two spreads together; where the measurements cannot tell them apart, the simpler wins."""
-    return new_ratio > old_ratio * (1 + max(MICRO_TOLERANCE, new_spread + old_spread))
+    two relative spreads together; where the measurements cannot tell them apart, the simpler
+    wins."""
+    return new_ratio > old_ratio * (1 + max(MICRO_TOLERANCE, new_noise + old_noise))
 
 
 def _best_at(rows: list[Candidate], res: DtypeResult, side: int, threads: bool | None = None) -> Candidate | None:
@@ -288,7 +293,7 @@ def _best_at(rows: list[Candidate], res: DtypeResult, side: int, threads: bool |
                    and (threads is None or (c.threads > 1) == threads)), key=lambda c: c.complexity)
     best = None
     for c in pool:
-        if best is None or _better(c, c.ratio, c.spread, best.ratio, best.spread):
+        if best is None or _better(c.ratio, _noise(c), best.ratio, _noise(best)):
             best = c
     return best
 
@@ -301,20 +306,19 @@ def _choose(rows: list[Candidate], results: dict[str, DtypeResult], sides: tuple
             workers: int) -> tuple[DtypeResult, ExecutionPlan]:
     """The path (in measuring order: the reference first) and plan: a later path or a more
     complex plan replaces an earlier, simpler one only where it is measurably faster."""
-    spread = {}
+    noise = {}
     for res in results.values():
         tops = [_best_at(rows, res, s, threads=False) for s in sides]
         res.score = _geomean([c.ratio for c in tops]) if all(tops) else 0.0
-        spread[res.label] = max((c.spread for c in tops if c), default=0.0)
+        noise[res.label] = max((_noise(c) for c in tops if c), default=0.0)
     choice = None
     for res in (r for r in results.values() if r.eligible and r.score):
-        if choice is None or _better(res, res.score, spread[res.label], choice.score, spread[choice.label]):
+        if choice is None or _better(res.score, noise[res.label], choice.score, noise[choice.label]):
             choice = res
     parallel = [_best_at(rows, choice, s, threads=False) for s in sides]
     threaded = [_best_at(rows, choice, s, threads=True) for s in sides]
-    if all(threaded) and _better(threaded[0], _geomean([c.ratio for c in threaded]),
-                                 max(c.spread for c in threaded),
-                                 _geomean([c.ratio for c in parallel]), max(c.spread for c in parallel)):
+    if all(threaded) and _better(_geomean([c.ratio for c in threaded]), max(_noise(c) for c in threaded),
+                                 _geomean([c.ratio for c in parallel]), max(_noise(c) for c in parallel)):
         return choice, ExecutionPlan(1, 1, workers)
     by_pixels = tuple((s * s, c.micro_batch) for s, c in zip(sides, parallel, strict=True))
     return choice, ExecutionPlan(micro_batch=parallel[-1].micro_batch, workers=workers,

@@ -92,9 +92,26 @@ def test_a_more_complex_plan_wins_only_by_more_than_5_percent_and_the_spread(rat
     if best.micro_batch != 1:
         assert best.ratio > 1.05, "a plan more complex than the safe one must be measurably faster"
         simpler = [c for c in rows if c.micro_batch < best.micro_batch]
-        assert any(best.ratio > c.ratio * (1 + max(0.05, best.spread + c.spread)) for c in simpler)
+        assert any(best.ratio > c.ratio * (1 + max(0.05, best.spread / best.ratio + c.spread / c.ratio))
+                   for c in simpler)
     indistinct = [Candidate("fp32", 64, 1, 2, ratio=1.0, spread=0.02), Candidate("fp32", 64, 8, 2, ratio=1.04)]
     assert _best_at(indistinct, res, 64, threads=False).micro_batch == 1
+    # spreads are relative: 8x the safe plan give or take 0.7 is still clearly more than 4x
+    fast = [Candidate("fp32", 64, 1, 1, ratio=1.0), Candidate("fp32", 64, 4, 1, ratio=4.0, spread=0.1),
+            Candidate("fp32", 64, 8, 1, ratio=8.0, spread=0.7)]
+    assert _best_at(fast, res, 64, threads=False).micro_batch == 8
+
+
+def test_a_faster_path_asked_for_wins_by_its_relative_spread_not_its_absolute_one():
+    """Seen on an H200 with --dtype auto: fp16 scored 6.3x the safe plan against fp32's 3.9x
+    and lost, because spreads of ratios near 8 were added as if they were relative."""
+    from vqserve.export.planner import Candidate, DtypeResult, _choose
+
+    fp32, fp16 = DtypeResult("fp32", eligible=True), DtypeResult("fp16", eligible=True)
+    rows = [Candidate("fp32", 64, 1, 1, ratio=1.0), Candidate("fp32", 64, 8, 1, ratio=8.2, spread=0.74),
+            Candidate("fp16", 64, 1, 1, ratio=0.8), Candidate("fp16", 64, 8, 1, ratio=12.0, spread=0.5)]
+    chosen, _ = _choose(rows, {"fp32": fp32, "fp16": fp16}, (64,), 1)
+    assert chosen is fp16
 
 
 def test_a_stopped_measurement_raises_between_calls_and_caches_nothing(tiny_checkpoint, tmp_path):
