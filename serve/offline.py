@@ -95,10 +95,16 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # ---- decode (worker processes; no torch) ----------------------------------------------------
-def _ignore_sigint() -> None:
+def _decode_worker_start() -> None:
+    """A decode worker leaves Ctrl-C to its parent (which stops it), and ends with its parent
+    whatever ends that (kill -9 included): an orphan would hold multiprocessing's resource
+    tracker alive with it, both forever."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    from vqserve.lifetime import die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
 
 
 def decode_task(task: Task, pre: images.Preprocess, image_column: str) -> DecodedTask:
@@ -348,7 +354,7 @@ def _decoded_stream(job: Job, workers: int, prefetch: int) -> Iterator[DecodedTa
     from concurrent.futures import ProcessPoolExecutor
 
     ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch threads
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_ignore_sigint)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_decode_worker_start)
     window: deque = deque()
     try:
         for t in tasks:

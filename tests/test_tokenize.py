@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -281,10 +282,17 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(tiny_checkpoint,
                 time.sleep(rng.uniform(0, 0.05))
                 break
             time.sleep(0.005)
+        children = []
         if proc.poll() is None:
+            children = psutil.Process(proc.pid).children(recursive=True)
             proc.send_signal(signal.SIGKILL)
             kills += 1
         proc.wait()
+        # was: the decode worker and its resource tracker outlived the killed run, forever
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        for p in alive:
+            p.kill()
+        assert not alive, f"{len(alive)} child process(es) outlived the killed run: {alive}"
         proc.stderr.close()
         partial = [p.name for p in out.glob("shard-*")]
         for name in partial:  # every file with a final name is complete and already right

@@ -7,8 +7,10 @@ in-flight ones finish within --grace (open streams end once their requests are
 answered), then the process exits 0.
 
 Examples:
-  vqserve serve --model default                  # plans itself at the first start (cached)
-  vqserve serve --plan default --dtype fp32      # the fixed default plan, no measuring
+  vqserve serve --model default                  # serves at once; measures its plan meanwhile (cached)
+  vqserve serve --model default --plan plan.json # a plan measured once for this kind of machine
+  vqserve serve --plan default                   # the safe plan, no measuring
+  vqserve serve --dtype bf16                     # lower precision, asked for: GetModelInfo says exact=false
   vqserve serve --model runs/tiny --device cpu --port 0 --metrics-port 0
   vqserve serve --model artifacts/onnx-fp16 --backend onnx --max-batch-size 64 --max-delay-ms 2
   vqserve serve --tls-cert server.crt --tls-key server.key --auth-token-file token.txt
