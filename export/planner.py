@@ -487,10 +487,11 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
             raise RuntimeError("no dtype met the constraints: " +
                                "; ".join(f"{r.label}: {r.why_not}" for r in results.values()))
         eligible = [r for r in results.values() if r.eligible]
-        rows = [c for r in eligible for c in _candidates(r, tuple(sides), tuple(micro_batches), workers)]
-        first = eligible[0]
-        safe = {c.side: c for c in rows
-                if (c.backend, c.dtype, c.micro_batch, c.threads) == (first.backend, first.dtype, 1, 1)}
+        micro = tuple(sorted({1, *micro_batches}))  # micro-batch 1 is the yardstick, asked for or not
+        rows = [c for r in eligible for c in _candidates(r, tuple(sides), micro, workers)]
+        first = eligible[0]  # the reference where it qualifies: its simplest way is the safe plan
+        safe = {side: min((c for c in rows if (c.backend, c.dtype, c.side) == (first.backend, first.dtype, side)),
+                          key=lambda c: c.complexity) for side in sides}
         say(f"timing {len(rows)} candidates in {rounds} interleaved rounds of {seconds:g} s each")
         _time_interleaved(raws, rows, safe, rounds, seconds, say, check)
         chosen, plan = _choose(rows, results, tuple(sides), workers)
