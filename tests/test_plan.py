@@ -537,3 +537,13 @@ def test_a_plan_failing_the_servers_start_up_check_loses_its_lone_calls(tiny_che
     assert kept.lone_unpadded == ("encode",) and kept.micro_batch == 4, "only the method that failed pads"
     assert "failed the start-up check" in said[0]
     assert _certified(inner, plan, said.append) == plan, "an honest plan is kept as measured"
+
+
+def test_micro_batch_1_is_always_timed_as_the_yardstick(tiny_checkpoint, tmp_path, capsys):
+    """Was: --micro-batches without 1 left the rounds without the safe plan to compare to (KeyError)."""
+    assert main(["plan", "--model", tiny_checkpoint, "--device", "cpu", "--backends", "eager", "--sizes", "16",
+                 "--micro-batches", "2", "--seconds", "0.02", "--rounds", "1", "--plan-cache", str(tmp_path),
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert sorted({c["micro_batch"] for c in rows}) == [1, 2]
+    assert next(c for c in rows if (c["micro_batch"], c["threads"]) == (1, 1))["rounds"] == [1.0]
