@@ -61,11 +61,16 @@ class Certificate:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def invariant(self) -> bool:
+        """Tokens and decoded pixels both held: what the server, the planner and export require."""
+        return self.batch_invariant and self.decode_batch_invariant
+
     def summary(self) -> str:
         """One line for logs and GetModelInfo."""
         what = (f"{self.images} images {self.image_size[0]}x{self.image_size[1]} ({self.source}), "
                 f"batch sizes {self.batch_sizes} x {self.compositions} shuffles, workers {self.workers}")
-        if self.batch_invariant and self.decode_batch_invariant:
+        if self.invariant:
             return f"batch-invariant: tokens and decoded pixels identical across {what}"
         parts = []
         if not self.batch_invariant:

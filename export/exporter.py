@@ -260,7 +260,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
         dec_psnr = parity["decode_psnr_vs_reference_db"]
         if dec_psnr != "inf" and dec_psnr < min_decode_psnr:
             raise ParityError(decode_message(fmt, dtype, parity, min_decode_psnr))
-        if not (certificate.batch_invariant and certificate.decode_batch_invariant) and not allow_batch_variance:
+        if not certificate.invariant and not allow_batch_variance:
             raise ParityError(f"cannot certify this {fmt} {dtype} export on {device}: "
                               f"{certificate.summary()} (plan {plan.to_dict()}). Pass "
                               "--allow-batch-variance to write it anyway; its manifest then says so")

@@ -102,6 +102,11 @@ class Candidate:
         return ExecutionPlan(micro_batch=self.micro_batch, workers=self.workers, intra_op_threads=self.threads)
 
     @property
+    def label(self) -> str:
+        """The path it runs (:func:`label_of`), the key of that path's runtime."""
+        return label_of(self.backend, self.dtype)
+
+    @property
     def complexity(self) -> tuple:
         """Simpler first: parallel calls before one threaded call, smaller micro-batches first."""
         return (self.threads > 1, self.micro_batch)
@@ -176,27 +181,34 @@ def exactness_rule(dtype: str | None) -> str:
     return "agreement" if dtype == "auto" else "identical"
 
 
-def _exactness(raw, reference: tuple[np.ndarray, np.ndarray] | None, photos: np.ndarray, side_small: int,
-               workers: int, rule: str, min_agreement: float, max_micro: int,
-               check) -> tuple[DtypeResult, tuple[np.ndarray, np.ndarray | None]]:
-    """Agreement with the reference (tokens, then pixels decoded from the reference's tokens)
-    and batch invariance; ``reference`` None: this runtime is the reference."""
-    res = DtypeResult(raw.info.dtype, backend=raw.info.backend)
+def _encode_then_decode(raw, photos: np.ndarray, decode_these: np.ndarray | None = None,
+                        workers: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``raw``'s tokens of ``photos``, and the pixels it decodes from ``decode_these``
+    (default: those tokens), one image per call: how paths are compared with the reference."""
     runtime = PlannedRuntime(raw, ExecutionPlan(1, workers))
     try:
         tokens = runtime.encode(photos)
-        check()
-        ref_tokens, ref_pixels = reference if reference is not None else (tokens, None)
-        pixels = runtime.decode(ref_tokens)
+        return tokens, runtime.decode(tokens if decode_these is None else decode_these)
     finally:
         runtime.close()
-    res.agreement = float(np.mean(tokens == ref_tokens))
+
+
+def _exactness(raw, reference: tuple[np.ndarray, np.ndarray] | None, photos: np.ndarray, side_small: int,
+               workers: int, rule: str, min_agreement: float, max_micro: int,
+               check) -> tuple[DtypeResult, tuple[np.ndarray, np.ndarray]]:
+    """Agreement with the reference (tokens, then pixels decoded from the reference's tokens)
+    and batch invariance; ``reference`` None: this runtime is the reference, and its tokens and
+    pixels (returned) become it."""
+    res = DtypeResult(raw.info.dtype, backend=raw.info.backend)
+    ref_tokens, ref_pixels = reference or (None, None)
+    tokens, pixels = _encode_then_decode(raw, photos, ref_tokens, workers)
+    res.agreement = 1.0 if ref_tokens is None else float(np.mean(tokens == ref_tokens))
     res.pixels_equal = ref_pixels is None or bool(np.array_equal(pixels, ref_pixels))
     check()
     small = synthetic_images(6, side_small, seed=2)
     cert = check_invariance(raw, ExecutionPlan(4, workers), small, "calibration", batch_sizes=(1, 2, 5),
                             compositions=1)
-    res.batch_invariant = cert.batch_invariant and cert.decode_batch_invariant
+    res.batch_invariant = cert.invariant
     check()
     cert = check_invariance(raw, ExecutionPlan(max_micro, workers, lone_unpadded=("decode", "encode")),
                             synthetic_images(max_micro, side_small, seed=4), "calibration",
@@ -207,7 +219,7 @@ def _exactness(raw, reference: tuple[np.ndarray, np.ndarray] | None, photos: np.
         check()
         cert = check_invariance(raw, ExecutionPlan(1, 1, workers), small, "calibration",
                                 batch_sizes=(1, 5), compositions=1)
-        res.threads_invariant = cert.batch_invariant and cert.decode_batch_invariant
+        res.threads_invariant = cert.invariant
     if rule == "identical" and res.agreement < 1.0:
         res.why_not = f"tokens differ from the reference on {1 - res.agreement:.4%} of positions"
     elif rule == "identical" and not res.pixels_equal:
@@ -217,7 +229,7 @@ def _exactness(raw, reference: tuple[np.ndarray, np.ndarray] | None, photos: np.
     elif not res.batch_invariant:
         res.why_not = "tokens depend on the batch"
     res.eligible = not res.why_not
-    return res, (tokens, pixels if reference is None else None)
+    return res, (tokens, pixels)
 
 
 def _candidates(res: DtypeResult, sides: tuple[int, ...], micro_batches: tuple[int, ...],
@@ -241,7 +253,7 @@ def _time_interleaved(raws: dict[str, object], rows: list[Candidate], safe: dict
     runners, batches, seen = {}, {}, {}
     try:
         for c in rows:  # one full call per worker a measurement; warmed up once, before the rounds
-            runners[id(c)] = PlannedRuntime(raws[c_label(c)], c.plan())
+            runners[id(c)] = PlannedRuntime(raws[c.label], c.plan())
             batches[id(c)] = np.resize(images[c.side], (c.micro_batch * c.workers, *images[c.side].shape[1:]))
             check()
             apply_intra_op_threads(c.threads)
@@ -267,10 +279,6 @@ def _time_interleaved(raws: dict[str, object], rows: list[Candidate], safe: dict
         for runner in runners.values():
             runner.close()
         apply_intra_op_threads(1)
-
-
-def c_label(c: Candidate) -> str:
-    return label_of(c.backend, c.dtype)
 
 
 MICRO_TOLERANCE = 0.05  # a more complex candidate must beat a simpler one by more than this (and the spread)
@@ -520,7 +528,7 @@ def _certified(raw, plan: ExecutionPlan, say) -> ExecutionPlan:
     attempt, tried = plan, set()
     while True:
         cert = start_up_check(raw, attempt)
-        if cert.batch_invariant and cert.decode_batch_invariant:
+        if cert.invariant:
             return attempt
         tried.add(attempt)
         failed = {"encode"} if not cert.batch_invariant else set()
@@ -589,18 +597,23 @@ def read_cached(directory: Path, key: dict) -> dict | None:
     return data
 
 
+def _write_json(path: Path, data: dict) -> Path:
+    """Write ``data`` beside ``path`` and rename it into place: readers see the old file or
+    the whole new one, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def write_cached(directory: Path, key: dict, result: dict) -> Path | None:
-    """Store atomically (write beside, rename); a cache that cannot be written is skipped:
-    the plan still serves, the next start measures again."""
-    path = _key_file(directory, key)
+    """Store atomically; a cache that cannot be written is skipped: the plan still serves,
+    the next start measures again."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({**result, "key": key}, indent=2) + "\n")
-        os.replace(tmp, path)
+        return _write_json(_key_file(directory, key), {**result, "key": key})
     except OSError:
         return None
-    return path
 
 
 PLAN_FILE_FORMAT = "vqserve-plan"
@@ -659,13 +672,7 @@ class PlanChoice:
 
     def to_file(self, path: str | os.PathLike) -> Path:
         """Write the decision as a plan file (``vqserve plan --out``), atomically."""
-        path = Path(path)
-        body = {**self.to_dict(), "source": "file"}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(body, indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        return _write_json(Path(path), {**self.to_dict(), "source": "file"})
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, model, device: str, dtype: str | None = None) -> PlanChoice:
@@ -697,10 +704,10 @@ class PlanChoice:
                                 "measure a plan per kind of device")
         if dtype is not None and dtype != "auto" and data.get("dtype") != dtype:
             raise PlanFileError(f"--plan {path} runs {data.get('dtype')}, not --dtype {dtype}")
-        return cls(data["dtype"], ExecutionPlan.from_dict(data["plan"]), "file", str(path), data, want)
+        return dataclasses.replace(cls.from_dict({**data, "source": "file"}), cache_file=str(path))
 
-    def load(self, model, backend: str = "auto", dtype: str | None = None, device: str = "cpu",
-             expect_hash: str | None = None, artifacts: str | os.PathLike | None = None, log=None):
+    def load(self, model, backend: str = "auto", device: str = "cpu", expect_hash: str | None = None,
+             artifacts: str | os.PathLike | None = None, log=None):
         """The runtime this plan measured. For an in-process export, the export is checked to
         come from ``model`` (its manifest's source hash) and reports ``model``'s hash, so
         ``--expect-hash`` and clients see the same model whichever backend runs it. An export
@@ -722,37 +729,49 @@ class PlanChoice:
             raise ValueError(f"the plan cache's export {artifact} was not made from {model} "
                              f"(hash {want[:12]}); remove it or run with --plan-cache elsewhere")
         runtime = load_runtime(artifact, device=device)
-        runtime.info = dataclasses.replace(runtime.info, model_hash=want, source_hash=want,
+        runtime.info = dataclasses.replace(runtime.info, model_hash=want,  # its source_hash is ``want`` already
                                            extra={**runtime.info.extra, "plan_artifact": artifact})
         return runtime
 
 
-def check_reproduces(runtime, model, device: str, choice: PlanChoice) -> None:
-    """The start-up check of a plan brought from elsewhere (a file, or one measured in the
-    background): for an exact plan, its runtime must give eager fp32's tokens and decoded
-    pixels on the calibration photographs here; and every plan must be batch-invariant under
-    its own execution plan here. Raises :class:`PlanFileError` naming what differs."""
+def check_reproduces(runtime, model, device: str, choice: PlanChoice, certificate=None) -> None:
+    """The start-up check of a plan brought from elsewhere (a plan file): for an exact plan,
+    its runtime must give eager fp32's tokens and decoded pixels on the calibration
+    photographs here; and every plan must pass the start-up check under its own execution
+    plan here (``certificate``: that check, when the caller ran it already). Raises
+    :class:`PlanFileError` naming what differs."""
     from vqserve.export.determinism import start_up_check
     from vqserve.export.runtime import load_runtime
 
     if choice.exact and runtime.info.backend != "eager":
-        reference = load_runtime(model, dtype="fp32", device=device)
         photos, _ = calibration_images()
-        ref_tokens = PlannedRuntime(reference, ExecutionPlan(1, 1)).encode(photos)
-        ref_pixels = PlannedRuntime(reference, ExecutionPlan(1, 1)).decode(ref_tokens)
-        ours = PlannedRuntime(runtime, ExecutionPlan(1, 1))
-        tokens = ours.encode(photos)
+        ref_tokens, ref_pixels = _encode_then_decode(load_runtime(model, dtype="fp32", device=device), photos)
+        tokens, pixels = _encode_then_decode(runtime, photos, ref_tokens)
         if not np.array_equal(tokens, ref_tokens):
             raise PlanFileError(f"this machine cannot reproduce the plan's tokens: {choice.backend}/{choice.dtype} "
                                 f"differs from eager fp32 on {np.mean(tokens != ref_tokens):.4%} of the "
                                 "calibration tokens here; measure a plan on this kind of machine")
-        if not np.array_equal(ours.decode(ref_tokens), ref_pixels):
+        if not np.array_equal(pixels, ref_pixels):
             raise PlanFileError(f"this machine cannot reproduce the plan's decoded pixels: "
                                 f"{choice.backend}/{choice.dtype} decodes differently from eager fp32 here; "
                                 "measure a plan on this kind of machine")
-    cert = start_up_check(runtime, choice.plan)
-    if not (cert.batch_invariant and cert.decode_batch_invariant):
+    cert = certificate or start_up_check(runtime, choice.plan)
+    if not cert.invariant:
         raise PlanFileError(f"the plan fails the start-up check on this machine: {cert.summary()}")
+
+
+def find_plan(plan: str, model, device: str, backend: str = "auto", dtype: str | None = None,
+              min_agreement: float = 0.995, cache: str | os.PathLike | None = None,
+              expect_hash: str | None = None) -> PlanChoice | None:
+    """The plan ``--plan`` names for ``model`` here, without measuring: a plan file
+    (checked against the model), the plan cached for this hardware and model (``auto``), or
+    None - the safe plan (``default``, or ``auto`` with nothing cached yet). The server and
+    ``vqserve tokenize`` both decide this way."""
+    if plan == "default":
+        return None
+    if plan != "auto":
+        return PlanChoice.from_file(plan, model, device, dtype)
+    return lookup_plan(model, device, backend, dtype, min_agreement, cache, expect_hash)[0]
 
 
 def lookup_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,

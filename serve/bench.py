@@ -633,7 +633,7 @@ def planned_in_process(model: str, args):
 
     device = resolve_device(args.device)
     chosen = choose_plan(model, device=device, backend=args.backend, dtype=args.dtype)
-    return PlannedRuntime(chosen.load(model, args.backend, args.dtype, device), chosen.plan)
+    return PlannedRuntime(chosen.load(model, args.backend, device), chosen.plan)
 
 
 # ---- the run -------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class Engine:
         replacing the runtime's own limit (both APIs and GetModelInfo read ``self.info``)."""
         self.runtime = runtime
         self.info = runtime.info if not max_pixels else dataclasses.replace(runtime.info, max_pixels=max_pixels)
+        self.identity = self.info.identity()  # which tokens it serves; every OIP answer carries it
         self.metrics = metrics
         self.index_dtype = np.dtype(self.info.index_dtype)
         self.max_batch_size = max_batch_size
@@ -94,6 +95,7 @@ class Engine:
         self.batcher.start()
         self.runtime = runtime
         self.info = dataclasses.replace(runtime.info, max_pixels=self.info.max_pixels)
+        self.identity = self.info.identity()
         self.determinism = determinism
         await old_batcher.close()  # what it had queued runs to the end; it takes nothing new
         if hasattr(old_runtime, "close"):

@@ -67,7 +67,7 @@ class TokenizerActor:
             from vqserve.export.planner import PlanChoice
 
             chosen = PlanChoice.from_dict(plan)
-            self.runtime = chosen.load(model, backend, None, local, expect_hash)
+            self.runtime = chosen.load(model, backend, local, expect_hash)
         else:
             self.runtime = load_runtime(model, backend=backend, dtype=dtype, device=local, expect_hash=expect_hash)
         from vqserve.export.execution import PlannedRuntime, plan_for

@@ -28,6 +28,16 @@ from typing import Any
 DEFAULT_PLAN_BUDGET_S = 90.0
 
 
+_in_flight: set[threading.Thread] = set()
+
+
+def daemon_work_in_flight() -> bool:
+    """Whether a :func:`run_in_daemon` call is still running (a load or check a signal cut
+    short): then the process must end with ``os._exit``, because the interpreter's
+    finalisation aborts on a thread still inside torch."""
+    return any(t.is_alive() for t in _in_flight)
+
+
 async def run_in_daemon(fn: Callable[[], Any], name: str = "vqserve-load") -> Any:
     """``await`` ``fn()`` run in a new daemon thread; its exception is raised here."""
     loop = asyncio.get_running_loop()
@@ -48,8 +58,12 @@ async def run_in_daemon(fn: Callable[[], Any], name: str = "vqserve-load") -> An
             loop.call_soon_threadsafe(deliver, *outcome)
         except RuntimeError:  # the loop closed meanwhile: nobody is waiting any more
             pass
+        finally:
+            _in_flight.discard(threading.current_thread())
 
-    threading.Thread(target=target, name=name, daemon=True).start()
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    _in_flight.add(thread)
+    thread.start()
     return await future
 
 

@@ -536,7 +536,7 @@ class TokenizerServer:
 
             def runtime():
                 if chosen is not None:  # the planned backend: the model as given, or its export
-                    return chosen.load(cfg.model, cfg.backend, None, device, cfg.expect_hash,
+                    return chosen.load(cfg.model, cfg.backend, device, cfg.expect_hash,
                                        artifacts=self._artifacts(), log=lambda msg: _event("plan_progress", msg))
                 return load_runtime(cfg.model, backend=cfg.backend, dtype=None if cfg.dtype == "auto" else cfg.dtype,
                                     device=device, expect_hash=cfg.expect_hash)  # checked before the files load
@@ -545,13 +545,14 @@ class TokenizerServer:
         from vqserve.export.runtime import check_expected_hash
 
         check_expected_hash(cfg.expect_hash, runtime.info.model_hash, cfg.model)  # a runtime given ready-made
+        source = chosen.source if chosen else ("measuring" if measure_later else
+                                              "safe" if cfg.plan == "auto" else "default")
+        raw = runtime
+        runtime, plan, certificate = await self._planned(raw, chosen.plan if chosen else None, source)
         if chosen is not None and chosen.source == "file":  # measured elsewhere: does this machine agree?
             from vqserve.export.planner import check_reproduces
 
-            await run_in_daemon(lambda: check_reproduces(runtime, cfg.model, device, chosen))
-        source = chosen.source if chosen else ("measuring" if measure_later else
-                                              "safe" if cfg.plan == "auto" else "default")
-        runtime, plan, certificate = await self._planned(runtime, chosen.plan if chosen else None, source)
+            await run_in_daemon(lambda: check_reproduces(raw, cfg.model, device, chosen, certificate))
         self._publish(runtime, certificate)
         max_pixels = cfg.max_pixels or runtime.info.max_pixels
         engine = Engine(runtime, self.metrics, max_batch_size=cfg.max_batch_size,
@@ -599,7 +600,7 @@ class TokenizerServer:
         self.metrics.set_model(info)
         self.metrics.set_plan(info.backend, info.dtype, runtime.plan, runtime.source)
         self.metrics.set_determinism(certificate)
-        if certificate is not None and not (certificate.batch_invariant and certificate.decode_batch_invariant):
+        if certificate is not None and not certificate.invariant:
             _event("not_batch_invariant", certificate.summary(), level=logging.WARNING, plan=runtime.plan.to_dict())
 
     def _plan(self, device: str, base: ExecutionPlan | None = None) -> ExecutionPlan:
@@ -614,23 +615,17 @@ class TokenizerServer:
         return cache_dir(self.config.plan_cache) / "artifacts"
 
     def _find_plan(self, device: str):
-        """(plan, measure later?): ``--plan FILE`` read and checked against the model; ``--plan
-        auto`` the cached plan for this hardware + model + versions, or None and True (the
-        safe plan serves while the measurement runs); ``--plan default`` None."""
-        from vqserve.export.planner import PlanChoice, lookup_plan
+        """(plan, measure later?): the plan ``--plan`` names (``export.planner.find_plan``);
+        with ``--plan auto`` and none cached, None and True: the safe plan serves while the
+        measurement runs."""
+        from vqserve.export.planner import find_plan
 
         cfg = self.config
-        if cfg.plan == "default":
-            return None, False
-        if cfg.plan != "auto":
-            chosen = PlanChoice.from_file(cfg.plan, cfg.model, device, cfg.dtype)
-        else:
-            chosen, _ = lookup_plan(cfg.model, device, cfg.backend, cfg.dtype, cfg.min_agreement, cfg.plan_cache,
-                                    cfg.expect_hash)
-            if chosen is None:
-                return None, True
-        _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, backend=chosen.backend,
-               exact=chosen.exact, plan=chosen.plan.to_dict(), source=chosen.source, file=chosen.cache_file)
+        chosen = find_plan(cfg.plan, cfg.model, device, cfg.backend, cfg.dtype, cfg.min_agreement,
+                           cfg.plan_cache, cfg.expect_hash)
+        if chosen is None:
+            return None, cfg.plan == "auto"
+        _log_plan(chosen)
         return chosen, False
 
     async def _measure_plan(self, device: str, foreground: bool = False):
@@ -658,9 +653,7 @@ class TokenizerServer:
                                                             cfg.min_agreement, cfg.plan_cache))
         if chosen is not None:
             chosen.source = "measured"
-            _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, backend=chosen.backend,
-                   exact=chosen.exact, plan=chosen.plan.to_dict(), source=chosen.source, file=chosen.cache_file,
-                   measure_s=chosen.result.get("measure_s"))
+            _log_plan(chosen, measure_s=chosen.result.get("measure_s"))
         return chosen
 
     async def _switch_to_measured(self, device: str) -> None:
@@ -680,15 +673,14 @@ class TokenizerServer:
                 self._republish_plan("measured")
                 _event("plan_switched", "the measured plan is the safe plan: nothing to switch")
                 return
-            raw = await run_in_daemon(lambda: chosen.load(cfg.model, cfg.backend, None, device, cfg.expect_hash,
+            # measured on this machine a moment ago: its tokens and pixels were compared with the
+            # safe plan's there; the start-up check below is what remains to be seen here
+            raw = await run_in_daemon(lambda: chosen.load(cfg.model, cfg.backend, device, cfg.expect_hash,
                                                           artifacts=self._artifacts()))
-            from vqserve.export.planner import check_reproduces
-
-            await run_in_daemon(lambda: check_reproduces(raw, cfg.model, device, chosen))
             if self._stopped:
                 return
             runtime, plan, certificate = await self._planned(raw, chosen.plan, "measured")
-            if certificate is not None and not (certificate.batch_invariant and certificate.decode_batch_invariant):
+            if certificate is not None and not certificate.invariant:
                 raise RuntimeError(f"the measured plan failed the start-up check here: {certificate.summary()}")
             if self._stopped:
                 return
@@ -742,6 +734,12 @@ class TokenizerServer:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
         _event("stopped", "stopped", drain_s=round(time.perf_counter() - t0, 3))
+
+
+def _log_plan(chosen, **fields) -> None:
+    """The ``plan`` log line: the choice and the figures behind it."""
+    _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, backend=chosen.backend,
+           exact=chosen.exact, plan=chosen.plan.to_dict(), source=chosen.source, file=chosen.cache_file, **fields)
 
 
 async def serve_until_signal(config: ServerConfig, runtime=None) -> int:

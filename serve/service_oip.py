@@ -173,10 +173,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             out = await engine.decode(array, deadline_of(context), field)
         shape, dtype, data = codec.array_to_bytes(out)
         response = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
-        identity = engine.info.identity()  # which tokens these are: a KServe/Triton client reads them here
-        for key in ("model_hash", "source_hash", "dtype", "backend"):
-            response.parameters[key].string_param = identity[key]
-        response.parameters["exact"].bool_param = identity["exact"]
+        for key in ("model_hash", "source_hash", "dtype", "backend"):  # which tokens these are
+            response.parameters[key].string_param = engine.identity[key]
+        response.parameters["exact"].bool_param = engine.identity["exact"]
         response.outputs.add(name=out_name, datatype=codec.NUMPY_TO_OIP[dtype], shape=shape)
         response.raw_output_contents.append(data)
         return response

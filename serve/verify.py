@@ -357,6 +357,20 @@ def sample_positions(total: int, n: int, seed: int) -> list[int]:
     return sorted({min(total - 1, int((i + u[i]) * total / n)) for i in range(n)})
 
 
+def recorded_runtime(recorded: dict, model: str | None = None) -> tuple[str, str, str | None]:
+    """(model, backend, dtype) that make the tokens a manifest's ``model`` block records.
+    Exact tokens - the model's fp32 eager tokens, whatever backend the plan ran - are made
+    by the model as given (a checkpoint in eager fp32, an exact export as exported); tokens
+    of a lower precision export the plan made in its cache, by that export; others, by the
+    recorded backend and dtype. ``model`` (the user's ``--model``) replaces the recorded one."""
+    ref = model or recorded["ref"]
+    if recorded.get("exact"):
+        return ref, "auto", None
+    if recorded.get("artifact") and not model:
+        return recorded["artifact"], "auto", None
+    return ref, recorded.get("backend", "auto"), recorded.get("dtype")
+
+
 def _open_runtime(manifest: dict, model: str | None, device: str | None, report: Report):
     """The recorded model (or ``model``) on the recorded backend/dtype; refuses another model."""
     import torch
@@ -377,14 +391,7 @@ def _open_runtime(manifest: dict, model: str | None, device: str | None, report:
     elif device.split(":")[0] != recorded:
         report.notes.append(f"tokens were made on {recorded}, re-encoding on {device}: an index at "
                             "a rounding boundary may differ")
-    if m.get("exact"):
-        # the model's fp32 eager tokens, whatever backend the plan ran: the model as given
-        # (a checkpoint in eager fp32, or an exact export as exported) re-encodes them
-        backend, dtype = "auto", None
-    elif m.get("artifact") and not model:  # a lower precision export the plan made in its cache
-        ref, backend, dtype = m["artifact"], "auto", None
-    else:
-        backend, dtype = m.get("backend", "auto"), m.get("dtype")
+    ref, backend, dtype = recorded_runtime(m, model)
     try:
         runtime = load_runtime(ref, backend=backend, dtype=dtype, device=device)
     except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a damaged checkpoint

@@ -361,8 +361,9 @@ def metrics_text(port: int) -> str:
 
 
 def plan_source(body: str) -> str:
-    line = next(x for x in body.splitlines() if x.startswith("vqserve_execution_plan{"))
-    return line.split('source="')[1].split('"')[0]
+    from vqserve.serve.bench import plan_labels  # the benchmark reads the served plan the same way
+
+    return plan_labels(body)["source"]
 
 
 def test_serve_with_an_empty_cache_serves_exact_tokens_at_once_then_switches_to_the_measured_plan(

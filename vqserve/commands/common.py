@@ -142,3 +142,16 @@ def min_agreement_for(dtype: str | None, min_agreement: float | None) -> float:
     if not 0.5 <= min_agreement <= 1:
         raise UsageError(f"--min-agreement must be 0.5..1, got {min_agreement:g}")
     return float(min_agreement)
+
+
+class PlanSyntaxError(argparse.ArgumentTypeError, UsageError):
+    """A ``--plan`` that is neither a mode nor a file: argparse prints its text, the
+    ``VQSERVE_PLAN`` fallback of ``tokenize`` exits 2 with it."""
+
+
+def plan_choice(text: str) -> str:
+    """``--plan`` value (serve, tokenize): ``auto``, ``default`` or the path of a plan file."""
+    if text in ("auto", "default") or Path(text).is_file():
+        return text
+    raise PlanSyntaxError(f"--plan: expected auto, default or a plan file (`vqserve plan --out FILE`), "
+                          f"got {text!r}, which is not a file")

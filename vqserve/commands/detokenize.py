@@ -207,20 +207,17 @@ def open_runtime(args: argparse.Namespace, manifest: dict | None):
     """--model, else the manifest's model; the recorded hash must match unless --model was
     given explicitly (then a warning: the user may knowingly decode with a fine-tuned copy)."""
     from vqserve.export.runtime import load_runtime
+    from vqserve.serve.verify import recorded_runtime
 
     recorded = (manifest or {}).get("model", {})
     if args.model is None and "ref" not in recorded:
         raise ValueError("--model is required: no manifest.json beside the shards says which "
                          "model made them")
-    ref = args.model or recorded["ref"]
-    backend = args.backend
-    dtype = args.dtype
-    if args.model is None and not recorded.get("exact"):  # exact tokens: the model as given decodes them
-        if recorded.get("artifact"):  # a lower precision export the plan made in its cache
-            ref = recorded["artifact"]
-        elif backend == "auto":
-            backend = recorded.get("backend", "auto")
-        dtype = dtype or recorded.get("dtype")
+    ref, backend, dtype = args.model, args.backend, args.dtype
+    if args.model is None:  # what made the tokens, unless the flags say otherwise
+        ref, made_by, made_in = recorded_runtime(recorded)
+        backend = made_by if backend == "auto" else backend
+        dtype = dtype or made_in
     try:
         runtime = load_runtime(ref, backend=backend, dtype=dtype, device=args.device)
     except (OSError, ValueError) as exc:

@@ -32,9 +32,11 @@ from vqserve.commands.common import (
     add_model_args,
     check_model_exists,
     min_agreement_for,
+    plan_choice,
     resolve_env_fallbacks,
     switch,
 )
+from vqserve.serve.planning import DEFAULT_PLAN_BUDGET_S  # standard library only: cheap for --help
 
 # Every serve setting can come from the environment (the container's entrypoint is plain
 # `vqserve serve`); docs/DEPLOY.md lists them and a test keeps the three in step.
@@ -76,14 +78,6 @@ def pixel_count(text: str) -> int:
 def pixel_budget(text: str) -> int:
     """``--max-batch-pixels`` value: as :func:`pixel_count`, or ``0`` for auto."""
     return 0 if text.strip() == "0" else pixel_count(text)
-
-
-def plan_choice(text: str) -> str:
-    """``--plan`` value: ``auto``, ``default`` or the path of a plan file that exists."""
-    if text in ("auto", "default") or Path(text).is_file():
-        return text
-    raise argparse.ArgumentTypeError(f"expected auto, default or a plan file (`vqserve plan --out FILE`), "
-                                     f"got {text!r}, which is not a file")
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -144,7 +138,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                    help="directory of measured plans, keyed by hardware + model hash + versions "
                         "(default $XDG_CACHE_HOME/vqserve/plans or ~/.cache/vqserve/plans; mount "
                         "it in a container to keep restarts fast)")
-    x.add_argument("--plan-budget-s", type=float, default=90.0,
+    x.add_argument("--plan-budget-s", type=float, default=DEFAULT_PLAN_BUDGET_S,
                    help="--plan auto: the background measurement stops after this many seconds and "
                         "caches nothing (the safe plan keeps serving; default 90: the default "
                         "tokenizer measured in 52 s on a quiet 2-core CPU, its ONNX export included)")
@@ -322,9 +316,10 @@ def exit_now_if_loading(status: int) -> None:
     exception") instead of exiting ``status``."""
     import logging
     import os
-    import threading
 
-    if any(t.is_alive() and t.name.startswith(("vqserve-load", "vqserve-check")) for t in threading.enumerate()):
+    from vqserve.serve.planning import daemon_work_in_flight
+
+    if daemon_work_in_flight():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

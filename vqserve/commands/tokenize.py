@@ -32,7 +32,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vqserve.commands.common import add_expect_hash, add_model_args, model_ref
+from vqserve.commands.common import add_expect_hash, add_model_args, model_ref, plan_choice
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--threads", type=int, default=0,
                    help="model calls running at once, each on one thread, so tokens never "
                         "depend on this number (default: the CPU cores the decode workers leave)")
-    r.add_argument("--plan", default=None, metavar="auto|default|FILE",
+    r.add_argument("--plan", type=plan_choice, default=None, metavar="auto|default|FILE",
                    help="auto (default; or VQSERVE_PLAN): the execution plan `vqserve plan` or a server "
                         "measured for this hardware and model (read from the same cache; where none is "
                         "cached yet, the safe plan: fp32 eager, micro-batch 1 - the same tokens, "
@@ -101,39 +101,33 @@ def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
 
 
 def _chosen_plan(args: argparse.Namespace, device: str):
-    """The plan this run uses: a plan file, the cached plan for this hardware + model, or None
-    (the safe plan; with a note saying how to measure one). ``--dtype auto`` measures now when
-    nothing is cached: the dtype it picks decides the tokens, so it is chosen before the first one."""
+    """The plan this run uses (``export.planner.find_plan``, as the server decides): a plan
+    file, the cached plan for this hardware + model, or None (the safe plan; with a note
+    saying how to measure one). ``--dtype auto`` measures now when nothing is cached: the
+    dtype it picks decides the tokens, so it is chosen before the first one."""
     import os
 
-    from vqserve.commands.common import UsageError, min_agreement_for
+    from vqserve.commands.common import min_agreement_for
+    from vqserve.export.planner import choose_plan, find_plan
 
-    plan = args.plan or os.environ.get("VQSERVE_PLAN") or "auto"
-    if plan not in ("auto", "default") and not Path(plan).is_file():
-        raise UsageError(f"--plan {plan}: expected auto, default or a plan file (`vqserve plan --out FILE`)")
+    plan = plan_choice(args.plan or os.environ.get("VQSERVE_PLAN") or "auto")
     min_agreement = min_agreement_for(args.dtype, args.min_agreement)
-    if plan == "default":
-        return None
-    from vqserve.export.planner import PlanChoice, choose_plan, lookup_plan
 
     def say(msg: str) -> None:
         print(f"tokenize: plan: {msg}", file=sys.stderr, flush=True)
 
-    if plan != "auto":
-        chosen = PlanChoice.from_file(plan, args.model, device, args.dtype)
-    else:
-        chosen, _ = lookup_plan(args.model, device, args.backend, args.dtype, min_agreement, args.plan_cache,
-                                args.expect_hash)
-        if chosen is None and args.dtype == "auto":
-            say(f"measuring a plan for {args.model} on {device} (--dtype auto; cached for later runs)")
-            chosen = choose_plan(args.model, device=device, backend=args.backend, dtype="auto",
-                                 min_agreement=min_agreement, cache=args.plan_cache, log=say,
-                                 expect_hash=args.expect_hash)
-        elif chosen is None:
-            say(f"none measured for {args.model} on this machine yet: the safe plan (the model as given, "
-                f"micro-batch 1; the same tokens). `vqserve plan --model {args.model}` measures a faster one")
-            return None
-    say(chosen.why())
+    chosen = find_plan(plan, args.model, device, args.backend, args.dtype, min_agreement, args.plan_cache,
+                       args.expect_hash)
+    if chosen is None and plan == "auto" and args.dtype == "auto":
+        say(f"measuring a plan for {args.model} on {device} (--dtype auto; cached for later runs)")
+        chosen = choose_plan(args.model, device=device, backend=args.backend, dtype="auto",
+                             min_agreement=min_agreement, cache=args.plan_cache, log=say,
+                             expect_hash=args.expect_hash)
+    elif chosen is None and plan == "auto":
+        say(f"none measured for {args.model} on this machine yet: the safe plan (the model as given, "
+            f"micro-batch 1; the same tokens). `vqserve plan --model {args.model}` measures a faster one")
+    if chosen is not None:
+        say(chosen.why())
     return chosen
 
 
@@ -160,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if chosen is not None:  # the plan's backend: the model as given, or its export in the plan cache
         from vqserve.export.planner import cache_dir
 
-        runtime = chosen.load(args.model, args.backend, None, load_on, args.expect_hash,
+        runtime = chosen.load(args.model, args.backend, load_on, args.expect_hash,
                               artifacts=cache_dir(args.plan_cache) / "artifacts", log=lambda msg: print(f"tokenize: plan: {msg}", file=sys.stderr, flush=True))
         if chosen.source == "file" and args.engine != "ray":
             from vqserve.export.planner import check_reproduces
