@@ -22,6 +22,8 @@ COPY vqserve ./vqserve
 COPY model ./model
 COPY export ./export
 COPY serve ./serve
+COPY offline ./offline
+COPY bench ./bench
 RUN pip install --no-cache-dir setuptools==75.8.0 wheel==0.45.1 \
  && pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels .
 

@@ -92,7 +92,7 @@ fuzz: $(STAMP)
 		$(BIN)/python -m pytest -q -s tests/test_fuzz.py
 
 soak: $(STAMP)
-	$(BIN)/python -m vqserve.serve.soak --model '$(MODEL)' $(SOAK_ARGS)
+	$(BIN)/python -m vqserve.bench.soak --model '$(MODEL)' $(SOAK_ARGS)
 
 docker:
 	docker build -t $(IMAGE) .

@@ -1,1 +1,2 @@
-"""vqserve.serve: gRPC service, dynamic batcher, metrics, client and offline batch tokenization."""
+"""vqserve.serve: the online server (gRPC v1 and Open Inference Protocol), its dynamic batcher,
+execution-plan switching, metrics and the client."""

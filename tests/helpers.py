@@ -83,3 +83,13 @@ def export_plan_file(checkpoint: str, folder, fmt: str = "torchscript") -> tuple
                           "pixels_equal": True, "agreement": 1.0}]}
     plan = PlanChoice("fp32", ExecutionPlan.from_dict(result["plan"]), "measured", None, result, model_hash)
     return str(plan.to_file(folder / "plan.json")), str(artifact)
+
+
+def folder_bytes(out) -> dict[str, bytes]:
+    """Every file of a tokenize output folder by its path inside it (side files live in
+    ``__vqserve__/``), leaving out vqserve's own hidden ``.tmp-*`` staging files."""
+    from pathlib import Path
+
+    out = Path(out)
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and not p.name.startswith(".")}

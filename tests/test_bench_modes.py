@@ -15,8 +15,8 @@ import shutil
 import numpy as np
 import pytest
 
+from vqserve.bench import serving as bench
 from vqserve.export.runtime import load_runtime
-from vqserve.serve import bench
 
 SIZE = 32
 

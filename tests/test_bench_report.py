@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 
+from vqserve.bench import report as br
 from vqserve.cli import main as cli_main
-from vqserve.serve import bench_report as br
 
 SECTIONS = ("## Machine", "## Settings", "## Targets", "## 1. Runtimes per backend and dtype",
             "## 2. Served vs in-process, v1 and OIP v2", "## 3. Dynamic batching on vs off",
@@ -116,7 +116,7 @@ def test_missed_targets_are_explained_and_a_missing_torchserve_is_named(report):
 
 
 def test_bench_all_keeps_the_sections_other_commands_measured(tmp_path):
-    from vqserve.serve.bench_report import KEPT_MARKER, with_kept_sections
+    from vqserve.bench.report import KEPT_MARKER, with_kept_sections
 
     doc = tmp_path / "BENCHMARKS.md"
     assert with_kept_sections("# new\n", doc) == "# new\n", "no file yet: the report alone"

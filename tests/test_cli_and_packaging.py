@@ -53,7 +53,7 @@ def test_every_command_has_help(name, capsys):
 
 
 def test_wheel_installs_only_under_vqserve(tmp_path):
-    """No bare `model`/`export`/`serve` packages may land in site-packages."""
+    """No bare `model`/`export`/`serve`/`offline`/`bench` packages may land in site-packages."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path), str(ROOT)], check=True, timeout=300,
                    capture_output=True)
@@ -61,8 +61,9 @@ def test_wheel_installs_only_under_vqserve(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.startswith("vqserve-")}
     assert tops == {"vqserve"}, tops
-    for sub in ("model", "export", "serve", "commands"):
+    for sub in ("model", "export", "serve", "offline", "bench", "commands"):
         assert f"vqserve/{sub}/__init__.py" in names
+    assert "vqserve/data.py" in names and "vqserve/offline/reader.py" in names
     assert "vqserve/model/quantizers/fsq.py" in names
     assert "vqserve/serve/_proto/tokenizer_pb2.py" in names
     default = ROOT / "model" / "default" / "model.safetensors"

@@ -19,7 +19,7 @@ from tests.helpers import FaultyRuntime
 from vqserve import images
 from vqserve.cli import main
 from vqserve.export.runtime import EagerRuntime
-from vqserve.serve import shards
+from vqserve.offline import shards
 from vqserve.serve.client import AsyncTokenizerClient, TokenizerClient
 from vqserve.serve.server import ServerConfig, ServerThread
 
@@ -70,7 +70,7 @@ def tokenize(model: str, folder: Path, out: Path, *flags: str) -> dict[str, np.n
     """`vqserve tokenize` on ``folder`` -> {key: tokens}."""
     assert main(["tokenize", str(folder), "--out", str(out), "--model", model, "--workers", "0",
                  "--no-progress", *flags]) == 0
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "__vqserve__" / "manifest.json").read_text())
     return {
         r["key"]: r["tokens"] for s in manifest["shards"] for r in shards.read_rows(out / s["name"])
     }

@@ -183,3 +183,13 @@ def test_install_script_then_the_images_entrypoint_serves_and_drains(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_wheel_stage_copies_every_package_folder():
+    """A top-level package folder missing from the wheels stage breaks the image build (here
+    the Docker engine cannot run it, so the Dockerfile is checked against pyproject)."""
+    import tomllib
+
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    copied = {rest.split()[0] for instr, rest in stages()["wheels"] if instr == "COPY"}
+    assert folders <= copied, f"not copied into the wheels stage: {sorted(folders - copied)}"

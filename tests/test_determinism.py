@@ -279,7 +279,7 @@ def test_every_path_gives_the_same_bf16_tokens(tiny_checkpoint, photos, tmp_path
     from vqserve.cli import main
     from vqserve.export.exporter import export_model
     from vqserve.export.runtime import load_runtime
-    from vqserve.serve import shards
+    from vqserve.offline import shards
     from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
     from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
     from vqserve.serve.client import TokenizerClient
@@ -317,7 +317,7 @@ def test_every_path_gives_the_same_bf16_tokens(tiny_checkpoint, photos, tmp_path
         assert main(["tokenize", str(folder), "--out", str(out), "--model", tiny_checkpoint,
                      "--dtype", "bf16", "--threads", threads, "--batch-size", batch,
                      "--workers", "0", "--no-progress"]) == 0
-        manifest = json.loads((out / "manifest.json").read_text())
+        manifest = json.loads((out / "__vqserve__" / "manifest.json").read_text())
         rows = {r["key"]: r["tokens"] for s in manifest["shards"] for r in shards.read_rows(out / s["name"])}
         got[f"tokenize --threads {threads} --batch-size {batch}"] = np.stack([rows[f.stem] for f in files])
     for path, tokens in got.items():
@@ -334,7 +334,7 @@ def test_original_situation_is_real_and_the_plan_removes_it(whole_photos, tmp_pa
     GroupNorm's whole-image reductions are where the threads split the work differently
     with the batch; the v2 default (per-pixel norm) shows no difference here even with
     two threads (docs/SERVING.md), so it cannot show the bug."""
-    from vqserve.serve.bench import make_random_model
+    from vqserve.bench.serving import make_random_model
 
     inner = EagerRuntime(make_random_model(tmp_path / "groupnorm", norm="group"), dtype="bf16", device="cpu")
     before = torch.get_num_threads()

@@ -35,11 +35,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from vqserve.bench.serving import tree_memory
 from vqserve.export.runtime import EagerRuntime
 from vqserve.serve import codec
 from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
 from vqserve.serve._proto import tokenizer_pb2 as pb
-from vqserve.serve.bench import tree_memory
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -105,7 +105,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint):
-    from vqserve.serve.bench import start_server
+    from vqserve.bench.serving import start_server
 
     log: list[str] = []
     args = argparse.Namespace(backend="eager", dtype=None, device="cpu")

@@ -369,7 +369,7 @@ def test_tokenize_with_the_expected_hash(tiny_checkpoint, tmp_path):
     good = checkpoint_hash(tiny_checkpoint)
     args = ["tokenize", str(src), "--model", tiny_checkpoint, "--workers", "0", "--no-progress"]
     assert cli_main([*args, "--out", str(tmp_path / "ok"), "--expect-hash", good]) == 0
-    manifest = json.loads((tmp_path / "ok" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "ok" / "__vqserve__" / "manifest.json").read_text())
     assert manifest["model"]["model_hash"] == good
     assert cli_main([*args, "--out", str(tmp_path / "no"), "--expect-hash", "f" * 64]) == 2
     assert not (tmp_path / "no").exists()

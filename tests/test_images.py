@@ -160,12 +160,12 @@ def test_keep_mode_crops_to_the_centre_multiple(h, w, factor):
 
 
 def test_images_module_never_imports_torch():
-    """Decode workers import vqserve/images.py and serve/sources.py; torch there would cost
+    """Decode workers import vqserve/images.py and offline/sources.py; torch there would cost
     seconds per worker and gigabytes across a pool."""
     import subprocess
     import sys
 
-    code = ("import sys, vqserve.images, vqserve.serve.sources, vqserve.serve.offline; "
+    code = ("import sys, vqserve.images, vqserve.offline.sources, vqserve.offline.pipeline; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

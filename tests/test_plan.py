@@ -361,7 +361,9 @@ def metrics_text(port: int) -> str:
 
 
 def plan_source(body: str) -> str:
-    from vqserve.serve.bench import plan_labels  # the benchmark reads the served plan the same way
+    from vqserve.bench.serving import (
+        plan_labels,  # the benchmark reads the served plan the same way
+    )
 
     return plan_labels(body)["source"]
 
@@ -411,7 +413,7 @@ def test_tokenize_plan_auto_uses_the_servers_cached_plan_and_gives_its_tokens(ti
                                                                              plan_cache):
     from PIL import Image
 
-    from vqserve.serve import shards
+    from vqserve.offline import shards
     from vqserve.serve.client import TokenizerClient
     from vqserve.serve.server import ServerConfig, ServerThread
 

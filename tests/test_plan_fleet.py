@@ -167,7 +167,7 @@ def test_the_readme_sequence_works_when_the_plan_chose_an_export(tiny_checkpoint
     out = tmp_path / "s"
     assert main(["tokenize", str(images_dir), "--size", "32", "--out", str(out), "--model", tiny_checkpoint,
                  "--device", "cpu", "--plan", "auto", "--plan-cache", str(cache), "--no-progress"]) == 0
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "__vqserve__" / "manifest.json").read_text())
     assert manifest["model"]["backend"] == "torchscript" and manifest["model"]["exact"] is True
     capsys.readouterr()
     assert main(["verify", str(out)]) == 0, capsys.readouterr()

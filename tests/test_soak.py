@@ -1,4 +1,4 @@
-"""``python -m vqserve.serve.soak`` (``make soak``): the verdict rules, and a short real run."""
+"""``python -m vqserve.bench.soak`` (``make soak``): the verdict rules, and a short real run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vqserve.serve.soak import OPS, Report, Window, main, rss_growth, verdict
+from vqserve.bench.soak import OPS, Report, Window, main, rss_growth, verdict
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,7 +69,7 @@ def test_a_short_soak_runs_every_path_and_passes(tiny_checkpoint, tmp_path, caps
 
 
 def test_module_entry_point():
-    help_text = subprocess.run([sys.executable, "-m", "vqserve.serve.soak", "--help"], check=True,
+    help_text = subprocess.run([sys.executable, "-m", "vqserve.bench.soak", "--help"], check=True,
                                capture_output=True, text=True).stdout
     assert "--duration" in help_text and "--clients" in help_text
 

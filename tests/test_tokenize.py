@@ -22,10 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from tests.helpers import folder_bytes
 from vqserve import images
 from vqserve.cli import main
 from vqserve.export.runtime import EagerRuntime
-from vqserve.serve import shards
+from vqserve.offline import shards
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,7 +70,7 @@ def tok(args: list[str], model: str) -> int:
 
 
 def all_rows(out: Path) -> list[dict]:
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "__vqserve__" / "manifest.json").read_text())
     return [r for s in manifest["shards"] for r in shards.read_rows(out / s["name"])]
 
 
@@ -80,7 +81,7 @@ def runtime(tiny_checkpoint):
 
 def assert_rows_match_runtime(out: Path, runtime, pre: images.Preprocess):
     """Every stored row equals the runtime on the same preprocessed source image."""
-    from vqserve.serve.sources import parse_source, read_image_source
+    from vqserve.offline.sources import parse_source, read_image_source
 
     rows = all_rows(out)
     assert rows
@@ -97,12 +98,12 @@ def test_folder_with_size_records_errors_and_matches_the_runtime(tiny_checkpoint
     out = tmp_path / "out"
     assert tok([str(tmp_path / "in"), "--out", str(out), "--size", "32", "--shard-size", "4",
                 "--batch-size", "3"], tiny_checkpoint) == 0
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "__vqserve__" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["totals"] == {"images": 11, "rows": 9, "errors": 2, "shards": 3}
     assert [s["name"] for s in manifest["shards"]] == [f"shard-{i:06d}.parquet" for i in range(3)]
     assert manifest["index_dtype"] == "uint16" and manifest["preprocess"]["size"] == 32
     assert manifest["model"]["dither"] == "none" and manifest["model"]["levels"] == [8, 5, 5, 5]
-    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    errors = [json.loads(line) for line in (out / "__vqserve__" / "errors.jsonl").read_text().splitlines()]
     assert sorted(e["key"] for e in errors) == ["corrupt", "text"]
     assert all("decodable" in e["reason"] for e in errors)
     rows = assert_rows_match_runtime(out, runtime, images.Preprocess(mode="size", size=32, factor=8))
@@ -132,7 +133,7 @@ def test_keep_size_list_file_and_exact_mode(tiny_checkpoint, runtime, tmp_path, 
     out2 = tmp_path / "exact"
     assert tok([str(tmp_path / "list.txt"), "--out", str(out2)], tiny_checkpoint) == 0
     assert [r["key"] for r in all_rows(out2)] == ["p1.png", "p3.png"]
-    errors = (out2 / "errors.jsonl").read_text()
+    errors = (out2 / "__vqserve__" / "errors.jsonl").read_text()
     assert "multiples of the factor 8" in errors and "p0.png" in errors
 
 
@@ -165,7 +166,7 @@ def test_webdataset_brace_range_and_parquet_inputs(tiny_checkpoint, runtime, tmp
     assert [r["key"] for r in rows] == ["s/00000", "s/00001", "s/00002", "s/00003", "s/00004", "s/00005",
                                         "x0", "x1", "x2", "x3"]
     assert rows[0]["source"].endswith("data-000.tar::s/00000.jpg")
-    errors = (out / "errors.jsonl").read_text()
+    errors = (out / "__vqserve__" / "errors.jsonl").read_text()
     assert errors.count("sample has no image member") == 2
     out2 = tmp_path / "hf"
     assert tok([str(tmp_path / "hf.parquet"), "--out", str(out2), "--size", "32"], tiny_checkpoint) == 0
@@ -194,12 +195,12 @@ def test_refusals_and_fail_fast(tiny_checkpoint, tmp_path, capsys, one_thread):
     write_folder(tmp_path / "in", 3)
     out = tmp_path / "out"
     assert tok([str(tmp_path / "in"), "--out", str(out), "--size", "32"], tiny_checkpoint) == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = folder_bytes(out)
     capsys.readouterr()
     assert tok([str(tmp_path / "in"), "--out", str(out), "--size", "64"], tiny_checkpoint) == 2
     err = capsys.readouterr().err
     assert "other settings" in err and '"size": 32' in err and '"size": 64' in err and "new --out" in err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing touched
+    assert folder_bytes(out) == before  # nothing touched
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
@@ -218,7 +219,7 @@ def test_refusals_and_fail_fast(tiny_checkpoint, tmp_path, capsys, one_thread):
     (bad / "x.png").write_bytes(b"nope")
     assert tok([str(bad), "--out", str(tmp_path / "o5"), "--size", "32"], tiny_checkpoint) == 1
     assert "every one of the 1 images failed" in capsys.readouterr().err
-    assert "x" in (tmp_path / "o5" / "errors.jsonl").read_text()
+    assert "x" in (tmp_path / "o5" / "__vqserve__" / "errors.jsonl").read_text()
     # the inputs changed under a finished run: refused, not silently mixed
     Image.fromarray(photo_set(1)[0]).save(tmp_path / "in" / "a" / "aaa-new.png")
     assert tok([str(tmp_path / "in"), "--out", str(out), "--size", "32"], tiny_checkpoint) == 2
@@ -249,7 +250,7 @@ def test_server_and_cli_give_identical_tokens(tiny_checkpoint, tmp_path, one_thr
 
 # ---- kill -9 at random points, then resume: byte-identical ---------------------------------
 def _snapshot(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if not p.name.startswith(".")}
+    return folder_bytes(out)
 
 
 def _cli(args: list[str]) -> list[str]:
@@ -278,7 +279,7 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(tiny_checkpoint,
         deadline = time.time() + 120
         while proc.poll() is None and time.time() < deadline:
             done = len(list(out.glob("shard-*.parquet"))) if out.exists() else 0
-            if done > target or (target == 0 and (out / "manifest.json").exists()):
+            if done > target or (target == 0 and (out / "__vqserve__" / "manifest.json").exists()):
                 time.sleep(rng.uniform(0, 0.05))
                 break
             time.sleep(0.005)
@@ -303,7 +304,7 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(tiny_checkpoint,
     assert res.returncode == 0, res.stderr
     assert "already complete" in res.stderr
     assert _snapshot(out) == expected
-    assert not list(out.glob(".tmp-*"))
+    assert not list(out.rglob(".tmp-*"))
 
 
 @pytest.mark.slow
@@ -321,4 +322,4 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tiny_checkpoint, tmp_path):
     assert proc.returncode == 130, err
     assert "run the same command again to resume" in err and "Traceback" not in err
     res = subprocess.run(_cli(args), capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0 and json.loads((out / "manifest.json").read_text())["totals"]["rows"] == 150
+    assert res.returncode == 0 and json.loads((out / "__vqserve__" / "manifest.json").read_text())["totals"]["rows"] == 150

@@ -1,5 +1,5 @@
 """`vqserve tokenize --engine ray`: a real local Ray (no mocks) writes byte-identical shards,
-manifest and errors.jsonl to the local engine's, and resumes shard by shard."""
+manifest and error log to the local engine's, and resumes shard by shard."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.helpers import folder_bytes
 from vqserve.cli import main
 
 ray = pytest.importorskip("ray")
@@ -99,7 +100,7 @@ def tokenize(photos: Path, out: Path, model: str, engine: str, *extra: str) -> i
 
 
 def files(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    return folder_bytes(out)
 
 
 @pytest.mark.parametrize("size", [["--size", "32"], ["--keep-size"]], ids=["size32", "keep"])
@@ -109,9 +110,10 @@ def test_ray_equals_local_and_resumes(ray_local, photos_dir, tiny_checkpoint, tm
     assert tokenize(photos_dir, dist, tiny_checkpoint, "ray", *size) == 0
     want = files(local)
     # 9 images in shards of 3, tasks of 2 + 1: several shards, a partial last task, one error
-    assert sorted(want) == ["errors.jsonl", "manifest.json", "shard-000000.parquet",
+    assert sorted(want) == ["__vqserve__/errors.jsonl", "__vqserve__/manifest.json", "shard-000000.parquet",
                             "shard-000001.parquet", "shard-000002.parquet"]
-    assert want["errors.jsonl"].count(b"\n") == 1 and b"img3x" in want["errors.jsonl"]
+    errors = want["__vqserve__/errors.jsonl"]
+    assert errors.count(b"\n") == 1 and b"img3x" in errors
     assert files(dist) == want
 
     # resume on Ray: only the missing shard is redone, and the folder is byte-identical again
@@ -131,7 +133,7 @@ def test_ray_fail_fast_and_actor_refusal(ray_local, photos_dir, tiny_checkpoint,
                     "--fail-fast") == 1
     err = capsys.readouterr().err
     assert "img3x.png" in err and "(--fail-fast)" in err
-    assert not (tmp_path / "b" / "errors.jsonl").exists()
+    assert not (tmp_path / "b" / "__vqserve__" / "errors.jsonl").exists()
 
 
 def test_ray_runs_the_drivers_plan_and_either_engine_resumes_the_other(ray_local, photos_dir, tiny_checkpoint,
@@ -148,7 +150,7 @@ def test_ray_runs_the_drivers_plan_and_either_engine_resumes_the_other(ray_local
     assert tokenize(photos_dir, local, tiny_checkpoint, "local", *args) == 0
     assert tokenize(photos_dir, dist, tiny_checkpoint, "ray", *args) == 0
     want = files(local)
-    assert json.loads(want["manifest.json"])["model"]["backend"] == "torchscript", "the plan's backend ran"
+    assert json.loads(want["__vqserve__/manifest.json"])["model"]["backend"] == "torchscript", "the plan's backend ran"
     assert files(dist) == want
     (dist / "shard-000001.parquet").unlink()  # a Ray run finished by the local engine
     assert tokenize(photos_dir, dist, tiny_checkpoint, "local", *args) == 0

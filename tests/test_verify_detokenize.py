@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from vqserve.cli import main
-from vqserve.serve import shards
-from vqserve.serve.verify import sample_positions, verify_dataset
+from vqserve.offline import shards
+from vqserve.offline.verify import sample_positions, verify_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,10 +70,10 @@ def rewrite(path: Path, change) -> None:
 
 def set_manifest_sha(folder: Path, name: str) -> None:
     """Make the manifest vouch for the rewritten file, so only the deeper checks can notice."""
-    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest = json.loads((folder / "__vqserve__" / "manifest.json").read_text())
     entry = next(s for s in manifest["shards"] if s["name"] == name)
     entry["sha256"] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "__vqserve__" / "manifest.json").write_text(json.dumps(manifest))
 
 
 def all_rows(folder: Path) -> list[dict]:
@@ -159,9 +159,9 @@ def test_verify_usage_errors(copy, tmp_path, capsys, tiny_checkpoint):
     (tmp_path / "other" / "manifest.json").write_text('{"format": "onnx"}')
     assert main(["verify", str(tmp_path / "other")]) == 2
     assert "not a `vqserve tokenize` manifest" in capsys.readouterr().err
-    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest = json.loads((copy / "__vqserve__" / "manifest.json").read_text())
     manifest["model"]["model_hash"] = manifest["model"]["source_hash"] = "0" * 64  # another model
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "__vqserve__" / "manifest.json").write_text(json.dumps(manifest))
     assert main(["verify", str(copy), "--sample", "1"]) == 2
     assert "re-encoding with another model proves nothing" in capsys.readouterr().err
     with pytest.raises(ValueError, match="hash"):
@@ -261,9 +261,9 @@ def test_detokenize_bad_inputs(dataset, copy, tmp_path, capsys, tiny_checkpoint)
     assert "--model is required" in capsys.readouterr().err
     assert main(["detokenize", str(lone), "--model", tiny_checkpoint, *base]) == 0
     # the recorded model changed: refused, unless --model is explicit (then a warning)
-    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest = json.loads((copy / "__vqserve__" / "manifest.json").read_text())
     manifest["model"]["model_hash"] = manifest["model"]["source_hash"] = "0" * 64  # another model
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "__vqserve__" / "manifest.json").write_text(json.dumps(manifest))
     assert main(["detokenize", str(copy), *base, "--overwrite"]) == 2
     assert "pass --model explicitly" in capsys.readouterr().err
     assert main(["detokenize", str(copy), *base, "--overwrite", "--model", tiny_checkpoint]) == 0

@@ -77,7 +77,7 @@ def _shown(path: str) -> str:
 
 def _walk(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     """Files under ``folder`` ending in ``suffixes``, recursively, hidden ones skipped, sorted
-    (the rules of ``serve/sources.py``'s folder listing)."""
+    (the rules of ``offline/sources.py``'s folder listing)."""
     found = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -88,7 +88,7 @@ def _walk(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
 
 def _folder_sources(folder: Path, suffixes: tuple[str, ...] | None) -> list[Source]:
     if suffixes is None:  # images: exactly the listing (and keys) `vqserve tokenize` uses
-        from vqserve.serve import sources
+        from vqserve.offline import sources
 
         return [Source(r.path, r.key, _shown(r.path)) for r in sources.list_records([str(folder)])
                 if r.kind == "file"]
@@ -103,7 +103,7 @@ def list_sources(inputs: Sequence[str], suffixes: tuple[str, ...] | None = None)
     a folder contributes its files (images, or ``suffixes``) recursively, keyed by their
     path inside it; a file is keyed by its name. A missing INPUT is a usage error. The same
     file reached twice under the same key is listed once."""
-    from vqserve.serve import sources
+    from vqserve.offline import sources
 
     try:
         expanded = sources.expand_inputs(inputs)

@@ -18,11 +18,11 @@ import argparse
 import importlib
 
 TARGETS = {
-    "all": "vqserve.serve.bench_report",
+    "all": "vqserve.bench.report",
     "quantizers": "vqserve.model.bench",
     "runtimes": "vqserve.export.bench",
-    "serve": "vqserve.serve.bench",
-    "tokenize": "vqserve.serve.tokenize_bench",
+    "serve": "vqserve.bench.serving",
+    "tokenize": "vqserve.bench.offline",
     "plan": "vqserve.export.plan_bench",
 }
 

@@ -5,7 +5,7 @@ folder (all its shards). Each row becomes DIR/<key>.png at the size the model sa
 width in the row); a key with '/' becomes subfolders. Keys with '..' or an absolute path
 are refused, never written outside DIR. Rows are decoded in batches of one token-grid shape.
 
-The model defaults to the one recorded in the manifest.json beside the shards, and its
+The model defaults to the one recorded in the manifest of the folder that holds the shards, and its
 hash must still match; an explicit --model that differs is used with a warning. Existing
 files are never overwritten unless --overwrite (the run is refused before anything is
 decoded); each PNG is written to a temporary name and renamed, so no half-written image
@@ -39,7 +39,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="shard files (.parquet / .tar) or a `vqserve tokenize` output folder")
     parser.add_argument("--out", required=True, help="folder for the PNG images (<key>.png)")
     add_model_args(parser, model_default=None).description = (
-        "--model defaults to the manifest.json beside the shards; required where there is none")
+        "--model defaults to the manifest of the folder that holds the shards; required where there is none")
     s = parser.add_argument_group("selection and execution")
     s.add_argument("--limit", type=int, default=None, help="decode at most N images (in shard order)")
     s.add_argument("--keys", default=None,
@@ -76,7 +76,7 @@ def resolve_shards(args: list[str]) -> list[Path]:
 def manifest_for(paths: list[Path]) -> dict | None:
     """The tokenize manifest beside the shards; shards from two different models are refused
     (one runtime decodes them all, so they must share one)."""
-    from vqserve.serve.verify import NotADataset, read_manifest
+    from vqserve.offline.verify import NotADataset, read_manifest
 
     found: dict[str, dict] = {}
     for folder in dict.fromkeys(p.parent for p in paths):
@@ -150,7 +150,7 @@ def shard_keys(path: Path) -> list[str]:
 
 def read_rows(path: Path) -> list[dict]:
     """All rows of a shard; a damaged file is one line naming it, not a traceback."""
-    from vqserve.serve import shards
+    from vqserve.offline import shards
 
     try:
         return shards.read_rows(path)
@@ -207,11 +207,11 @@ def open_runtime(args: argparse.Namespace, manifest: dict | None):
     """--model, else the manifest's model; the recorded hash must match unless --model was
     given explicitly (then a warning: the user may knowingly decode with a fine-tuned copy)."""
     from vqserve.export.runtime import load_runtime
-    from vqserve.serve.verify import recorded_runtime
+    from vqserve.offline.verify import recorded_runtime
 
     recorded = (manifest or {}).get("model", {})
     if args.model is None and "ref" not in recorded:
-        raise ValueError("--model is required: no manifest.json beside the shards says which "
+        raise ValueError("--model is required: no manifest of the folder that holds the shards says which "
                          "model made them")
     ref, backend, dtype = args.model, args.backend, args.dtype
     if args.model is None:  # what made the tokens, unless the flags say otherwise
@@ -223,7 +223,7 @@ def open_runtime(args: argparse.Namespace, manifest: dict | None):
     except (OSError, ValueError) as exc:
         if args.model is not None:
             raise
-        raise ValueError(f"{exc} (the model recorded in manifest.json beside the shards); pass "
+        raise ValueError(f"{exc} (the model recorded in manifest of the folder that holds the shards); pass "
                          "--model with the model the tokens were made with") from None
     from vqserve.identity import same_tokens
 

@@ -8,11 +8,14 @@ orientation, 16-bit, alpha over white, palette, grayscale, CMYK), then resized o
 
   --size N      shorter side to N, centre crop N x N (N a multiple of the model's factor)
   --keep-size   centre-crop down to multiples of the factor (the crop is recorded)
-  (neither)     images must already be multiples of the factor; others go to errors.jsonl
+  (neither)     images must already be multiples of the factor; others go to the error log
 
 Output in --out: shard-000000.parquet ... (zstd; one row per image: key, source, original
-size, crop box, token grid, tokens), manifest.json (model hash, settings, shards with rows
-and sha256) and errors.jsonl (images that failed, with the reason; the run goes on).
+size, crop box, token grid, tokens) and, in --out/__vqserve__/, manifest.json (model hash,
+settings, shards with rows and sha256) and errors.jsonl (images that failed, with the
+reason; the run goes on). The folder itself is the dataset: pd.read_parquet(OUT),
+pyarrow.dataset.dataset(OUT), datasets.load_dataset("parquet", data_dir=OUT), or
+vqserve.data.TokenShards(OUT) for a sharded, shuffled, resumable PyTorch loader.
 
 Resume: run the same command again after a crash, kill -9 or Ctrl-C. Complete shards are
 kept, the rest is redone, and the result is byte-identical to an uninterrupted run. A run
@@ -31,8 +34,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vqserve.commands.common import add_expect_hash, add_model_args, model_ref, plan_choice
+
+if TYPE_CHECKING:  # the pipeline (and torch) load only when a run starts, not for --help
+    from vqserve.offline.pipeline import Job
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -87,16 +94,16 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
     from vqserve import images
-    from vqserve.serve import offline
+    from vqserve.offline import pipeline
 
     pre = images.Preprocess(mode="size" if args.size else "keep" if args.keep_size else "exact",
                             factor=runtime_info["factor"], size=args.size, resample=args.resample,
                             max_pixels=args.max_pixels)
-    settings = offline.Settings(preprocess=pre, shard_size=args.shard_size, batch_size=args.batch_size,
+    settings = pipeline.Settings(preprocess=pre, shard_size=args.shard_size, batch_size=args.batch_size,
                                 shard_format=args.format, image_column=args.image_column,
                                 key_column=args.key_column)
 
-    return offline.Job(inputs=[str(Path(p).resolve()) for p in inputs], out=Path(args.out), settings=settings,
+    return pipeline.Job(inputs=[str(Path(p).resolve()) for p in inputs], out=Path(args.out), settings=settings,
                        runtime_info=runtime_info, model_ref=model_ref(args.model))
 
 
@@ -132,7 +139,7 @@ def _chosen_plan(args: argparse.Namespace, device: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from vqserve.serve import offline, sources
+    from vqserve.offline import pipeline, sources
 
     if args.workers is not None and args.workers < 0:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
@@ -175,32 +182,41 @@ def run(args: argparse.Namespace) -> int:
               f"{job.shard_count - len(job.pending)} shards already complete, {left} images to go",
               file=sys.stderr)
         if args.engine == "ray":
-            from vqserve.serve.offline_ray import run_ray
+            from vqserve.offline.ray_engine import run_ray
 
             result = run_ray(job, model=args.model, backend=args.backend, dtype=dtype,
                              device=info["device"], address=args.ray_address, actors=args.ray_actors,
                              plan=chosen.to_dict() if chosen is not None else None,
                              fail_fast=args.fail_fast, progress=not args.no_progress)
         else:
-            workers = offline.default_workers(info["device"]) if args.workers is None else args.workers
-            runtime = offline.planned_runtime(runtime, info["device"], workers, args.threads,
+            workers = pipeline.default_workers(info["device"]) if args.workers is None else args.workers
+            runtime = pipeline.planned_runtime(runtime, info["device"], workers, args.threads,
                                               base=chosen.plan if chosen else None,
                                               source=chosen.source if chosen else "safe")
-            result = offline.run_local(job, runtime, workers=workers, fail_fast=args.fail_fast,
+            result = pipeline.run_local(job, runtime, workers=workers, fail_fast=args.fail_fast,
                                        progress=False if args.no_progress else None)
-    except offline.Interrupted as exc:
+    except pipeline.Interrupted as exc:
         print(f"vqserve tokenize: {exc}", file=sys.stderr)
         return 130
-    except (offline.TokenizeError, sources.InputError) as exc:
+    except (pipeline.TokenizeError, sources.InputError) as exc:
         print(f"vqserve tokenize: error: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, offline.FailFast) else 2
+        return 1 if isinstance(exc, pipeline.FailFast) else 2
     totals = result["manifest"]["totals"]
     print(f"tokenize: done: {totals['rows']} images tokenized, {totals['errors']} errors "
-          f"(see {job.out / offline.ERRORS}), {totals['shards']} shards; this run "
+          f"(see {job.errors_path}), {totals['shards']} shards; this run "
           f"{result['new_images']} images in {result['seconds']:.1f} s "
           f"({result['images_per_second']:.1f} img/s)", file=sys.stderr)
     if totals["errors"] and not totals["rows"]:
         print(f"vqserve tokenize: error: every one of the {totals['errors']} images failed; the "
-              f"reasons are in {job.out / offline.ERRORS}", file=sys.stderr)
+              f"reasons are in {job.errors_path}", file=sys.stderr)
         return 1
+    print(f"tokenize: read it with {read_hint(job, result['manifest'])}", file=sys.stderr)
     return 0
+
+
+def read_hint(job: Job, manifest: dict) -> str:
+    """How to read this output folder, in one line (the last thing tokenize prints)."""
+    if job.settings.shard_format == "webdataset":
+        pattern = manifest.get("shard_pattern") or "shard-*.tar"
+        return f"webdataset.WebDataset('{job.out / pattern}')"
+    return f"pandas.read_parquet('{job.out}') or vqserve.data.TokenShards('{job.out}')"

@@ -40,7 +40,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vqserve.serve.verify import format_summary, verify_dataset
+    from vqserve.offline.verify import format_summary, verify_dataset
 
     report = verify_dataset(args.dir, sample=args.sample, seed=args.seed, model=args.model,
                             device=args.device, max_problems=args.max_problems)

@@ -12,8 +12,8 @@ last, or when the server did not exit 0 on SIGTERM:
     soak: 5.0 min, 64 clients, 12345 calls, 0 errors, p99/min ms [..], RSS first-min
     210 MB last-min 212 MB (+0.9%), PASS
 
-    python -m vqserve.serve.soak                      # default model, 5 minutes, 64 clients
-    python -m vqserve.serve.soak --model runs/tiny --duration 0.5 --clients 8 --window 10
+    python -m vqserve.bench.soak                      # default model, 5 minutes, 64 clients
+    python -m vqserve.bench.soak --model runs/tiny --duration 0.5 --clients 8 --window 10
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ DECODE_TOLERANCE = 1  # grey levels: CPU kernels may round differently by batch 
 # ---- the verdict --------------------------------------------------------------------------------
 def rss_bytes(pid: int) -> int:
     """Resident memory of the server process ``pid`` now (``/proc``, as the benchmark reads it)."""
-    from vqserve.serve.bench import tree_memory
+    from vqserve.bench.serving import tree_memory
 
     return int(tree_memory(pid)["rss_mb"] * 2**20)
 
@@ -197,7 +197,7 @@ class Soak:
         once); v1 unary requests carry one or two images, streams one per message, OIP one."""
         import grpc
 
-        from vqserve.serve.bench import connect
+        from vqserve.bench.serving import connect
         from vqserve.serve.client import AsyncTokenizerClient, ServerError
 
         n = len(self.images)
@@ -279,7 +279,7 @@ def codebook_window_tokens(log: list[str]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vqserve.serve.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m vqserve.bench.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default",
                    help="default | checkpoint dir | artifact dir | random | tiny (random weights)")
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive")
 
-    from vqserve.serve.bench import bench_model, bench_photos, start_server
+    from vqserve.bench.serving import bench_model, bench_photos, start_server
 
     tmp = tempfile.TemporaryDirectory(prefix="vqserve-soak-")
     model = bench_model(args.model, Path(tmp.name))

@@ -7,7 +7,7 @@ as docs/BENCHMARKS.md with PNG plots and a JSON of the raw rows.
 4. the same tokenizer in TorchServe (its own batching, same load generator, same images),
    throughput, p50/p99 and peak RSS of each server's process tree.
 
-Each section measures its rows side by side in interleaved rounds (``vqserve.serve.bench``),
+Each section measures its rows side by side in interleaved rounds (``vqserve.bench.serving``),
 so every ratio compares figures taken under the same machine load; the doc states the
 machine, the versions and the load average sampled during the run, and says for each
 target whether it was met, and by how much it was missed.
@@ -631,8 +631,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from vqserve.bench import serving as serve_bench
     from vqserve.export import bench as runtime_bench
-    from vqserve.serve import bench as serve_bench
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     started = time.monotonic()

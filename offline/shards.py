@@ -10,6 +10,10 @@ One row per image. Readable with pyarrow / pandas / ``datasets`` alone::
     grid_height, grid_width          int32   the token grid
     tokens                           list<uint8|uint16|uint32>  row-major [grid_h, grid_w(, Q)]
 
+An output folder holds the shards and, in ``__vqserve__/``, the manifest and the error log
+(:class:`Layout`): readers of a folder of Parquet files (pandas, ``pyarrow.dataset``,
+Hugging Face ``datasets``) skip that folder, so the output folder itself is the dataset.
+
 Each shard also carries key-value metadata: ``vqserve.fingerprint`` (the settings it was
 made with), ``vqserve.plan`` (sha256 of its input records, so a resume notices changed
 inputs) and ``vqserve.errors`` (the images of this shard that failed). Shards are written
@@ -39,6 +43,50 @@ INT_COLUMNS = ("orig_height", "orig_width", "crop_top", "crop_left", "crop_heigh
 FORMATS = ("parquet", "webdataset")
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where the side files of an output folder live.
+
+    Layout 2 keeps them in ``__vqserve__/``: pyarrow and pandas skip names starting with
+    ``_``, Hugging Face ``datasets`` skips folders starting with ``__``, so
+    ``pd.read_parquet(DIR)``, ``pyarrow.dataset.dataset(DIR)`` and
+    ``load_dataset("parquet", data_dir=DIR)`` read the shards and nothing else. The
+    WebDataset metadata member is ``__vqserve__``, a name webdataset skips (a ``.json``
+    member would come out as a sample without tokens). Layout 1 (manifest and errors beside
+    the shards) is what releases before 26 Nov 2026 wrote: such folders still verify,
+    detokenize and resume, in their own layout, so a resumed run stays byte-identical.
+    """
+
+    version: str
+    manifest: str          # relative to the output folder
+    errors: str
+    wds_meta: str          # the member of a WebDataset shard holding fingerprint/plan/errors
+
+    def manifest_path(self, out: Path) -> Path:
+        return out / self.manifest
+
+    def errors_path(self, out: Path) -> Path:
+        return out / self.errors
+
+
+LAYOUT_2 = Layout("vqserve-tokens/2", "__vqserve__/manifest.json", "__vqserve__/errors.jsonl",
+                  "__vqserve__")
+LAYOUT_1 = Layout("vqserve-tokens/1", "manifest.json", "errors.jsonl", "__vqserve__.json")
+LAYOUTS = {layout.version: layout for layout in (LAYOUT_2, LAYOUT_1)}
+CURRENT_LAYOUT = LAYOUT_2
+WDS_META_MEMBERS = tuple(layout.wds_meta for layout in LAYOUTS.values())
+
+
+def layout_of(out: Path) -> Layout:
+    """The layout of an existing output folder (by where its manifest is), else the current
+    one. A folder with a top-level ``manifest.json`` reads as layout 1 even when that file is
+    something else's (an export folder): the manifest check then refuses it by its content."""
+    for layout in LAYOUTS.values():
+        if layout.manifest_path(out).exists():
+            return layout
+    return CURRENT_LAYOUT
+
+
 @dataclass
 class TokenRow:
     key: str
@@ -56,6 +104,13 @@ class TokenRow:
                 "orig_width": self.orig_width, "crop_top": t, "crop_left": left, "crop_height": h,
                 "crop_width": w, "height": self.height, "width": self.width,
                 "grid_height": int(self.tokens.shape[0]), "grid_width": int(self.tokens.shape[1])}
+
+
+def shard_pattern(count: int, fmt: str = "parquet") -> str:
+    """Every shard name of a folder as one brace range (``shard-{000000..000012}.tar``), the
+    form WebDataset and ``braceexpand`` take: a reader needs no glob and no listing."""
+    ext = shard_name(0, fmt).rsplit(".", 1)[1]
+    return shard_name(0, fmt) if count <= 1 else f"shard-{{{0:06d}..{count - 1:06d}}}.{ext}"
 
 
 def sha256_file(path: Path) -> str:
@@ -86,7 +141,8 @@ def schema(index_dtype: str):
 
 def write_atomically(final: Path, write) -> None:
     """Write through ``write(tmp_path)``, fsync, rename to ``final``, fsync the folder: a
-    file with a final name is always complete (shards, manifest.json, errors.jsonl)."""
+    file with a final name is always complete (shards, the manifest, the error log)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
     try:
         write(tmp)
@@ -104,7 +160,9 @@ def write_atomically(final: Path, write) -> None:
 
 
 def write_parquet_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str, fingerprint: str,
-                        plan: str, errors: list[dict]) -> None:
+                        plan: str, errors: list[dict], layout: Layout = CURRENT_LAYOUT) -> None:
+    """One Parquet file (zstd, one row group; none for a shard whose images all failed,
+    except in layout 1, which stays as that release wrote it)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -122,8 +180,13 @@ def write_parquet_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str,
     values = np.concatenate(flat) if flat else np.zeros(0, dtype=index_dtype)
     columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
     table = pa.Table.from_arrays(columns, schema=sch)
-    write_atomically(final, lambda tmp: pq.write_table(table, tmp, compression="zstd",
-                                                   row_group_size=max(1, len(rows))))
+
+    def write(tmp: Path) -> None:
+        if rows or layout is LAYOUT_1:
+            pq.write_table(table, tmp, compression="zstd", row_group_size=max(1, len(rows)))
+        else:  # no row group at all: an empty one makes `datasets` ask pyarrow for batches of 0
+            pq.ParquetWriter(tmp, sch, compression="zstd").close()
+    write_atomically(final, write)
 
 
 def _tar_add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -142,8 +205,8 @@ def wds_member_base(key: str) -> str:
 
 
 def write_webdataset_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str, fingerprint: str,
-                           plan: str, errors: list[dict]) -> None:
-    """A tar of ``KEY.tokens.npy`` + ``KEY.json`` per image, plus ``__vqserve__.json``."""
+                           plan: str, errors: list[dict], layout: Layout = CURRENT_LAYOUT) -> None:
+    """A tar of ``KEY.tokens.npy`` + ``KEY.json`` per image, plus the layout's metadata member."""
     def write(tmp: Path) -> None:
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
             for r in rows:
@@ -153,7 +216,7 @@ def write_webdataset_shard(final: Path, rows: Sequence[TokenRow], index_dtype: s
                 _tar_add(tar, f"{base}.tokens.npy", buf.getvalue())
                 _tar_add(tar, f"{base}.json", json.dumps(r.meta(), sort_keys=True).encode())
             meta = {"fingerprint": fingerprint, "plan": plan, "errors": errors}
-            _tar_add(tar, "__vqserve__.json", json.dumps(meta, sort_keys=True).encode())
+            _tar_add(tar, layout.wds_meta, json.dumps(meta, sort_keys=True).encode())
     write_atomically(final, write)
 
 
@@ -179,7 +242,8 @@ def read_shard_info(path: Path) -> ShardInfo:
                          json.loads(kv.get(META_ERRORS, b"[]")), md.num_rows)
     with tarfile.open(path, "r:") as tar:
         names = tar.getnames()
-        member = tar.extractfile("__vqserve__.json")
+        meta_name = next((n for n in WDS_META_MEMBERS if n in names), None)
+        member = tar.extractfile(meta_name) if meta_name else None
         meta = json.loads(member.read()) if member else {}
     rows = sum(1 for n in names if n.endswith(".tokens.npy"))
     return ShardInfo(meta.get("fingerprint", ""), meta.get("plan", ""), meta.get("errors", []), rows)
@@ -200,7 +264,7 @@ def read_rows(path: Path) -> list[dict]:
     with tarfile.open(path, "r:") as tar:
         members = {m.name: m for m in tar.getmembers()}
         for name, m in members.items():
-            if not name.endswith(".json") or name == "__vqserve__.json":
+            if not name.endswith(".json") or name in WDS_META_MEMBERS:
                 continue
             rec = json.loads(tar.extractfile(m).read())
             npy = tar.extractfile(members[name[: -len(".json")] + ".tokens.npy"]).read()

@@ -42,9 +42,9 @@ clients; p50/p99 are per request. Memory is the peak RSS
 (``VmHWM``) of each server's process tree: ``vqserve serve`` is one process; TorchServe is
 its Java frontend plus its Python workers; in-process-capacity is its worker processes.
 
-    python -m vqserve.serve.bench --model default --size 128 --duration 10 --torchserve
-    python -m vqserve.serve.bench --size 256 --capacity-mode --torchserve --torchserve-workers cores --torchserve-batch 8
-    python -m vqserve.serve.bench --model random --size 64   # default architecture, random weights
+    python -m vqserve.bench.serving --model default --size 128 --duration 10 --torchserve
+    python -m vqserve.bench.serving --size 256 --capacity-mode --torchserve --torchserve-workers cores --torchserve-batch 8
+    python -m vqserve.bench.serving --model random --size 64   # default architecture, random weights
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A tokenized dataset is trusted for weeks of training, so this answers "are these
 exactly what tokenize wrote, and do they still mean what the manifest says?" in layers,
 cheapest first:
 
-* **manifest** — ``manifest.json`` parses, is a tokenize manifest and says ``complete``;
+* **manifest** — the manifest (``__vqserve__/manifest.json``; ``manifest.json`` in folders of
+  layout 1) parses, is a tokenize manifest and says ``complete``;
 * **files / sha256 / readable** — every listed shard exists, hashes to its recorded sha256
   and opens; no unlisted ``shard-*`` file lies beside them (a mix of two runs);
 * **schema / rows** — Parquet shards carry exactly :func:`shards.schema` (metadata aside),
@@ -32,10 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from vqserve import images
-from vqserve.serve import shards, sources
+from vqserve.offline import shards, sources
 
-MANIFEST = "manifest.json"   # the names offline.py writes; not imported so verify stays light
-LAYOUT = "vqserve-tokens/1"
 CHECKS = ("manifest", "files", "sha256", "readable", "schema", "rows", "keys", "tokens", "grid",
           "reencode")
 META_COLUMNS = ("key", "source", *shards.INT_COLUMNS)
@@ -127,17 +126,18 @@ def read_manifest(out_dir: Path) -> dict | None:
     (an export artifact folder also holds a ``manifest.json``)."""
     if not out_dir.is_dir():
         raise NotADataset(f"{out_dir} is not a folder (give the --out folder of `vqserve tokenize`)")
-    path = out_dir / MANIFEST
+    expected = shards.layout_of(out_dir)
+    path = expected.manifest_path(out_dir)
     if not path.is_file():
-        raise NotADataset(f"{out_dir} holds no {MANIFEST}: not a `vqserve tokenize` output folder")
+        raise NotADataset(f"{out_dir} holds no {expected.manifest}: not a `vqserve tokenize` output folder")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         return None
     layout = manifest.get("identity", {}).get("layout") if isinstance(manifest, dict) else None
-    if layout != LAYOUT:
+    if layout != expected.version:
         raise NotADataset(f"{path} is not a `vqserve tokenize` manifest (layout {layout!r}, "
-                          f"expected {LAYOUT!r})")
+                          f"expected {expected.version!r})")
     return manifest
 
 
@@ -237,6 +237,7 @@ class _Ctx:
     out: Path
     manifest: dict
     report: Report
+    manifest_name: str                                    # where problems with it are reported
     keys: dict[str, str] = field(default_factory=dict)   # key -> shard that holds it first
     rows_per_shard: dict[str, int] = field(default_factory=dict)  # readable shards only
 
@@ -250,7 +251,8 @@ def _check_files(ctx: _Ctx) -> list[tuple[dict, Path]]:
         listed_names.add(name)
         path = ctx.out / name
         if Path(name).name != name or not name.startswith("shard-"):
-            rep.fail("files", f"manifest lists a shard named {name!r}, not a shard-* file", MANIFEST)
+            rep.fail("files", f"manifest lists a shard named {name!r}, not a shard-* file",
+                     ctx.manifest_name)
             continue
         if not path.is_file():
             rep.fail("files", "listed in the manifest but missing", name)
@@ -514,25 +516,26 @@ def verify_dataset(out_dir: str | Path, sample: int = 32, runtime=None, seed: in
     out = Path(out_dir)
     rep = Report(str(out), max_problems=max_problems)
     manifest = read_manifest(out)
+    manifest_name = shards.layout_of(out).manifest
     if manifest is None:
-        rep.fail("manifest", "is not valid JSON (damaged?)", MANIFEST)
+        rep.fail("manifest", "is not valid JSON (damaged?)", manifest_name)
         return rep.to_dict()
     problems = _manifest_problems(manifest)
     for p in problems:
-        rep.fail("manifest", p, MANIFEST)
+        rep.fail("manifest", p, manifest_name)
     if problems:
         return rep.to_dict()
     rep.ok("manifest")
     if runtime is not None:
         check_model_hash(runtime, manifest, manifest["model"]["ref"])
-    ctx = _Ctx(out, manifest, rep)
+    ctx = _Ctx(out, manifest, rep, manifest_name)
     present = _check_files(ctx)
     for entry, path in present:
         _check_shard(ctx, entry, path)
     listed_rows = sum(int(s["rows"]) for s in manifest["shards"])
     if manifest.get("totals", {}).get("rows", listed_rows) != listed_rows:
         rep.fail("rows", f"totals.rows {manifest['totals']['rows']} != the shards' sum {listed_rows}",
-                 MANIFEST)
+                 manifest_name)
     if sample and ctx.rows_per_shard:
         _reencode_sample(ctx, sample, seed, runtime, model, device)
     return rep.to_dict()

@@ -11,8 +11,9 @@ The pieces, each used by both engines (local processes here, Ray Data in ``offli
   batches an image lands in depend only on the plan, never on timing or the engine;
 * **commit** — a shard is written atomically with its fingerprint, plan hash and errors; a
   shard whose file exists is complete and is skipped on resume;
-* **finish** — ``manifest.json`` and ``errors.jsonl`` are rebuilt from the shard files, so an
-  interrupted-and-resumed run ends byte-identical to an uninterrupted one.
+* **finish** — the manifest and the error log (``__vqserve__/``, :class:`shards.Layout`) are
+  rebuilt from the shard files, so an interrupted-and-resumed run ends byte-identical to an
+  uninterrupted one.
 """
 
 from __future__ import annotations
@@ -29,11 +30,7 @@ import numpy as np
 
 from vqserve import __version__, images
 from vqserve.machine import available_cores
-from vqserve.serve import shards, sources
-
-MANIFEST = "manifest.json"
-ERRORS = "errors.jsonl"
-LAYOUT = "vqserve-tokens/1"
+from vqserve.offline import shards, sources
 
 
 class TokenizeError(RuntimeError):
@@ -169,6 +166,23 @@ class Job:
     pending: list[int] = field(default_factory=list)
     done_records: int = 0
     fingerprint: str = ""
+    _layout: shards.Layout | None = None
+
+    @property
+    def layout(self) -> shards.Layout:
+        """The folder's layout, fixed at first use: a folder begun by an older release goes on
+        in its own layout (its manifest names it), a new one gets the current layout."""
+        if self._layout is None:
+            self._layout = shards.layout_of(self.out)
+        return self._layout
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.layout.manifest_path(self.out)
+
+    @property
+    def errors_path(self) -> Path:
+        return self.layout.errors_path(self.out)
 
     @property
     def shard_count(self) -> int:
@@ -196,7 +210,7 @@ class Job:
         or the local and the Ray engine - resume each other; other tokens by the very files
         and backend that made them."""
         return {
-            "layout": LAYOUT,
+            "layout": self.layout.version,
             "model": token_identity(self.runtime_info),
             "index_dtype": self.runtime_info["index_dtype"],
             "preprocess": self.settings.preprocess.to_dict(),
@@ -224,9 +238,10 @@ class Job:
         if not self.records:
             raise TokenizeError(f"no images found in {' '.join(self.inputs)}")
         self.out.mkdir(parents=True, exist_ok=True)
-        for stale in self.out.glob(f"{shards.TMP_PREFIX}*"):
-            stale.unlink()  # our own half-written files from a killed run
-        if not (self.out / MANIFEST).exists():
+        for folder in {self.out, self.manifest_path.parent}:
+            for stale in folder.glob(f"{shards.TMP_PREFIX}*"):
+                stale.unlink()  # our own half-written files from a killed run
+        if not self.manifest_path.exists():
             self._write_manifest(complete=False)
         self.pending, self.done_records = [], 0
         for shard in range(self.shard_count):
@@ -254,13 +269,13 @@ class Job:
     def _check_out_dir(self, ident: dict) -> None:
         if self.out.exists() and not self.out.is_dir():
             raise TokenizeError(f"--out {self.out} is a file, not a folder")
-        manifest = self.out / MANIFEST
+        manifest = self.manifest_path
         if manifest.exists():
             try:
                 old = json.loads(manifest.read_text())
                 old_ident = old["identity"]
             except Exception:
-                raise TokenizeError(f"{self.out} holds a {MANIFEST} that is not a vqserve tokenize "
+                raise TokenizeError(f"{self.out} holds a {self.layout.manifest} that is not a vqserve tokenize "
                                     "manifest; choose an empty or new --out folder") from None
             if old_ident != ident:
                 diffs = [k for k in sorted(set(old_ident) | set(ident)) if old_ident.get(k) != ident.get(k)]
@@ -269,7 +284,7 @@ class Job:
                 raise TokenizeError(f"{self.out} holds tokens made with other settings ({detail[:600]}); "
                                     "refusing to mix two configurations: use a new --out folder")
         elif self.out.exists() and any(p for p in self.out.iterdir() if not p.name.startswith(".")):
-            raise TokenizeError(f"--out {self.out} is not empty and holds no vqserve {MANIFEST}; "
+            raise TokenizeError(f"--out {self.out} is not empty and holds no vqserve {self.layout.manifest}; "
                                 "choose an empty or new folder (nothing there is overwritten)")
 
     # -- per shard ------------------------------------------------------------------------------
@@ -279,7 +294,7 @@ class Job:
         errors = [err for e in encoded for err in e.errors]
         shards.WRITERS[self.settings.shard_format](
             self.shard_path(shard), rows, self.runtime_info["index_dtype"], self.fingerprint,
-            self.plan_hash(shard), errors)
+            self.plan_hash(shard), errors, self.layout)
 
     # -- end ------------------------------------------------------------------------------------
     def finish(self) -> dict:
@@ -293,7 +308,7 @@ class Job:
             totals["rows"] += info.rows
             totals["errors"] += len(info.errors)
         totals["shards"] = len(listed)
-        _write_atomic(self.out / ERRORS, "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors))
+        _write_atomic(self.errors_path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors))
         return self._write_manifest(complete=True, shards_list=listed, totals=totals)
 
     def _write_manifest(self, complete: bool, shards_list=None, totals=None) -> dict:
@@ -314,7 +329,10 @@ class Job:
             "shards": shards_list or [],
             "totals": totals or {},
         }
-        _write_atomic(self.out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if shards_list and self.layout is not shards.LAYOUT_1:  # layout 1's stays as it was
+            manifest["shard_pattern"] = shards.shard_pattern(len(shards_list or []),
+                                                             self.settings.shard_format)
+        _write_atomic(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         return manifest
 
 
