@@ -18,8 +18,11 @@ free slot takes work as it frees, so closed-loop clients do not settle into alte
 small and large batches (one worker that took everything queued each time did).
 
 - a full queue refuses at once (:class:`QueueFull`);
-- a request that was cancelled, or whose deadline passed, is dropped before its first rows
-  run (:class:`DeadlineExpired`) and never takes a seat in a call;
+- a request leaves the queue the moment it is cancelled or its deadline passes
+  (:class:`DeadlineExpired`, by a timer of its own: no free model slot is needed for it),
+  with every row of it not yet handed to a model call, however many of its calls already
+  ran; its rows stop counting against ``max_queue`` at once. Only a call already running
+  finishes (a model call cannot be interrupted), and its answer is dropped;
 - a failing call holding several requests is retried one request at a time, so only the
   request that breaks the model fails.
 """
@@ -55,9 +58,12 @@ class _Item:
     future: asyncio.Future
     enqueued: float
     deadline: float | None  # time.monotonic() value, or None
+    key: tuple = ()         # its queue
     taken: int = 0          # rows handed to model calls so far
     answered: int = 0
     parts: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    queued: bool = False    # in its queue (rows not yet taken count in Batcher.queued)
+    timer: asyncio.TimerHandle | None = None  # expires it at its deadline
 
     @property
     def rows(self) -> int:
@@ -185,12 +191,42 @@ class Batcher:
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("the deadline passed before the request was queued")
         key = (method, tuple(array.shape[1:]), array.dtype.str)
-        item = _Item(array, asyncio.get_running_loop().create_future(), time.monotonic(), deadline)
+        loop = asyncio.get_running_loop()
+        item = _Item(array, loop.create_future(), time.monotonic(), deadline, key, queued=True)
         self._queues.setdefault(key, collections.deque()).append(item)
         self._queued_rows += rows
+        if deadline is not None:
+            item.timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, item)
+        # However it ends (answered, failed, expired, or cancelled with its caller), what is
+        # left of it leaves the queue at once.
+        item.future.add_done_callback(lambda _future: self._settled(item))
         self._wakeup.set()
-        # Cancelling the caller cancels the future; the scheduler then skips the item.
         return await item.future
+
+    def _expire(self, item: _Item) -> None:
+        """The deadline timer: fail the request now, not when a model slot next frees
+        (gRPC cancels a call whose deadline passed, but an in-process caller has no one to)."""
+        if not item.future.done():
+            where = "queued" if item.taken == 0 else \
+                f"partly run ({item.answered} of its {item.rows} items answered; the rest are dropped)"
+            item.future.set_exception(DeadlineExpired(f"the deadline passed while the request was {where}"))
+
+    def _settled(self, item: _Item) -> None:
+        """A request is over: stop its timer, and take its rows not yet run out of the queue."""
+        if item.timer is not None:
+            item.timer.cancel()
+        if item.queued:
+            q = self._queues[item.key]
+            q.remove(item)
+            self._unqueue(item)
+            if not q:
+                del self._queues[item.key]
+            self._wakeup.set()  # the oldest head may have changed
+
+    def _unqueue(self, item: _Item) -> None:
+        """``item`` is out of its queue: its rows not taken no longer count as queued."""
+        item.queued = False
+        self._queued_rows -= item.left
 
     # ---- scheduling -----------------------------------------------------------------
     def _ready(self, now: float) -> tuple | None:
@@ -220,14 +256,11 @@ class Batcher:
         rows = 0
         while q and rows < cap:
             item = q[0]
-            if item.future.done():  # cancelled by the client (or failed in an earlier call)
-                q.popleft()
-                self._queued_rows -= item.left
-                continue
-            if item.taken == 0 and item.deadline is not None and now >= item.deadline:
-                q.popleft()
-                self._queued_rows -= item.rows
-                item.future.set_exception(DeadlineExpired("the deadline passed while the request was queued"))
+            expired = item.deadline is not None and now >= item.deadline
+            if item.future.done() or expired:  # its done-callback has not run yet
+                self._unqueue(q.popleft())
+                if not item.future.done():
+                    self._expire(item)
                 continue
             n = min(item.left, cap - rows)
             segments.append((item, item.taken, item.taken + n))
@@ -236,6 +269,7 @@ class Batcher:
             self._queued_rows -= n
             if item.left == 0:
                 q.popleft()
+                item.queued = False
         if not q:
             del self._queues[key]
         return segments

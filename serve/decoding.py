@@ -11,7 +11,9 @@ gigabytes. :class:`ImageDecoder` therefore works in three steps, cheapest first:
    shared by all requests: a request waits (up to its deadline) until the pixels already
    decoded and not yet encoded leave room for its own. The reservation is held until the
    caller has finished with the pixels (``async with``), so the budget bounds the
-   server's decoded-image memory, queued batches included.
+   server's decoded-image memory, queued batches included. A request that expires (or is
+   cancelled) gives its room back at once: the images not yet decoded are never decoded,
+   and the batcher drops its queued rows at the deadline.
 """
 
 from __future__ import annotations
@@ -126,9 +128,13 @@ class ImageDecoder:
         nbytes = len(blobs) * h * w * 3 * 2  # each image, then their stacked copy
         await self._reserve(nbytes, deadline)
         try:
-            arrays = await asyncio.gather(*(
+            decoding = asyncio.gather(*(
                 loop.run_in_executor(self._pool, _decode_one, blob, f"{field}[{i}]", max_pixels)
                 for i, blob in enumerate(blobs)))
+            try:  # at the deadline the images not yet started are never decoded
+                arrays = await asyncio.wait_for(decoding, _remaining(deadline))
+            except asyncio.TimeoutError:
+                raise DeadlineExpired("the deadline passed while the images were decoding") from None
             for i, arr in enumerate(arrays):
                 if arr.shape[:2] != (h, w):  # a header that lied about its size
                     raise BadInput(f"{field}[{i}]", f"decodes to {arr.shape[0]}x{arr.shape[1]}, "
@@ -142,11 +148,15 @@ class ImageDecoder:
             raise BadInput("encoded.images", f"would decode to {nbytes} bytes, more than the server's "
                                              f"decoded-image budget of {self.budget.limit} bytes "
                                              "(--max-decoded-mb); send fewer or smaller images")
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            await asyncio.wait_for(self.budget.acquire(nbytes), timeout)
+            await asyncio.wait_for(self.budget.acquire(nbytes), _remaining(deadline))
         except asyncio.TimeoutError:
             raise DeadlineExpired("the deadline passed while waiting for room to decode the images") from None
+
+
+def _remaining(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` value; never negative), or None."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _decode_one(blob: bytes, name: str, max_pixels: int) -> np.ndarray:

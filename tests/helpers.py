@@ -93,3 +93,69 @@ def folder_bytes(out) -> dict[str, bytes]:
     out = Path(out)
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
             if p.is_file() and not p.name.startswith(".")}
+
+
+class ServeProcess:
+    """A real ``vqserve serve`` process on an ephemeral loopback port, for what only a
+    separate process shows: its own peak memory (``VmHWM`` in /proc), signals, exit codes.
+
+    ``with ServeProcess(["--model", ckpt, ...]) as srv: grpc.insecure_channel(srv.target)``.
+    The server's stderr (JSON log lines) is collected in ``log``. It runs the safe plan on
+    one intra-op thread unless ``args`` say otherwise: the test box has 2 shared cores."""
+
+    def __init__(self, args: list[str], env: dict | None = None, start_timeout: float = 300.0):
+        import json
+        import os
+        import subprocess
+        import sys
+
+        base = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--device", "cpu",
+                "--plan", "default", "--grace", "5"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "vqserve", "serve", *base, *args],
+                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        self.log: list[str] = []
+        self.port: int | None = None
+        ready = threading.Event()
+
+        def pump() -> None:
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if '"event": "serving"' in line:
+                    self.port = json.loads(line)["port"]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(start_timeout) or self.port is None:
+            self.close()
+            raise RuntimeError("the server did not start:\n" + "".join(self.log[-20:]))
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def status_mb(self, field: str = "VmHWM") -> float:
+        """A memory line of /proc/PID/status in MiB: ``VmHWM`` is the peak RSS so far, so a
+        spike between two reads still counts; ``VmRSS`` the RSS now."""
+        from pathlib import Path
+
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+        raise KeyError(field)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+                self.proc.kill()
+                self.proc.wait(30)
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

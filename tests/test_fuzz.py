@@ -1,12 +1,15 @@
 """Fuzz both protocols of a real ``vqserve serve`` process (issue 13; ``make fuzz``).
 
-Hypothesis sends malformed requests to every RPC of vqserve.v1.Tokenizer and of the Open
-Inference Protocol: bad shapes, dtypes and byte lengths, garbage and truncated PNG/JPEG
+Hypothesis sends malformed requests to every RPC of every service the server exposes:
+vqserve.v1.Tokenizer, the Open Inference Protocol, health (Check, List, Watch) and server
+reflection (v1 and v1alpha). For the first two: bad shapes, dtypes and byte lengths, garbage and truncated PNG/JPEG
 bytes, decompression bombs (headers claiming huge sizes), amplification (hundreds of tiny
 PNGs that each decode to megabytes), out-of-range indices in every integer dtype, and
-bytes that are not a protobuf message at all. Each call must get the status code the
-documented rules give (``expected_*`` below are written from docs/SERVING.md, not from the
-server code), never UNKNOWN or INTERNAL; every OK answer must equal the in-process
+bytes that are not a protobuf message at all; for health and reflection: names served and
+not, names longer than any proto name, garbage, truncated and bit-flipped messages. Each
+call must get the status code the documented rules give (``expected_*`` below are written
+from docs/SERVING.md, not from the server code), never UNKNOWN or INTERNAL: the summary
+counts those two per service, and the last test asserts every count is 0; every OK answer must equal the in-process
 runtime's. The server runs as its own process so that its memory can be watched: its
 peak RSS may not grow by more than ``RSS_BUDGET`` over the whole run, and afterwards it
 must still serve exact answers.
@@ -32,6 +35,8 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -56,6 +61,20 @@ OK, INVALID, EXHAUSTED, NOT_FOUND = C.OK, C.INVALID_ARGUMENT, C.RESOURCE_EXHAUST
 NEVER = {C.UNKNOWN, C.INTERNAL}
 V1 = "/vqserve.v1.Tokenizer/"
 OIP = "/inference.GRPCInferenceService/"
+HEALTH = "/grpc.health.v1.Health/"
+REFLECTION = {"v1": "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+              "v1alpha": "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"}
+# every service the server exposes -> the names its calls are counted under (COUNTS)
+SERVICES = {
+    "vqserve.v1.Tokenizer": ["Encode", "Decode", "EncodeStream", "EncodeStream(call)", "DecodeStream",
+                             "DecodeStream(call)", "GetModelInfo"],
+    "inference.GRPCInferenceService": ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata",
+                                       "ModelMetadata", "ModelInfer"],
+    "grpc.health.v1.Health": ["Check", "List", "Watch"],
+    "grpc.reflection.v1.ServerReflection": ["Reflection v1", "Reflection v1(call)"],
+    "grpc.reflection.v1alpha.ServerReflection": ["Reflection v1alpha", "Reflection v1alpha(call)"],
+}
+SERVICE_OF = {rpc: service for service, rpcs in SERVICES.items() for rpc in rpcs}
 INT_DTYPES = ["uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"]
 WIRE_DTYPES = sorted(codec.WIRE_DTYPES)
 JUNK_DTYPES = ["", "UINT8", " uint8 ", "float", "int128", "object", "<u1", "S1", "uint8\x00", "é"]
@@ -142,13 +161,28 @@ def report():
         by_code[code] += n
         by_rpc.setdefault(rpc, {})[code] = n
     summary = {"examples_per_test": EXAMPLES, "calls": sum(by_code.values()),
-               "by_code": dict(by_code.most_common()), "by_rpc": by_rpc, "server_rss_mb": MEMORY}
+               "by_code": dict(by_code.most_common()), "by_rpc": by_rpc,
+               "never_by_service": never_by_service(), "server_rss_mb": MEMORY}
     print("\nfuzz: " + json.dumps({k: summary[k] for k in ("calls", "by_code", "server_rss_mb")}))
     for rpc, codes in by_rpc.items():
-        print(f"  {rpc:<16} " + ", ".join(f"{c} {n}" for c, n in codes.items()))
+        print(f"  {rpc:<26} " + ", ".join(f"{c} {n}" for c, n in codes.items()))
+    print("UNKNOWN / INTERNAL by service (each must be 0):")
+    for service, counts in summary["never_by_service"].items():
+        print(f"  {service:<42} " + ", ".join(f"{k} {n}" for k, n in counts.items()))
     if path := os.environ.get("FUZZ_REPORT"):
         with open(path, "w") as fh:
             json.dump(summary, fh, indent=2)
+
+
+def never_by_service() -> dict[str, dict[str, int]]:
+    """Per service: the calls counted, and how many got UNKNOWN and INTERNAL."""
+    out = {service: {"calls": 0, "UNKNOWN": 0, "INTERNAL": 0} for service in SERVICES}
+    for (rpc, code), n in COUNTS.items():
+        counts = out[SERVICE_OF[rpc]]
+        counts["calls"] += n
+        if code in counts:
+            counts[code] += n
+    return out
 
 
 def expect(rpc: str, code: grpc.StatusCode, details: str, allowed: set) -> None:
@@ -810,6 +844,150 @@ def test_oip_model_infer(served, runtime, request_and_allowed):
             assert got.shape == want.shape and np.abs(got.astype(np.int16) - want).max() <= 1
 
 
+# ---- health --------------------------------------------------------------------------------------
+HEALTH_SERVICES = ["", "vqserve.v1.Tokenizer", "inference.GRPCInferenceService"]  # docs: health reports these
+
+
+def _health_requests() -> st.SearchStrategy[tuple[bytes, set]]:
+    """A HealthCheckRequest (a reported service, another name, any text) or bytes that may
+    not be one, with the codes Check allows: a reported service OK, another NOT_FOUND, bytes
+    that do not parse INVALID_ARGUMENT."""
+    def rule(message) -> set:
+        return {OK} if message.service in HEALTH_SERVICES else {NOT_FOUND}
+
+    def named(name: str) -> tuple[bytes, set]:
+        data = health_pb2.HealthCheckRequest(service=name).SerializeToString()
+        return data, _bytes_rule(health_pb2.HealthCheckRequest, data, rule)
+
+    valid = health_pb2.HealthCheckRequest(service="vqserve.v1.Tokenizer").SerializeToString()
+    return st.one_of(
+        st.sampled_from(HEALTH_SERVICES * 2 + ["nope", "grpc.health.v1.Health", " ", "vqserve.v1"]).map(named),
+        st.text(max_size=16).map(named),
+        _garbage(valid).map(lambda data: (data, _bytes_rule(health_pb2.HealthCheckRequest, data, rule))))
+
+
+@FUZZ
+@given(_health_requests())
+def test_health_check(served, request_and_allowed):
+    data, allowed = request_and_allowed
+    code, details, reply = served.unary(HEALTH + "Check", data)
+    expect("Check", code, details, allowed)
+    if code == OK:
+        assert health_pb2.HealthCheckResponse.FromString(reply).status == health_pb2.HealthCheckResponse.SERVING
+
+
+@FUZZ
+@given(_health_requests())
+def test_health_watch(served, request_and_allowed):
+    """The first answer of a Watch (the stream is then cancelled): a service health does
+    not report is SERVICE_UNKNOWN there, not NOT_FOUND (the health protocol)."""
+    data, allowed = request_and_allowed
+    allowed = {OK if c == NOT_FOUND else c for c in allowed}
+    call = served.channel.unary_stream(HEALTH + "Watch")(data, timeout=60)
+    try:
+        first = health_pb2.HealthCheckResponse.FromString(next(call))
+        code, details = OK, ""
+    except grpc.RpcError as exc:
+        first, code, details = None, exc.code(), exc.details() or ""
+    finally:
+        call.cancel()
+    expect("Watch", code, details, allowed)
+    if first is not None:
+        service = health_pb2.HealthCheckRequest.FromString(data).service
+        assert first.status == (health_pb2.HealthCheckResponse.SERVING if service in HEALTH_SERVICES
+                                else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+
+
+@FUZZ
+@given(st.binary(max_size=40) | st.just(b""))
+def test_health_list(served, data):
+    code, details, reply = served.unary(HEALTH + "List", data)
+    expect("List", code, details, _bytes_rule(health_pb2.HealthListRequest, data, lambda m: {OK}))
+    if code == OK:
+        statuses = health_pb2.HealthListResponse.FromString(reply).statuses
+        assert {name: statuses[name].status for name in HEALTH_SERVICES} == dict.fromkeys(
+            HEALTH_SERVICES, health_pb2.HealthCheckResponse.SERVING)
+
+
+# ---- server reflection, v1 and v1alpha ------------------------------------------------------------
+MAX_REFLECTION_NAME = 4096  # docs: a name (or host) of more characters is refused with INVALID_ARGUMENT
+REFLECTED_FILES = [m.DESCRIPTOR.name for m in (pb, oip, health_pb2, rpb)] + ["grpc/reflection/v1/reflection.proto"]
+REFLECTED_SYMBOLS = [s for s in SERVICES] + ["vqserve.v1.EncodeRequest", "inference.ModelInferRequest",
+                                             "grpc.health.v1.HealthCheckResponse",
+                                             "grpc.reflection.v1.ServerReflectionResponse"]
+REFLECTED_MESSAGES = REFLECTED_SYMBOLS[len(SERVICES):]
+
+
+def _reflection_rule(message) -> set:
+    """The documented answer to one parsed ServerReflectionRequest."""
+    names = (message.host, message.file_by_filename, message.file_containing_symbol,
+             message.file_containing_extension.containing_type, message.all_extension_numbers_of_type,
+             message.list_services)
+    if any(len(name) > MAX_REFLECTION_NAME for name in names):
+        return {INVALID}
+    kind = message.WhichOneof("message_request")
+    if kind is None:
+        return {INVALID}  # asks nothing
+    if kind == "list_services":
+        return {OK}
+    if kind == "file_by_filename":
+        return {OK} if message.file_by_filename in REFLECTED_FILES else {NOT_FOUND}
+    if kind == "file_containing_symbol":  # fields, methods, enums of the files are symbols too
+        return {OK} if message.file_containing_symbol in REFLECTED_SYMBOLS else {OK, NOT_FOUND}
+    if kind == "file_containing_extension":
+        return {NOT_FOUND}  # the served files declare no extensions
+    return {OK} if message.all_extension_numbers_of_type in REFLECTED_MESSAGES else {OK, NOT_FOUND}
+
+
+@st.composite
+def reflection_messages(draw) -> tuple[bytes, set]:
+    """One ServerReflectionRequest, as bytes (v1alpha's classes: the v1 proto is wire-identical),
+    and the codes its answer may carry: every kind of request, names served and not, names
+    longer than any proto name, and garbage, truncated or bit-flipped messages."""
+    name = draw(st.sampled_from(["x" * 5000, "y" * 70_000])) if rarely(draw) else \
+        draw(st.sampled_from(REFLECTED_SYMBOLS + REFLECTED_FILES + ["", "nope", "vqserve.v1.Nope"])
+             | st.text(max_size=24))
+    kind = draw(st.sampled_from(["list", "file", "file", "symbol", "symbol", "extension", "numbers",
+                                 "empty", "garbage", "garbage"]))
+    host = "h" * 5000 if rarely(draw) else draw(st.sampled_from(["", "localhost"]))
+    fields = {"list": {"list_services": ""}, "file": {"file_by_filename": name},
+              "symbol": {"file_containing_symbol": name},
+              "extension": {"file_containing_extension": {"containing_type": name,
+                                                          "extension_number": draw(st.integers(0, 2**29))}},
+              "numbers": {"all_extension_numbers_of_type": name}, "empty": {}}
+    if kind == "garbage":
+        valid = rpb.ServerReflectionRequest(file_containing_symbol="vqserve.v1.Tokenizer").SerializeToString()
+        data = draw(_garbage(valid))
+    else:
+        data = rpb.ServerReflectionRequest(host=host, **fields[kind]).SerializeToString()
+    return data, _bytes_rule(rpb.ServerReflectionRequest, data, _reflection_rule)
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection(served, version):
+    """A stream of requests to one reflection version: the call ends OK with one answer per
+    message, in order, each with the code the rules give (an ``error_response`` carries it;
+    any other answer is OK) and echoing the request it answers, if that parsed."""
+    rpc = f"Reflection {version}"
+
+    @FUZZ
+    @given(st.lists(reflection_messages(), min_size=1, max_size=5))
+    def run(messages):
+        wire = [data for data, _ in messages]
+        code, details, replies = served.stream(REFLECTION[version], wire)
+        expect(f"{rpc}(call)", code, details, {OK})
+        assert len(replies) == len(wire)
+        for reply, (data, allowed) in zip(replies, messages, strict=True):
+            answer = rpb.ServerReflectionResponse.FromString(reply)
+            is_error = answer.WhichOneof("message_response") == "error_response"
+            got = _code(answer.error_response.error_code) if is_error else OK
+            expect(rpc, got, answer.error_response.error_message, allowed)
+            if got != INVALID:
+                assert answer.original_request == rpb.ServerReflectionRequest.FromString(data)
+
+    run()
+
+
 # ---- afterwards --------------------------------------------------------------------------------
 def test_still_exact_and_memory_bounded_after_fuzzing(served, runtime, photos):
     """Run last: the server survived everything above, answers exactly what the in-process
@@ -835,3 +1013,14 @@ def test_still_exact_and_memory_bounded_after_fuzzing(served, runtime, photos):
     MEMORY.update(baseline_peak=round(served.peak0), peak_growth=round(growth),
                   now=round(tree_memory(served.proc.pid)["rss_mb"]))
     assert growth <= RSS_BUDGET_MB, f"the server's peak RSS grew by {growth:.0f} MB while fuzzed"
+
+
+def test_no_unknown_or_internal_on_any_service(request):
+    """Run last: the summary's UNKNOWN and INTERNAL counts are 0 for every service (each call
+    was checked as it came; this is the per-service account of issue round 2, item 2), and
+    in a whole run every service was called."""
+    counts = never_by_service()
+    bad = {service: c for service, c in counts.items() if c["UNKNOWN"] or c["INTERNAL"]}
+    assert not bad, f"UNKNOWN or INTERNAL answers: {bad}"
+    if not request.config.option.keyword:  # not a -k selection of the tests above
+        assert all(c["calls"] for c in counts.values()), f"a service was never called: {counts}"
