@@ -267,9 +267,12 @@ ImageCallback = Callable[[str, np.ndarray, np.ndarray, "np.ndarray | None"], Non
 def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[str] | None = None,
                        precisions: Sequence[str] = ("bf16", "fp16"),
                        channels_last: bool = True, baseline: bool = True, tile: int = 128,
-                       on_image: ImageCallback | None = None) -> dict:
+                       on_image: ImageCallback | None = None, learnability: bool = True) -> dict:
     """PSNR/SSIM (fp32 eager round trip), colour error, whole vs tiled PSNR, codebook stats,
-    and agreement per precision, against the area x factor + bicubic baseline.
+    and agreement per precision, against the area x factor + bicubic baseline; and
+    (``learnability``) what a generative model trained on the tokens meets: shift
+    equivariance, token-grid crop cost, perplexity and held-out bits per token
+    (``vqserve.model.learnability``), per image and in ``result["learnability"]``.
 
     ``tile``: also round-trip each image as independent ``tile``-pixel pieces (0: skip).
     ``on_image(name, original, reconstruction, baseline)`` is called with uint8 ``[H,W,3]``
@@ -281,6 +284,7 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     ``images`` are uint8 ``[H,W,3]`` arrays; each is centre-cropped to a multiple of the
     tokenizer's factor and processed one at a time (sizes may differ).
     """
+    from vqserve.model import learnability as learn
     from vqserve.model.mixed_precision import low_precision_encoder
 
     tokenizer.eval()
@@ -296,6 +300,7 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     # (result key, precision, encoder copy or None for autocast)
     runs = [(p, p, served[p]) for p in precisions] + [(f"{p}_autocast", p, None) for p in precisions]
     agree = {name: [0, 0] for name, _, _ in runs}
+    grids = []
     timings = {"fp32": 0.0, **{name: 0.0 for name, _, _ in runs}}
     for name, img in zip(names, images, strict=True):
         img = _centre_crop_multiple(np.asarray(img), f)
@@ -324,6 +329,15 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
             tiled = tiled_round_trip(tokenizer, batch, tile)
             row["tiled_psnr"] = psnr(batch, tiled)
             tiled_sq_err += float(((batch.to(torch.float64) - tiled.to(torch.float64)) ** 2).sum())
+        if learnability:
+            grids.append(idx[0].numpy())
+            row["perplexity"] = learn.perplexity(idx[0], tokenizer.codebook_size)
+            row["crop_cost_db"] = {str(k): v for k, v in
+                                   learn.crop_cost(tokenizer, img, idx[0], recon[0]).items()}
+            try:
+                row["shift_equivariance"] = {str(k): v for k, v in learn.shift_equivariance(tokenizer, img).items()}
+            except ValueError:
+                pass  # too small to shift by 3 tokens and keep an interior: no figure, not a wrong one
         if on_image is not None:
             on_image(name, batch[0].numpy(), recon[0].numpy(), None if base is None else base[0].numpy())
         with _memory_format(tokenizer, channels_last):
@@ -351,6 +365,10 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
         "encode_seconds": timings,
         "per_image": per_image,
     }
+    if learnability:
+        for row, held in zip(per_image, learn.held_out_bits(grids, tokenizer.codebook_size) or [], strict=False):
+            row.update(held)
+        result["learnability"] = learn.summarise(per_image)
     result["max_abs_mean_error"] = max(r["max_abs_mean_error"] for r in per_image)
     result["max_flat_tint"] = max(r["flat_tint"] for r in per_image)
     if baseline:

@@ -3,7 +3,10 @@
 
 The issue-17 decision table: per photograph PSNR vs the bicubic baseline, whole minus
 128-px tiled PSNR, the worst channel's mean colour error, and served bf16 agreement; then
-the set totals and which targets each model meets.
+the set totals and which targets each model meets. Then, where the runs measured it, the
+learnability table (model/learnability.py): per photograph the share of interior tokens
+unchanged by 1-, 2- and 3-token shifts, the cost of decoding a grid cropped by 1 and 3
+tokens, perplexity and held-out bits per token; then the totals.
 
     vqserve eval --model default --images heldout --out /tmp/eval-before
     vqserve eval --model runs/default-v2/final --images heldout --out /tmp/eval-after
@@ -58,6 +61,40 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _learn_cell(row: dict) -> str:
+    shifts = "/".join(f"{row['shift_equivariance'][s]:.1%}" for s in ("1", "2", "3")
+                      if s in row.get("shift_equivariance", {})) or "-"
+    crops = "/".join(f"{row['crop_cost_db'][k]:+.2f}" for k in ("1", "3") if k in row.get("crop_cost_db", {}))
+    bits = f" / {row['bits_per_token']:.2f}" if "bits_per_token" in row else ""
+    return f"{shifts} / {crops or '-'} / {row['perplexity']:.0f}{bits}"
+
+
+def learnability_table(runs: list[dict]) -> str:
+    """Per photograph and in total; empty when no run measured learnability."""
+    if not all("learnability" in r for r in runs):
+        return ""
+    lines = [
+        "Learnability. Each cell: interior tokens unchanged by a shift of 1/2/3 tokens / dB cost of"
+        " decoding the grid cropped by 1/3 tokens / perplexity / held-out bits/token (left/up bigram,"
+        " leave one photo out).",
+        "",
+        "| photograph | " + " | ".join(r["model"] for r in runs) + " |",
+        "| --- |" + " --- |" * len(runs),
+    ]
+    for i, name in enumerate(photo(row) for row in runs[-1]["per_image"]):
+        lines.append(f"| {name} | " + " | ".join(_learn_cell(r["per_image"][i]) for r in runs) + " |")
+    totals = []
+    for r in runs:
+        t = r["learnability"]
+        shifts = "/".join(f"{v['mean']:.1%}" for v in t.get("shift_equivariance", {}).values()) or "-"
+        crops = "/".join(f"{v['mean']:+.2f}" for v in t.get("crop_cost_db", {}).values()) or "-"
+        bits = (f" / {t['bits_per_token']:.2f} bits/token (context saves {t['context_saves_bits']:.2f})"
+                if "bits_per_token" in t else "")
+        totals.append(f"shift 1/2/3 {shifts} / crop {crops} dB / perplexity {r['perplexity']:.0f}{bits}")
+    lines.append("| **all** | " + " | ".join(totals) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 1:
         print(__doc__, file=sys.stderr)
@@ -67,6 +104,10 @@ def main(argv: list[str]) -> int:
         print("error: the runs were made on different image sets", file=sys.stderr)
         return 2
     print(table(runs))
+    learn = learnability_table(runs)
+    if learn:
+        print()
+        print(learn)
     return 0
 
 

@@ -59,6 +59,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="run convolutions in contiguous (NCHW) layout instead of channels_last")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    parser.add_argument("--no-learnability", action="store_true",
+                        help="skip the learnability figures (shift equivariance at 1-3 token shifts, "
+                             "token-grid crop cost, per-photo perplexity, held-out bits per token: "
+                             "3 extra encodes and 2 decodes per image)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -102,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     out = _prepare_out(args.out, names, args.overwrite) if args.out else None
     result = evaluate_tokenizer(tok, images, names, precisions=precisions,
                                 channels_last=not args.no_channels_last, tile=args.tile,
-                                on_image=_png_writer(out, names) if out else None)
+                                on_image=_png_writer(out, names) if out else None,
+                                learnability=not args.no_learnability)
     result["model"] = str(args.model)
     result["images_source"] = args.images
     result["skipped_images"] = len(skipped)
@@ -180,6 +185,7 @@ def _print_table(r: dict, precisions: list[str], out) -> None:
         a = r["agreement_autocast"][p]
         rows.append((f"{p} autocast vs fp32", f"{a:.3%} ({_flips(a, cb['positions'])} tokens differ; "
                                              "whole encoder under autocast, as in training)"))
+    rows += _learnability_rows(r.get("learnability") or {})
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}", file=out)
@@ -191,10 +197,33 @@ def _print_table(r: dict, precisions: list[str], out) -> None:
         colour = ",".join(f"{v:+.1f}" for v in img["mean_error_rgb"])
         print(f"    {img['name'][-32:]:<32} {img['width']}x{img['height']}  {img['psnr']:.2f} "
               f"({img['baseline_psnr']:.2f}{tiled})  {img['ssim']:.3f} ({img['baseline_ssim']:.3f})  "
-              f"{colour}  tint {img['flat_tint']:.1f} ({img['flat_share']:.0%})  {extra}", file=out)
+              f"{colour}  tint {img['flat_tint']:.1f} ({img['flat_share']:.0%})  {extra}{_learn_cell(img)}",
+              file=out)
     print("  targets (issue 17; they are set for whole held-out photographs):", file=out)
     for name, t in r["targets"].items():
         print(f"    {'ok  ' if t['ok'] else 'MISS'} {name} = {t['value']:.4g}", file=out)
+
+
+def _learn_cell(img: dict) -> str:
+    shift = img.get("shift_equivariance", {}).get("1")
+    bits = img.get("bits_per_token")
+    return ((f"  shift1 {shift:.1%}" if shift is not None else "")
+            + (f"  {bits:.2f} bits/token" if bits is not None else ""))
+
+
+def _learnability_rows(learn: dict) -> list[tuple[str, str]]:
+    """The learnability totals (model/learnability.py) as table rows; none when not measured."""
+    rows = []
+    for s, v in (learn.get("shift_equivariance") or {}).items():
+        rows.append((f"unchanged by a {s}-token shift", f"{v['mean']:.1%} of interior tokens (worst photo "
+                                                        f"{v['min']:.1%})"))
+    for k, v in (learn.get("crop_cost_db") or {}).items():
+        rows.append((f"grid cropped by {k} token(s)", f"{v['mean']:+.2f} dB (worst {v['worst']:+.2f}) vs "
+                                                      "cropping the decoded image"))
+    if "bits_per_token" in learn:
+        rows.append(("held-out bits per token", f"{learn['bits_per_token']:.2f} (left/up bigram, leave one "
+                                                f"photo out; context saves {learn['context_saves_bits']:.2f})"))
+    return rows
 
 
 def _flips(agreement: float, n: int) -> int:
