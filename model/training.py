@@ -83,6 +83,7 @@ class TrainConfig:
     block_chroma_weight: float = 0.0  # extra L1 on the block means' chroma (R-G, B-(R+G)/2): tints
     smooth_fraction: float = 0.0     # share of crops replaced by synthetic smooth patches (skies)
     freeze_encoder: bool = False     # train only the decoder: every token stays what init_from gives
+    change_dither: bool = False      # init_from with another dither: its tokens will mean something else
     margin: float = 0.0              # robustness: min distance of bounded FSQ latents to a boundary
     margin_weight: float = 0.0
     margin_start: float = 0.0        # fraction of training before the margin term switches on
@@ -428,11 +429,22 @@ class Trainer:
         loaded = load_tokenizer(path, device=self.device)
         theirs = getattr(loaded, "config", None)
         ours = self.cfg.tokenizer_config()
-        # the dither changes no weight: an undithered tokenizer may be fine-tuned into a dithered one
+        # the dither changes no weight: the same network may be fine-tuned across it (v4 -> v5)
         if not isinstance(loaded, Tokenizer) or dataclasses.replace(theirs, dither=ours.dither) != ours:
             raise ValueError(f"init_from={source!r}: that tokenizer is {theirs or type(loaded).__name__}, "
                              f"but this run trains {ours}; give the same model "
                              "settings (or its own config file)")
+        if theirs.dither != ours.dither:
+            # ... but its codes then mean something else: a prior trained on the old tokens, or
+            # tokens already stored, would not fit the new model. Only on purpose.
+            if self.cfg.freeze_encoder:
+                raise ValueError(f"init_from={source!r} rounds with dither {theirs.dither!r}, this run with "
+                                 f"{ours.dither!r}: freeze_encoder cannot keep its tokens across that")
+            if not self.cfg.change_dither:
+                raise ValueError(f"init_from={source!r} rounds with dither {theirs.dither!r}, this run with "
+                                 f"{ours.dither!r}: the tokens would mean something else than its tokens; "
+                                 "set change_dither: true (--change-dither) if that is the point, or "
+                                 f"model.dither: {theirs.dither} (--dither {theirs.dither}) to keep them")
         self.tokenizer.load_state_dict(loaded.state_dict())
         print(f"[train] starting from the weights of {path}", file=sys.stderr)
 

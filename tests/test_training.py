@@ -433,8 +433,12 @@ def test_an_undithered_tokenizer_fine_tunes_into_a_dithered_one(image_dir, tmp_p
     base = Trainer(tiny_config(image_dir, tmp_path / "base", steps=3, val_every=0))
     base.run()
     dithered = dict(TINY_MODEL, dither="bayer4")
+    start = str(tmp_path / "base" / "final")
+    # its tokens will mean something else than the starting tokenizer's: only when asked for
+    with pytest.raises(ValueError, match="change_dither: true"):
+        Trainer(tiny_config(image_dir, tmp_path / "t0", steps=2, val_every=0, model=dithered, init_from=start))
     tuned = Trainer(tiny_config(image_dir, tmp_path / "tuned", steps=2, val_every=0, model=dithered,
-                                init_from=str(tmp_path / "base" / "final"), margin=0.1, margin_weight=0.1))
+                                init_from=start, margin=0.1, margin_weight=0.1, change_dither=True))
     for k, v in _weights(base.tokenizer).items():
         torch.testing.assert_close(tuned.tokenizer.state_dict()[k], v, rtol=0, atol=0, msg=k)
     assert tuned.run()["step"] == 2
@@ -443,3 +447,11 @@ def test_an_undithered_tokenizer_fine_tunes_into_a_dithered_one(image_dir, tmp_p
     parser = argparse.ArgumentParser()
     add_parser(parser)
     assert build_config(parser.parse_args(["--dither", "bayer4"])).model["dither"] == "bayer4"
+    assert build_config(parser.parse_args(["--change-dither"])).change_dither is True
+    # back the other way (dithered default -> an undithered config) is refused the same way,
+    # and a frozen encoder can never keep its tokens across a dither change
+    with pytest.raises(ValueError, match="tokens would mean something else"):
+        Trainer(tiny_config(image_dir, tmp_path / "t1", steps=2, val_every=0, init_from=str(tmp_path / "tuned" / "final")))
+    with pytest.raises(ValueError, match="freeze_encoder"):
+        Trainer(tiny_config(image_dir, tmp_path / "t2", steps=2, val_every=0, freeze_encoder=True, change_dither=True,
+                            init_from=str(tmp_path / "tuned" / "final")))

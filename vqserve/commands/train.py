@@ -9,7 +9,7 @@ Examples:
   vqserve train --config configs/default.yaml --device cuda    # same recipe on a GPU
   vqserve train --data ~/photos --crop-size 128 --steps 20000 --precision bf16 --out runs/mine
   vqserve train --config configs/default.yaml --resume          # continue a killed run
-  vqserve train --config configs/default-v2-pixel.yaml --init-from default --data ~/photos \
+  vqserve train --config configs/default-v5-dither.yaml --init-from default --data ~/photos \
       --steps 2000 --lr 1e-4 --out runs/tuned                    # fine-tune the default on your photos
 """
 
@@ -58,6 +58,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--freeze-encoder", action="store_true", default=None,
                    help="with --init-from: train only the decoder, so every image keeps exactly the "
                         "tokens the starting tokenizer gives (a better decoder for existing tokens)")
+    g.add_argument("--change-dither", action="store_true", default=None,
+                   help="with --init-from a tokenizer rounded with another dither: do it anyway, "
+                        "knowing its tokens will mean something else (refused otherwise)")
     g = parser.add_argument_group("model")
     g.add_argument("--quantizer", choices=["fsq", "lfq", "vq", "rfsq"],
                    help="finite scalar, lookup-free, vector or residual FSQ quantization")
@@ -100,7 +103,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 _FLAT = ["data", "val_data", "crop_size", "sampling", "smooth_fraction", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
-         "init_from", "freeze_encoder", "block_mean_weight", "block_chroma_weight",
+         "init_from", "freeze_encoder", "change_dither", "block_mean_weight", "block_chroma_weight",
          "margin", "margin_weight", "margin_start", "margin_ramp", "quant_noise", "precision", "device", "threads", "seed", "out",
          "val_every", "ckpt_every", "ckpt_minutes", "log_every"]
 _MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size", "norm", "dither"]
