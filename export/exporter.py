@@ -214,9 +214,11 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
             "graph_index_dtype": "int64",
             "inputs": {"encode": {"name": "images", "dtype": "uint8", "shape": ["batch", f"{cfg.factor}*h", f"{cfg.factor}*w", 3]},
                        "decode": {"name": "indices", "dtype": "int64",
-                                  "shape": ["batch", "h", "w"] + ([cfg.codes_per_position] if cfg.codes_per_position > 1 else [])}},
+                                  "shape": ["batch", "h", "w"] + ([cfg.codes_per_position] if cfg.codes_per_position > 1 else [])}
+                       if files["decode"] else None},  # None: an encode-only model
             "outputs": {"encode": {"name": "indices", "dtype": "int64"},
-                        "decode": {"name": "images", "dtype": "uint8", "shape": ["batch", f"{cfg.factor}*h", f"{cfg.factor}*w", 3]}},
+                        "decode": {"name": "images", "dtype": "uint8", "shape": ["batch", f"{cfg.factor}*h", f"{cfg.factor}*w", 3]}
+                        if files["decode"] else None},
             "source": {"model": str(model), "path": str(path),
                        "sha256": checkpoint_hash(path), "config": cfg.to_dict()},
             "files": file_entries(tmp, names),
@@ -229,7 +231,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
             loaded = {"encode": runtime.encode_program, "decode": runtime.decode_program}
         elif fmt == "torchscript":
             loaded = {"encode": runtime.encoder, "decode": runtime.decoder}
-        say("checking the fp32 quantizer island in both graphs")
+        say("checking the fp32 quantizer island in the graphs")
         island = assert_island(tmp, manifest, loaded)
         manifest["fp32_island"] = {role: {k: v for k, v in r.items() if k not in ("format", "role", "dtype")}
                                    for role, r in island.items()}
@@ -257,7 +259,7 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
         parity["min_decode_psnr_db"] = min_decode_psnr
         if parity["index_agreement"] < required:
             raise ParityError(parity_message(fmt, dtype, parity, required, bool(fp32_layers)))
-        dec_psnr = parity["decode_psnr_vs_reference_db"]
+        dec_psnr = parity.get("decode_psnr_vs_reference_db", "inf")  # none for an encode-only model
         if dec_psnr != "inf" and dec_psnr < min_decode_psnr:
             raise ParityError(decode_message(fmt, dtype, parity, min_decode_psnr))
         if not certificate.invariant and not allow_batch_variance:

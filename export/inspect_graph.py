@@ -8,7 +8,7 @@ For every format the checks are the same, read from that format's own graph:
    (the border cast), and for bf16/fp16 graphs at least one such cast exists;
 4. encode: what leaves the island is integer indices; decode: float32 codes, and (for
    bf16/fp16) the first non-layout op after it is an explicit cast to the network dtype;
-5. the quantizer's decisive ops (FSQ Round, LFQ Greater, VQ ArgMin) are inside it and
+5. the quantizer's decisive ops (FSQ Round, LFQ Greater, VQ ArgMin or ArgMax) are inside it and
    take float32;
 6. the networks really run in the export dtype (their Conv inputs have it); an encoder
    whose residual stream is kept in fp32 (``fp32_layers`` in the manifest, default for
@@ -44,8 +44,9 @@ def _report(fmt: str, role: str, dtype: str) -> dict:
 def _marker_ops(quantizer: str, kind: str) -> set[str]:
     """The quantizer's decisive op names in each graph language."""
     table = {
-        "onnx": {"fsq": {"Round"}, "rfsq": {"Round"}, "lfq": {"Greater"}, "vq": {"ArgMin"}},
-        "aten": {"fsq": {"round"}, "rfsq": {"round"}, "lfq": {"gt"}, "vq": {"argmin"}},
+        # a VQ picks the nearest code (argmin of distances) or the best-scoring one (argmax, IBQ)
+        "onnx": {"fsq": {"Round"}, "rfsq": {"Round"}, "lfq": {"Greater"}, "vq": {"ArgMin", "ArgMax"}},
+        "aten": {"fsq": {"round"}, "rfsq": {"round"}, "lfq": {"gt"}, "vq": {"argmin", "argmax"}},
     }
     return table[kind][quantizer]
 
@@ -146,6 +147,10 @@ def check_onnx(path: str | Path, role: str, dtype: str, quantizer: str, fp32_str
         if role == "encode" and t not in (TensorProto.INT64, TensorProto.INT32):
             rep["problems"].append(f"island output {name} is {t}, expected integer indices")
         if role == "decode":
+            if t in (TensorProto.INT64, TensorProto.INT32):
+                # symbolic-size arithmetic (h*w for a reshape) the exporter scoped inside the
+                # island; no data leaves through it (pt2's check skips sym_size ops alike)
+                continue
             if t != TensorProto.FLOAT:
                 rep["problems"].append(f"island output {name} is not float32 codes")
             frontier = [c for c in consumers.get(name, []) if c not in island]
@@ -364,10 +369,13 @@ def check_island(artifact_dir: str | Path, manifest: dict, role: str, loaded=Non
 
 
 def assert_island(artifact_dir: str | Path, manifest: dict, loaded: dict | None = None) -> dict:
-    """Both graphs; raises IslandError listing every problem. Returns {role: report}."""
+    """Both graphs (the encode graph alone for an encode-only model); raises IslandError
+    listing every problem. Returns {role: report}."""
+    from vqserve.export.manifest import graph_roles
+
     loaded = loaded or {}
     reports = {role: check_island(artifact_dir, manifest, role, loaded.get(role))
-               for role in ("encode", "decode")}
+               for role in graph_roles(manifest)}
     problems = [f"{role}: {p}" for role, r in reports.items() for p in r["problems"]]
     if problems:
         raise IslandError("the fp32 quantizer island is not intact in the exported graph: "

@@ -52,6 +52,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return data
 
 
+def graph_roles(manifest: dict) -> tuple[str, ...]:
+    """The graphs an artifact holds: ``decode`` is None for an encode-only model."""
+    return ("encode",) if manifest.get("decode") is None else ("encode", "decode")
+
+
 def check_confined(directory: Path, manifest: dict, path: Path) -> None:
     """Every file a manifest names is a plain file name inside its own folder, and the graphs
     it loads are among the hashed files. Otherwise whoever can edit manifest.json could point
@@ -67,7 +72,7 @@ def check_confined(directory: Path, manifest: dict, path: Path) -> None:
                 or target.parent != root):
             raise ValueError(f"{path}: file {name!r} is not a plain file name inside {directory}; "
                              "an artifact may only name its own files")
-    for role in ("encode", "decode"):
+    for role in graph_roles(manifest):
         if manifest[role] not in files:
             raise ValueError(f"{path}: {role} graph {manifest[role]!r} is not among the hashed "
                              "'files'; refusing to load an unhashed graph")

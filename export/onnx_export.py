@@ -80,9 +80,9 @@ def written_opset(path: Path) -> int:
     return int(max(found))
 
 
-def check_written_opset(out_dir: Path, opset: int) -> None:
+def check_written_opset(out_dir: Path, opset: int, names: tuple[str, ...] = (ENCODE_FILE, DECODE_FILE)) -> None:
     """The exporter keeps its own opset when a conversion fails: verify what it wrote."""
-    for name in (ENCODE_FILE, DECODE_FILE):
+    for name in names:
         got = written_opset(out_dir / name)
         if got != opset:
             raise ValueError(
@@ -116,7 +116,7 @@ def _rename_output_dims(path: Path, dims: list[str]) -> None:
     onnx.save(model, str(path))
 
 
-def export_onnx(encode: torch.nn.Module, decode: torch.nn.Module, images: torch.Tensor,
+def export_onnx(encode: torch.nn.Module, decode: torch.nn.Module | None, images: torch.Tensor,
                 indices: torch.Tensor, out_dir: Path, factor: int, dtype: str,
                 opset: int = DEFAULT_OPSET) -> dict:
     import onnx
@@ -132,14 +132,17 @@ def export_onnx(encode: torch.nn.Module, decode: torch.nn.Module, images: torch.
                           input_names=["images"], output_names=["indices"],
                           dynamic_shapes=enc_dyn, opset_version=opset, verbose=False,
                           external_data=False)
-        torch.onnx.export(decode, (indices,), str(out_dir / DECODE_FILE), dynamo=True,
-                          input_names=["indices"], output_names=["images"],
-                          dynamic_shapes=dec_dyn, opset_version=opset, verbose=False,
-                          external_data=False)
-    check_written_opset(out_dir, opset)
+        if decode is not None:  # None: an encode-only model
+            torch.onnx.export(decode, (indices,), str(out_dir / DECODE_FILE), dynamo=True,
+                              input_names=["indices"], output_names=["images"],
+                              dynamic_shapes=dec_dyn, opset_version=opset, verbose=False,
+                              external_data=False)
+    names = (ENCODE_FILE, DECODE_FILE) if decode is not None else (ENCODE_FILE,)
+    check_written_opset(out_dir, opset, names)
     _rename_output_dims(out_dir / ENCODE_FILE, ["batch", "h", "w", "q"])
-    _rename_output_dims(out_dir / DECODE_FILE, ["batch", f"{factor}*h", f"{factor}*w", ""])
-    for name in (ENCODE_FILE, DECODE_FILE):
+    if decode is not None:
+        _rename_output_dims(out_dir / DECODE_FILE, ["batch", f"{factor}*h", f"{factor}*w", ""])
+    for name in names:
         onnx.checker.check_model(str(out_dir / name))
-    return {"encode": ENCODE_FILE, "decode": DECODE_FILE, "opset": opset,
+    return {"encode": ENCODE_FILE, "decode": DECODE_FILE if decode is not None else None, "opset": opset,
             "torch_version": torch.__version__, "onnx_version": onnx.__version__}

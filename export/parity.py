@@ -65,16 +65,21 @@ def measure_parity(runtime, reference, photos: np.ndarray, batch_size: int = 8) 
 
     ref_idx = run(reference.encode, photos)
     idx = run(runtime.encode, photos)
-    ref_pix = run(reference.decode, ref_idx)
-    pix = run(runtime.decode, idx)
-    dec_of_ref = run(runtime.decode, ref_idx)
     size = reference.info.codebook_size
     agreement = float(np.mean(idx.astype(np.int64) == ref_idx.astype(np.int64)))
-    return {
+    tokens = {
         "index_agreement": agreement,
         "positions": int(ref_idx.size),
         "codebook_utilization": len(np.unique(idx)) / size,
         "reference_codebook_utilization": len(np.unique(ref_idx)) / size,
+    }
+    if not reference.info.decodes:  # an encode-only model: tokens are all there is
+        return {**tokens, "decode": "none (encode-only model)"}
+    ref_pix = run(reference.decode, ref_idx)
+    pix = run(runtime.decode, idx)
+    dec_of_ref = run(runtime.decode, ref_idx)
+    return {
+        **tokens,
         "psnr_db": _finite(psnr(pix, photos)),
         "reference_psnr_db": _finite(psnr(ref_pix, photos)),
         "decode_max_abs_diff": int(np.max(np.abs(dec_of_ref.astype(np.int16) - ref_pix.astype(np.int16)))),

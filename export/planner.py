@@ -182,12 +182,15 @@ def exactness_rule(dtype: str | None) -> str:
 
 
 def _encode_then_decode(raw, photos: np.ndarray, decode_these: np.ndarray | None = None,
-                        workers: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                        workers: int = 1) -> tuple[np.ndarray, np.ndarray | None]:
     """``raw``'s tokens of ``photos``, and the pixels it decodes from ``decode_these``
-    (default: those tokens), one image per call: how paths are compared with the reference."""
+    (default: those tokens), one image per call: how paths are compared with the reference.
+    Pixels are None for an encode-only model (``RuntimeInfo.decodes`` False)."""
     runtime = PlannedRuntime(raw, ExecutionPlan(1, workers))
     try:
         tokens = runtime.encode(photos)
+        if not getattr(raw.info, "decodes", True):
+            return tokens, None
         return tokens, runtime.decode(tokens if decode_these is None else decode_these)
     finally:
         runtime.close()
@@ -482,8 +485,9 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
             # eager fp32 is the reference unless another dtype is pinned; an artifact says itself
             res.exact = (raw.info.exact if is_artifact else
                          res.dtype == "fp32" and res.agreement == 1.0 and dtype in (None, "fp32", "auto"))
-            say(f"{res.label}: tokens {res.agreement:.4%} equal to the reference, decoded pixels "
-                f"{'equal' if res.pixels_equal else 'DIFFERENT'}, "
+            pixels = ("no decoder" if not getattr(raw.info, "decodes", True) else
+                      f"decoded pixels {'equal' if res.pixels_equal else 'DIFFERENT'}")
+            say(f"{res.label}: tokens {res.agreement:.4%} equal to the reference, {pixels}, "
                 f"{'batch-invariant' if res.batch_invariant else 'NOT batch-invariant'}"
                 + (f": refused ({res.why_not})" if res.why_not else ""))
             results[res.label] = res

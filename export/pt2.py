@@ -25,21 +25,24 @@ def dynamic_shapes(factor: int, codes_per_position: int = 1) -> tuple[dict, dict
     return enc, dec
 
 
-def export_programs(encode: torch.nn.Module, decode: torch.nn.Module, images: torch.Tensor,
+def export_programs(encode: torch.nn.Module, decode: torch.nn.Module | None, images: torch.Tensor,
                     indices: torch.Tensor, factor: int) -> tuple:
+    """(encode program, decode program or None for an encode-only model)."""
     enc_dyn, dec_dyn = dynamic_shapes(factor)
     with torch.no_grad():
         ep_enc = torch.export.export(encode, (images,), dynamic_shapes=enc_dyn)
-        ep_dec = torch.export.export(decode, (indices,), dynamic_shapes=dec_dyn)
+        ep_dec = torch.export.export(decode, (indices,), dynamic_shapes=dec_dyn) if decode is not None else None
     return ep_enc, ep_dec
 
 
-def export_pt2(encode: torch.nn.Module, decode: torch.nn.Module, images: torch.Tensor,
+def export_pt2(encode: torch.nn.Module, decode: torch.nn.Module | None, images: torch.Tensor,
                indices: torch.Tensor, out_dir: Path, factor: int) -> dict:
     ep_enc, ep_dec = export_programs(encode, decode, images, indices, factor)
     torch.export.save(ep_enc, str(out_dir / ENCODE_FILE))
-    torch.export.save(ep_dec, str(out_dir / DECODE_FILE))
-    return {"encode": ENCODE_FILE, "decode": DECODE_FILE, "torch_version": torch.__version__}
+    if ep_dec is not None:
+        torch.export.save(ep_dec, str(out_dir / DECODE_FILE))
+    return {"encode": ENCODE_FILE, "decode": DECODE_FILE if ep_dec is not None else None,
+            "torch_version": torch.__version__}
 
 
 def load_pt2(source: str | Path | BinaryIO, device: str = "cpu"):

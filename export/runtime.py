@@ -59,6 +59,9 @@ class RuntimeInfo:
     # whatever backend runs them: see :func:`vqserve.identity.same_tokens`.
     source_hash: str = ""
     exact: bool = False
+    # False for an encode-only model (a family whose original has no decoder): decode refuses
+    # in one line (vqserve.model.tokenizer.DecodeUnsupported), checks and exports skip it
+    decodes: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,7 +160,8 @@ class EagerRuntime:
         # the same encoder a bf16/fp16 export holds (fp32 residual stream for bf16/fp16, docs/EXPORT.md),
         # built from the fp32 weights; the quantizer is fp32 whatever the dtype
         self.tokenizer.encoder, kept = low_precision_encoder(self.tokenizer.encoder, torch_dtype)
-        self.tokenizer.decoder.to(torch_dtype)
+        if self.tokenizer.decodes:  # an encode-only model has no decoder
+            self.tokenizer.decoder.to(torch_dtype)
         self.fp32_layers = [f"encoder.{name}" for name in kept]
         cfg = self.tokenizer.config
         self._index_dtype = index_dtype_for(cfg.codebook_size)
@@ -176,6 +180,7 @@ class EagerRuntime:
             extra={"family": getattr(cfg, "family", "vqserve")},
             source_hash=model_hash,
             exact=torch_dtype == torch.float32,  # eager fp32: the reference every other way is measured against
+            decodes=self.tokenizer.decodes,
         )
 
     def encode(self, images: np.ndarray) -> np.ndarray:
@@ -186,6 +191,7 @@ class EagerRuntime:
         return indices.cpu().numpy().astype(self._index_dtype)
 
     def decode(self, indices: np.ndarray) -> np.ndarray:
+        self.tokenizer.refuse_decode()
         indices = np.ascontiguousarray(indices)
         if indices.dtype.kind not in "iu":
             raise ValueError(f"indices must be an integer array, got {indices.dtype}")

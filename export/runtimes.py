@@ -17,8 +17,15 @@ import numpy as np
 import torch
 
 from vqserve.export.checks import check_images, check_indices
-from vqserve.export.manifest import artifact_hash, read_manifest, read_verified, verify_files
+from vqserve.export.manifest import (
+    artifact_hash,
+    graph_roles,
+    read_manifest,
+    read_verified,
+    verify_files,
+)
 from vqserve.export.runtime import RuntimeInfo, check_expected_hash, resolve_device
+from vqserve.model.tokenizer import decode_unsupported
 
 
 def manifest_exact(manifest: dict) -> bool:
@@ -84,6 +91,7 @@ class ArtifactRuntime:
             extra={"artifact_dir": str(self.dir), "source_model_sha256": m.get("source", {}).get("sha256", "")},
             source_hash=m.get("source", {}).get("sha256", ""),
             exact=manifest_exact(m),
+            decodes="decode" in graph_roles(m),
         )
 
     def _resolve_device(self, device: str) -> str:
@@ -94,6 +102,8 @@ class ArtifactRuntime:
         return np.asarray(self._encode(images)).astype(self._index_dtype, copy=False)
 
     def decode(self, indices: np.ndarray) -> np.ndarray:
+        if not self.info.decodes:
+            raise decode_unsupported(self.manifest.get("family", "this model"), "its export has no decode graph")
         indices = check_indices(indices, self.info.codebook_size, self.info.codes_per_position)
         return np.asarray(self._decode(indices))
 
@@ -133,7 +143,7 @@ class TorchScriptRuntime(_TorchModuleRuntime):
 
         super().__init__(artifact_dir, device, dtype, verify, expect_hash)
         self.encoder = load_torchscript(self._graph("encode"), self.device)
-        self.decoder = load_torchscript(self._graph("decode"), self.device)
+        self.decoder = load_torchscript(self._graph("decode"), self.device) if self.info.decodes else None
 
 
 class Pt2Runtime(_TorchModuleRuntime):
@@ -145,8 +155,11 @@ class Pt2Runtime(_TorchModuleRuntime):
 
         super().__init__(artifact_dir, device, dtype, verify, expect_hash)
         self.encode_program, self.encoder = load_pt2(self._graph("encode"), self.device)
-        self.decode_program, self.decoder = load_pt2(self._graph("decode"), self.device)
-        self._min_sides = {"images": min_sides(self.encode_program), "indices": min_sides(self.decode_program)}
+        self.decode_program = self.decoder = None
+        self._min_sides = {"images": min_sides(self.encode_program)}
+        if self.info.decodes:
+            self.decode_program, self.decoder = load_pt2(self._graph("decode"), self.device)
+            self._min_sides["indices"] = min_sides(self.decode_program)
 
     def _check_min_sides(self, what: str, array: np.ndarray, unit: str) -> None:
         low_h, low_w = self._min_sides[what]
@@ -221,8 +234,8 @@ class OnnxRuntime(ArtifactRuntime):
         opts.log_severity_level = 3
         self.encoder = ort.InferenceSession(str(self.dir / self.manifest["encode"]), opts,
                                             providers=self.providers)
-        self.decoder = ort.InferenceSession(str(self.dir / self.manifest["decode"]), opts,
-                                            providers=self.providers)
+        self.decoder = (ort.InferenceSession(str(self.dir / self.manifest["decode"]), opts,
+                                             providers=self.providers) if self.info.decodes else None)
         self.info.extra["providers"] = self.encoder.get_providers()
         if self.manifest["dtype"] == "fp16" and self.providers[0] == "CPUExecutionProvider":
             self.info.extra["note"] = (

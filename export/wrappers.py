@@ -115,10 +115,11 @@ class DecodeGraph(nn.Module):
 
 def build_graphs(tokenizer: nn.Module, dtype: str | torch.dtype = "fp32",
                  device: str | torch.device = "cpu",
-                 fp32_stream: bool | None = None) -> tuple[EncodeGraph, DecodeGraph]:
-    """Both wrappers, on ``device``, in eval mode, gradients off."""
+                 fp32_stream: bool | None = None) -> tuple[EncodeGraph, DecodeGraph | None]:
+    """Both wrappers, on ``device``, in eval mode, gradients off (no decode graph for an
+    encode-only model: ``tokenizer.decoder`` is None)."""
     enc = EncodeGraph(tokenizer, dtype, fp32_stream).to(device).eval()
-    dec = DecodeGraph(tokenizer, dtype).to(device).eval()
+    dec = DecodeGraph(tokenizer, dtype).to(device).eval() if tokenizer.decoder is not None else None
     return enc, dec
 
 

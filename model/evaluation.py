@@ -216,11 +216,21 @@ def _memory_format(module: torch.nn.Module, channels_last: bool):
     if not channels_last:
         yield
         return
-    module.to(memory_format=torch.channels_last)
+    _set_layout(module, torch.channels_last)
     try:
         yield
     finally:
-        module.to(memory_format=torch.contiguous_format)
+        _set_layout(module, torch.contiguous_format)
+
+
+def _set_layout(module: torch.nn.Module, layout: torch.memory_format) -> torch.nn.Module:
+    """``module.to(memory_format=layout)`` for its 4-D parameters only: 5-D ones (a Conv3d's,
+    as in Emu3's temporal layers) cannot take channels_last, and ``.to`` would raise."""
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            if p.dim() == 4:
+                p.data = p.data.contiguous(memory_format=layout)
+    return module
 
 
 def tiled_round_trip(tokenizer, batch_u8: torch.Tensor, tile: int) -> torch.Tensor:
@@ -250,8 +260,9 @@ def check_targets(result: dict) -> dict:
     if "baseline_psnr" in result:
         v = result["psnr"] - result["baseline_psnr"]
         out["psnr_over_baseline_db"] = {"value": v, "ok": v >= TARGETS["psnr_over_baseline_db"]}
-    v = result["max_abs_mean_error"]
-    out["max_abs_mean_error"] = {"value": v, "ok": v < TARGETS["max_abs_mean_error"]}
+    if "max_abs_mean_error" in result:  # none for an encode-only model
+        v = result["max_abs_mean_error"]
+        out["max_abs_mean_error"] = {"value": v, "ok": v < TARGETS["max_abs_mean_error"]}
     if "tiled_psnr" in result:
         v = result["psnr"] - result["tiled_psnr"]
         out["whole_minus_tiled_db"] = {"value": v, "ok": v >= TARGETS["whole_minus_tiled_db"]}
@@ -287,9 +298,11 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     from vqserve.model import learnability as learn
     from vqserve.model.mixed_precision import low_precision_encoder
 
+    if not tokenizer.decodes:  # an encode-only model: the token figures alone
+        return evaluate_encoder(tokenizer, images, names, precisions, channels_last, learnability)
     tokenizer.eval()
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    served = {p: low_precision_encoder(tokenizer.encoder, p)[0].to(tokenizer.device, memory_format=layout)
+    served = {p: _set_layout(low_precision_encoder(tokenizer.encoder, p)[0].to(tokenizer.device), layout)
               for p in precisions}
     f = tokenizer.factor
     names = list(names) if names is not None else [f"image{i}" for i in range(len(images))]
@@ -377,6 +390,73 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     if tile:
         result["tile"] = tile
         result["tiled_psnr"] = _psnr_from(tiled_sq_err, n_px)
+    result["targets"] = check_targets(result)
+    result["utilization"] = result["codebook"]["utilization"]
+    result["entropy_bits"] = result["codebook"]["entropy_bits"]
+    result["perplexity"] = result["codebook"]["perplexity"]
+    return result
+
+
+def evaluate_encoder(tokenizer, images: Sequence[np.ndarray], names: Sequence[str] | None = None,
+                     precisions: Sequence[str] = ("bf16", "fp16"), channels_last: bool = True,
+                     learnability: bool = True) -> dict:
+    """``evaluate_tokenizer`` for an encode-only model (``tokenizer.decodes`` False): what
+    needs no reconstruction - codebook use, agreement per precision (as served and under
+    autocast), encode time, and the learnability figures that need no decoder (shift
+    equivariance, perplexity, held-out bits per token). ``result["decodes"]`` is False."""
+    from vqserve.model import learnability as learn
+    from vqserve.model.mixed_precision import low_precision_encoder
+
+    tokenizer.eval()
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    served = {p: _set_layout(low_precision_encoder(tokenizer.encoder, p)[0].to(tokenizer.device), layout)
+              for p in precisions}
+    runs = [(p, p, served[p]) for p in precisions] + [(f"{p}_autocast", p, None) for p in precisions]
+    f = tokenizer.factor
+    names = list(names) if names is not None else [f"image{i}" for i in range(len(images))]
+    counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
+    agree = {name: [0, 0] for name, _, _ in runs}
+    timings = {"fp32": 0.0, **{name: 0.0 for name, _, _ in runs}}
+    per_image, grids = [], []
+    for name, img in zip(names, images, strict=True):
+        img = _centre_crop_multiple(np.asarray(img), f)
+        batch = torch.from_numpy(np.array(img))[None]
+        t0 = time.perf_counter()
+        idx = tokenizer.encode(batch).cpu()
+        timings["fp32"] += time.perf_counter() - t0
+        counts += code_counts(idx, tokenizer.codebook_size)
+        row = {"name": name, "height": img.shape[0], "width": img.shape[1]}
+        if learnability:
+            grids.append(idx[0].numpy())
+            row["perplexity"] = learn.perplexity(idx[0], tokenizer.codebook_size)
+            try:
+                row["shift_equivariance"] = {str(k): v for k, v in learn.shift_equivariance(tokenizer, img).items()}
+            except ValueError:
+                pass  # too small to shift by 3 tokens and keep an interior
+        with _memory_format(tokenizer, channels_last):
+            for key, precision, encoder in runs:
+                t0 = time.perf_counter()
+                low = encode_in_precision(tokenizer, batch, precision, channels_last, encoder).cpu()
+                timings[key] += time.perf_counter() - t0
+                same = int((low == idx).sum())
+                agree[key][0] += same
+                agree[key][1] += idx.numel()
+                row[f"agreement_{key}"] = same / idx.numel()
+        per_image.append(row)
+    result = {
+        "images": len(per_image), "factor": f, "codebook_size": tokenizer.codebook_size, "decodes": False,
+        "dither": getattr(tokenizer.quantizer, "dither", "none"),
+        "codebook": codebook_stats(counts),
+        "agreement": {p: agree[p][0] / max(agree[p][1], 1) for p in precisions},
+        "agreement_autocast": {p: agree[f"{p}_autocast"][0] / max(agree[f"{p}_autocast"][1], 1)
+                               for p in precisions},
+        "encode_seconds": timings,
+        "per_image": per_image,
+    }
+    if learnability:
+        for row, held in zip(per_image, learn.held_out_bits(grids, tokenizer.codebook_size) or [], strict=False):
+            row.update(held)
+        result["learnability"] = learn.summarise(per_image)
     result["targets"] = check_targets(result)
     result["utilization"] = result["codebook"]["utilization"]
     result["entropy_bits"] = result["codebook"]["entropy_bits"]

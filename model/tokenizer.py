@@ -97,6 +97,18 @@ def check_index_shape(shape: tuple, codes_per_position: int) -> None:
         raise ValueError(f"indices is empty, got shape {shape}")
 
 
+class DecodeUnsupported(ValueError):
+    """Decode asked of an encode-only model (a family whose original has no decoder).
+
+    A ValueError, so every caller that reports bad requests in one line (the CLI's exit 2,
+    the server's INVALID_ARGUMENT) reports this one the same way."""
+
+
+def decode_unsupported(family: str, reason: str = "it has no decoder") -> DecodeUnsupported:
+    """The one-line refusal every runtime gives for an encode-only model."""
+    return DecodeUnsupported(f"{family} encodes only ({reason}): indices cannot be decoded to pixels")
+
+
 class TokenizerBase(nn.Module):
     """encoder -> fp32 quantizer island -> decoder, with the uint8 serving paths.
 
@@ -109,13 +121,16 @@ class TokenizerBase(nn.Module):
     * ``quantizer``: an fp32-island module like ``vqserve.model.quantizers.VQ``:
       ``forward(z_nhwc, return_aux=False) -> (codes, indices[, aux])``,
       ``indices_to_codes(indices, dtype)``, ``check_indices(indices)``, ``codebook_size``;
-    * ``decoder``: codes NCHW -> float NCHW pixels ~``pixel_range`` (also with a door);
+    * ``decoder``: codes NCHW -> float NCHW pixels ~``pixel_range`` (also with a door), or
+      None for an encode-only model (its original has no decoder): ``decodes`` is then
+      False and ``decode`` raises ``DecodeUnsupported`` naming ``no_decoder_reason``;
     * ``config``: ``factor``, ``codes_per_position``, ``codebook_size``, ``latent_dim``,
       ``quantizer``, ``levels`` and ``to_dict()``.
     """
 
     config: Any  # TokenizerConfig, or a family's config with the same facts
     pixel_range: PixelRange = SIGNED_UNIT  # what ``encoder`` takes and ``decoder`` returns
+    no_decoder_reason: str = "it has no decoder"  # why ``decoder`` is None, for the one-line refusal
 
     # -- facts ---------------------------------------------------------------------------
     @property
@@ -127,9 +142,19 @@ class TokenizerBase(nn.Module):
         return self.quantizer.codebook_size
 
     @property
+    def decodes(self) -> bool:
+        """False for an encode-only model: indices out, but no way back to pixels."""
+        return self.decoder is not None
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         # the decoder's: a bf16 encoder may keep its stem in fp32 (vqserve.model.mixed_precision)
-        return module_dtype(self.decoder)
+        return module_dtype(self.decoder if self.decoder is not None else self.encoder)
+
+    def refuse_decode(self) -> None:
+        """Raise ``DecodeUnsupported`` (one line) when this model cannot decode."""
+        if not self.decodes:
+            raise decode_unsupported(getattr(self.config, "family", "this model"), self.no_decoder_reason)
 
     @property
     def device(self) -> torch.device:
@@ -147,6 +172,7 @@ class TokenizerBase(nn.Module):
         return (codes, *out[1:])
 
     def decode_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        self.refuse_decode()
         return self.decoder(codes)
 
     def indices_to_codes(self, indices: torch.Tensor) -> torch.Tensor:
@@ -196,7 +222,9 @@ class TokenizerBase(nn.Module):
 
     @torch.no_grad()
     def decode(self, indices) -> torch.Tensor:
-        """integer indices ``[B,h,w]`` -> uint8 ``[B,h*f,w*f,3]``; out-of-range is a ValueError."""
+        """integer indices ``[B,h,w]`` -> uint8 ``[B,h*f,w*f,3]``; out-of-range is a ValueError
+        (``DecodeUnsupported`` for an encode-only model)."""
+        self.refuse_decode()
         indices = self.check_indices(indices).to(self.device)
         return float_to_pixels(self.decode_codes(self.indices_to_codes(indices)), self.pixel_range)
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vqserve.export.checks import image_size_rule, index_grid_rule, index_range_rule
+from vqserve.model.tokenizer import decode_unsupported
 from vqserve.serve.batcher import Batcher
 from vqserve.serve.codec import BadInput
 from vqserve.serve.decoding import ImageDecoder
@@ -207,7 +208,10 @@ class Engine:
     async def decode(self, indices: np.ndarray, deadline: float | None = None,
                      field: str = "indices", reply_overhead: int | None = 0) -> np.ndarray:
         """``reply_overhead``: as for :meth:`encode`, for a raw-pixel answer; None when the
-        answer is not raw pixels (PNG: its size is known only once encoded)."""
+        answer is not raw pixels (PNG: its size is known only once encoded). An encode-only
+        model refuses in one line (INVALID_ARGUMENT) before anything is checked or queued."""
+        if not self.info.decodes:
+            raise decode_unsupported(self.info.extra.get("family", "this model"))
         indices = np.require(self.check_indices(indices, field), requirements=["C", "W"])
         if reply_overhead is not None:
             self.check_decode_reply(indices, reply_overhead)

@@ -13,8 +13,12 @@ import os
 from pathlib import Path
 
 from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.cosmos import COSMOS
 from vqserve.model.families.diffusers_vq import DIFFUSERS_VQMODEL
+from vqserve.model.families.ibq import IBQ
 from vqserve.model.families.llamagen import LLAMAGEN
+from vqserve.model.families.magvit2 import MAGVIT2
+from vqserve.model.families.transformers_vq import TRANSFORMERS_FAMILIES
 from vqserve.model.families.vqserve_native import VQSERVE
 
 # vqserve's own format first: it is the default and the fallback. Add new families here.
@@ -22,6 +26,10 @@ FAMILIES: tuple[Family, ...] = (
     VQSERVE,
     DIFFUSERS_VQMODEL,
     LLAMAGEN,
+    COSMOS,  # NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (FSQ), `vqserve import cosmos`
+    MAGVIT2,
+    IBQ,
+    *TRANSFORMERS_FAMILIES,  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
 )
 
 

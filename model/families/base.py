@@ -21,9 +21,13 @@ docstring): the family supplies ``encoder`` (pixels in the family's ``pixel_rang
 latents, casting its input to its own dtype), ``quantizer`` (a vqserve fp32-island module
 that reproduces the family's index convention exactly: it replaces the family's own
 quantizer, whose nearest-code search would otherwise run in whatever dtype the model runs
-in) and ``decoder``. The uint8 paths, input checks, exports, runtimes and the server then
-work unchanged. ``encoder`` may name its residual blocks (``residual_block_types``) so the
-bf16/fp16 policy of ``vqserve.model.mixed_precision`` can keep its residual stream in fp32.
+in) and ``decoder`` - or ``None`` for an encode-only model (one whose original has no
+decoder, like transformers' ChameleonVQVAE): then ``TokenizerBase.decodes`` is False and
+every decode path refuses in one line (``DecodeUnsupported``) while encode, exports,
+checks, ``tokenize``, ``verify`` and ``eval`` work on the tokens alone. The uint8 paths,
+input checks, exports, runtimes and the server then work unchanged. ``encoder`` may name
+its residual blocks (``residual_block_types``) so the bf16/fp16 policy of
+``vqserve.model.mixed_precision`` can keep its residual stream in fp32.
 
 Register a new family in ``vqserve.model.families.FAMILIES`` (one tuple, one line).
 """

@@ -59,9 +59,15 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be imported; the message is one line naming what is wrong."""
 
 
-def read_checkpoint(path: Path) -> object:
+# What a refusal tells the user to do with a checkpoint they trust (``read_checkpoint``).
+RESAVE_HINT = "re-save just its state dict: torch.save({'model': ckpt['model']}, 'clean.pt')"
+
+
+def read_checkpoint(path: Path, resave_hint: str = RESAVE_HINT) -> object:
     """A ``.safetensors`` file as a dict of tensors, anything else with
-    ``torch.load(weights_only=True)`` (memory-mapped when the file allows); one-line errors."""
+    ``torch.load(weights_only=True)`` (memory-mapped when the file allows); one-line errors.
+    ``resave_hint`` ends the refusal of a pickle that holds more than weights (each
+    family's checkpoints keep their weights under their own key)."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist or is not a file")
     if path.suffix == ".safetensors":
@@ -87,7 +93,7 @@ def read_checkpoint(path: Path) -> object:
         raise CheckpointError(
             f"{path}: refused, this pickle holds more than weights ({what}); vqserve reads checkpoints "
             "with torch.load(weights_only=True) only and never runs a full unpickle. If you trust the "
-            "file, re-save just its state dict: torch.save({'model': ckpt['model']}, 'clean.pt')") from None
+            f"file, {resave_hint}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a PyTorch checkpoint torch.load can read ({_first_line(exc)})") from None
 

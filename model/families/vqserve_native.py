@@ -20,7 +20,10 @@ class VqserveFamily(Family):
     weights_name = WEIGHTS_NAME
 
     def claims(self, config: dict) -> bool:
-        return config.get("format", FORMAT) == FORMAT and "_class_name" not in config
+        # only an explicit format: a config without one (an early vqserve checkpoint) still
+        # comes here as ``family_for``'s fallback, after every other family had its say
+        # (transformers' and diffusers' configs have no "format" either)
+        return config.get("format") == FORMAT
 
     def read_config(self, path: Path):
         from vqserve.model.checkpoint import read_native_config  # checkpoint imports this package

@@ -163,17 +163,22 @@ def _print_table(r: dict, precisions: list[str], out) -> None:
     print(f"model {r['model']}  images {r['images']} ({r['images_source']}, "
           f"{r['skipped_images']} skipped)  factor {r['factor']}  codebook {r['codebook_size']}"
           + (f"  dither {r['dither']}" if r.get("dither", "none") != "none" else ""), file=out)
-    rows = [("PSNR (fp32 eager)", f"{r['psnr']:.2f} dB"),
-            ("baseline area x{f} + bicubic".format(f=r["factor"]), f"{r['baseline_psnr']:.2f} dB"),
-            ("SSIM", f"{r['ssim']:.4f} (baseline {r['baseline_ssim']:.4f})")]
+    if r.get("decodes") is False:  # an encode-only model: no reconstruction figures
+        print("  encode-only model: no decoder, so no PSNR, SSIM or colour figures", file=out)
+        rows = []
+    else:
+        rows = [("PSNR (fp32 eager)", f"{r['psnr']:.2f} dB"),
+                ("baseline area x{f} + bicubic".format(f=r["factor"]), f"{r['baseline_psnr']:.2f} dB"),
+                ("SSIM", f"{r['ssim']:.4f} (baseline {r['baseline_ssim']:.4f})")]
     if "tiled_psnr" in r:
         rows.append((f"PSNR as {r['tile']}-px tiles", f"{r['tiled_psnr']:.2f} dB (whole minus tiled "
                                                       f"{r['psnr'] - r['tiled_psnr']:+.2f} dB)"))
-    rows += [("worst mean colour error", f"{r['max_abs_mean_error']:.1f} levels (largest |recon - original| "
-                                           "channel mean over the images)"),
-             ("worst tint on flat areas", f"{r['max_flat_tint']:.1f} levels (skies, walls: 90th percentile over "
-                                          "flat 32-px squares of a hue change; brightness excluded)"),
-            ("codebook utilization", f"{cb['utilization']:.2%} ({cb['used_codes']} of {cb['codebook_size']} "
+    if "max_abs_mean_error" in r:
+        rows += [("worst mean colour error", f"{r['max_abs_mean_error']:.1f} levels (largest |recon - original| "
+                                               "channel mean over the images)"),
+                 ("worst tint on flat areas", f"{r['max_flat_tint']:.1f} levels (skies, walls: 90th percentile over "
+                                              "flat 32-px squares of a hue change; brightness excluded)")]
+    rows += [("codebook utilization", f"{cb['utilization']:.2%} ({cb['used_codes']} of {cb['codebook_size']} "
                                      f"codes, {cb['positions']} tokens)"),
             ("entropy", f"{cb['entropy_bits']:.2f} of {cb['max_entropy_bits']:.2f} bits"),
             ("perplexity", f"{cb['perplexity']:.0f}")]
@@ -189,10 +194,14 @@ def _print_table(r: dict, precisions: list[str], out) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}", file=out)
-    print(f"  {'per image':<{width}}  PSNR (baseline, tiled)  SSIM (baseline)  mean colour error R,G,B  "
-          "tint on flat areas (their share)", file=out)
+    print(f"  {'per image':<{width}}  " + ("index agreement per precision" if r.get("decodes") is False else
+          "PSNR (baseline, tiled)  SSIM (baseline)  mean colour error R,G,B  tint on flat areas (their share)"),
+          file=out)
     for img in r["per_image"]:
         extra = "  ".join(f"{p} {img[f'agreement_{p}']:.2%}" for p in precisions)
+        if "psnr" not in img:  # an encode-only model
+            print(f"    {img['name'][-32:]:<32} {img['width']}x{img['height']}  {extra}{_learn_cell(img)}", file=out)
+            continue
         tiled = f", {img['tiled_psnr']:.2f}" if "tiled_psnr" in img else ""
         colour = ",".join(f"{v:+.1f}" for v in img["mean_error_rgb"])
         print(f"    {img['name'][-32:]:<32} {img['width']}x{img['height']}  {img['psnr']:.2f} "

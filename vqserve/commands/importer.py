@@ -18,6 +18,20 @@ atomically; every later command reads only those (no pickle again):
 Indices equal LlamaGen's own code in fp32; its nearest-code search runs in fp32 whatever
 dtype the networks run in (docs/MODELS.md). A diffusers VQModel directory needs no import:
 pass it to --model as it is.
+
+  vqserve import magvit2 imagenet_256_L.ckpt --out models/open-magvit2-256
+
+Open-MAGVIT2 (TencentARC SEED-Voken) publishes Lightning .ckpt files on Hugging Face
+(TencentARC/Open-MAGVIT2-Tokenizer-256-resolution, ...); read the same way, EMA weights by
+default (as its own evaluation scripts run them). IBQ's (TencentARC/IBQ-Tokenizer-262144, ...)
+import the same way:
+
+  vqserve import ibq imagenet256_262144.ckpt --out models/ibq-262144
+
+  vqserve import cosmos pretrained_ckpts/Cosmos-0.1-Tokenizer-DI8x8 --out models/cosmos-di8x8
+
+NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (nvidia/Cosmos-0.1-Tokenizer-DI8x8, -DI16x16 on
+Hugging Face) ship as TorchScript .jit files; only their tensors are read, nothing in them runs.
 """
 
 from __future__ import annotations
@@ -55,9 +69,129 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     llamagen.add_argument("--quiet", action="store_true", help="print nothing on success")
     llamagen.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                           help="on errors, also print the Python traceback")
+    _add_magvit2(families, parser)
+    _add_cosmos(families, parser)
+
+
+def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
+    magvit2 = families.add_parser(
+        "magvit2", help="an Open-MAGVIT2 (TencentARC SEED-Voken) LFQ tokenizer, Lightning .ckpt",
+        description="Convert an Open-MAGVIT2 Lightning checkpoint (.ckpt) into config.json + model.safetensors. "
+                    "Read with torch.load(weights_only=True): tensors and plain values only, a pickle that holds "
+                    "more is refused. Indices equal Open-MAGVIT2's own (LFQ, channel k = bit k); docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    magvit2.add_argument("checkpoint", metavar="CHECKPOINT",
+                         help="Open-MAGVIT2 .ckpt, e.g. imagenet_256_L.ckpt (or a .safetensors state dict)")
+    magvit2.add_argument("--out", required=True, metavar="DIR", help="model directory to create; it must not exist yet")
+    magvit2.add_argument("--config", choices=["imagenet-256", "imagenet-128", "pretrain-262144", "pretrain-16384"],
+                         default=None, help="check the weights against this published architecture; default: "
+                                            "inferred from the tensor shapes")
+    magvit2.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                         help="auto (default): the EMA weights when the checkpoint has them, as Open-MAGVIT2's "
+                              "evaluation and reconstruction scripts use them (ema_scope); raw: the trained weights")
+    magvit2.add_argument("--force", action="store_true",
+                         help="replace DIR if it is an earlier `vqserve import magvit2` output")
+    magvit2.add_argument("--quiet", action="store_true", help="print nothing on success")
+    magvit2.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help="on errors, also print the Python traceback")
+    magvit2.set_defaults(_import=_run_magvit2)
+    _add_ibq(families, parser)
+
+
+def _run_magvit2(args: argparse.Namespace) -> int:
+    from vqserve.model.checkpoint import load_tokenizer
+    from vqserve.model.families.magvit2_import import import_magvit2
+
+    out, arch, used = import_magvit2(args.checkpoint, args.out, preset=args.config, weights=args.weights,
+                                     force=args.force)
+    tokenizer = load_tokenizer(out)
+    if not args.quiet:
+        print(f"imported Open-MAGVIT2 ({used} weights; factor {arch.factor}, LFQ {arch.z_channels} bits = "
+              f"{arch.codebook_size:,} codes, {sum(p.numel() for p in tokenizer.parameters()) / 1e6:.1f}M "
+              f"parameters) -> {out}\nserve it:  vqserve serve --model {out}", file=sys.stderr)
+    return 0
+
+
+def _add_ibq(families, parser: argparse.ArgumentParser) -> None:
+    ibq = families.add_parser(
+        "ibq", help="an IBQ (TencentARC SEED-Voken) tokenizer, Lightning .ckpt",
+        description="Convert an IBQ Lightning checkpoint (.ckpt) into config.json + model.safetensors. Read with "
+                    "torch.load(weights_only=True): tensors and plain values only, a pickle that holds more is "
+                    "refused. Indices equal IBQ's own (max of softmax(z . codebook), the lowest index among "
+                    "equal probabilities); docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    ibq.add_argument("checkpoint", metavar="CHECKPOINT",
+                     help="IBQ .ckpt, e.g. imagenet256_262144.ckpt (or a .safetensors state dict)")
+    ibq.add_argument("--out", required=True, metavar="DIR", help="model directory to create; it must not exist yet")
+    ibq.add_argument("--config", default=None, metavar="NAME",
+                     choices=["imagenet-1024", "imagenet-8192", "imagenet-16384", "imagenet-262144",
+                              "pretrain-16384", "pretrain-262144"],
+                     help="check the weights against this published configuration (imagenet-1024, -8192, -16384, "
+                          "-262144, pretrain-16384, -262144); default: inferred from the tensor shapes")
+    ibq.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                     help="auto (default): the EMA weights when the checkpoint has them, as IBQ's evaluation "
+                          "and reconstruction scripts use them (ema_scope); raw: the trained weights")
+    ibq.add_argument("--force", action="store_true", help="replace DIR if it is an earlier `vqserve import ibq` output")
+    ibq.add_argument("--quiet", action="store_true", help="print nothing on success")
+    ibq.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                     help="on errors, also print the Python traceback")
+    ibq.set_defaults(_import=_run_ibq)
+
+
+def _run_ibq(args: argparse.Namespace) -> int:
+    from vqserve.model.checkpoint import load_tokenizer
+    from vqserve.model.families.ibq_import import import_ibq
+
+    out, arch, used = import_ibq(args.checkpoint, args.out, preset=args.config, weights=args.weights,
+                                 force=args.force)
+    tokenizer = load_tokenizer(out)
+    if not args.quiet:
+        print(f"imported IBQ ({used} weights; factor {arch.factor}, {arch.codebook_size:,} codes x "
+              f"{arch.codebook_dim}, {sum(p.numel() for p in tokenizer.parameters()) / 1e6:.1f}M parameters) "
+              f"-> {out}\nserve it:  vqserve serve --model {out}", file=sys.stderr)
+    return 0
+
+
+def _add_cosmos(families, parser: argparse.ArgumentParser) -> None:
+    cosmos = families.add_parser(
+        "cosmos", help="NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (FSQ): the published .jit files",
+        description="Convert a Cosmos-Tokenizer DI model into config.json + model.safetensors. SOURCE is the "
+                    "folder downloaded from nvidia/Cosmos-0.1-Tokenizer-DI8x8 (or -DI16x16), or its encoder.jit "
+                    "and decoder.jit, or autoencoder.jit; a state dict (.pt, torch.load(weights_only=True)) or "
+                    ".safetensors in Cosmos's names also works. TorchScript files are read without being run: "
+                    "only their tensors are taken, and an archive whose pickle names anything but TorchScript "
+                    "modules and tensors is refused. Indices equal Cosmos's own FSQ in fp32; docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    cosmos.add_argument("sources", nargs="+", metavar="SOURCE",
+                        help="the downloaded model folder, or encoder.jit decoder.jit, or autoencoder.jit")
+    cosmos.add_argument("--out", required=True, metavar="DIR", help="model directory to create; it must not exist yet")
+    cosmos.add_argument("--config", choices=["DI8x8", "DI16x16"], default=None,
+                        help="check the weights against this published architecture; default: inferred "
+                             "from the tensor shapes")
+    cosmos.add_argument("--force", action="store_true",
+                        help="replace DIR if it is an earlier `vqserve import cosmos` output")
+    cosmos.add_argument("--quiet", action="store_true", help="print nothing on success")
+    cosmos.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on errors, also print the Python traceback")
+    cosmos.set_defaults(_import=_run_cosmos)
+
+
+def _run_cosmos(args: argparse.Namespace) -> int:
+    from vqserve.model.checkpoint import load_tokenizer
+    from vqserve.model.families.cosmos_import import import_cosmos
+
+    out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force)
+    tokenizer = load_tokenizer(out)
+    if not args.quiet:
+        print(f"imported Cosmos DI (factor {arch.factor}, FSQ {arch.levels} = {arch.codebook_size:,} codes, "
+              f"{sum(p.numel() for p in tokenizer.parameters()) / 1e6:.1f}M parameters) -> {out}\n"
+              f"serve it:  vqserve serve --model {out}", file=sys.stderr)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "_import", None) is not None:  # families that name their own runner
+        return args._import(args)
     from vqserve.model.checkpoint import load_tokenizer
     from vqserve.model.families.llamagen_import import import_llamagen
 

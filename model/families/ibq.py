@@ -1,0 +1,202 @@
+"""The IBQ family: TencentARC's Index Backpropagation Quantization tokenizers, imported once, served by vqserve.
+
+IBQ (github.com/TencentARC/SEED-Voken, ``src/IBQ``; rFID 1.00 on ImageNet 256 with 262,144
+codes) publishes Lightning ``.ckpt`` pickles (``imagenet256_{1024,8192,16384,262144}.ckpt``,
+``IBQ_pretrain_{16384,262144}.ckpt``). ``vqserve import ibq CHECKPOINT --out DIR``
+(``ibq_import``) reads one with ``torch.load(weights_only=True)`` and writes a directory
+this family owns: ``config.json`` (``"format": "vqserve-ibq"``) and ``model.safetensors``.
+
+The networks are the taming-transformers VQGAN encoder and decoder, which LlamaGen's
+tokenizer also uses, op for op: vqserve reuses its rebuild (``llamagen_networks``) with
+IBQ's tensors renamed onto it (``ibq_import.RENAMES``), attention on the lowest resolution
+only (``attn_resolutions: [16]`` at 256 px, every published config). Only the two ends
+differ, because IBQ's scripts differ from LlamaGen's: pixels are normalised as
+``(image / 127.5 - 1.0)`` in float64 (numpy) then float32, which ``(2x - 255) / 255`` in
+fp32 reproduces for all 256 values, and decoded pixels follow ``custom_to_pil``:
+``trunc(255 * (clamp(y, -1, 1) + 1) / 2)``. The quantizer is ``SoftmaxMaxVQ``: IBQ's
+``max(softmax(z . codebook))`` in fp32 (``ibq_quantizer``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.ibq_quantizer import SoftmaxMaxVQ
+from vqserve.model.families.llamagen_networks import GROUPS, LlamaGenDecoder, LlamaGenEncoder, swish
+from vqserve.model.families.magvit2 import read_weights
+from vqserve.model.precision import cast_to, module_dtype
+from vqserve.model.tokenizer import TokenizerBase
+
+FORMAT = "vqserve-ibq"
+VERSION = 1
+WEIGHTS_NAME = "model.safetensors"
+FAMILY_NAME = "ibq"
+# The SEED-Voken commit whose IBQ code this family follows (and the fixtures came from).
+REFERENCE_COMMIT = "b9a17eac8e2c0779c12a5429b0bfd6c502788484"
+
+
+class IbqEncoder(LlamaGenEncoder):
+    """The taming encoder (``LlamaGenEncoder``) with IBQ's input normalisation."""
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        # IBQ's data pipeline: (x / 127.5 - 1.0) in float64, then float32; contiguous NCHW
+        x = (pixels.to(torch.float32).contiguous() * 2.0 - 255.0) / 255.0
+        h = self.conv_in(cast_to(x, module_dtype(self.conv_in)))
+        for level in self.conv_blocks:
+            h = level(h)
+        for block in self.mid:
+            h = block(h)
+        h = self.conv_out(swish(self.norm_out(h)))
+        return self.quant_conv(h)
+
+
+class IbqDecoder(LlamaGenDecoder):
+    """The taming decoder (``LlamaGenDecoder``) with IBQ's uint8 rule (``custom_to_pil``)."""
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        # contiguous NCHW, as IBQ's get_codebook_entry returns its codes
+        codes = cast_to(codes, module_dtype(self.post_quant_conv)).contiguous()
+        h = self.conv_in(self.post_quant_conv(codes))
+        for block in self.mid:
+            h = block(h)
+        for level in self.conv_blocks:
+            h = level(h)
+        y = self.conv_out(swish(self.norm_out(h))).to(torch.float32)
+        return torch.floor(((torch.clamp(y, -1.0, 1.0) + 1.0) / 2.0) * 255.0)
+
+
+@dataclass
+class IbqConfig:
+    """IBQ's ``ddconfig`` (``ch``, ``ch_mult``, ``num_res_blocks``, ``z_channels``) plus
+    ``n_embed`` and ``embed_dim``. The defaults are the ImageNet 262,144-code model."""
+
+    base_channels: int = 128
+    ch_mult: list[int] = field(default_factory=lambda: [1, 1, 2, 2, 4])
+    num_res_blocks: int = 4
+    z_channels: int = 256
+    codebook_size: int = 262144
+    codebook_dim: int = 256
+
+    def __post_init__(self) -> None:
+        self.ch_mult = [int(m) for m in self.ch_mult] if isinstance(self.ch_mult, list) else self.ch_mult
+        for name in ("base_channels", "num_res_blocks", "z_channels", "codebook_size", "codebook_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"IBQ config: {name} must be a positive integer, got {value!r}")
+        if self.codebook_size < 2:
+            raise ValueError(f"IBQ config: codebook_size must be at least 2, got {self.codebook_size}")
+        if not isinstance(self.ch_mult, list) or not self.ch_mult or min(self.ch_mult) < 1:
+            raise ValueError(f"IBQ config: ch_mult must be a non-empty list of positive integers, got {self.ch_mult!r}")
+        widths = [self.base_channels * m for m in self.ch_mult]
+        if any(w % GROUPS for w in [self.base_channels, *widths]):
+            raise ValueError(f"IBQ config: base_channels and base_channels x ch_mult must be multiples of "
+                             f"{GROUPS} (GroupNorm groups), got {[self.base_channels, *widths]}")
+
+    @property
+    def factor(self) -> int:
+        return 2 ** (len(self.ch_mult) - 1)
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = CONFIG_NAME) -> IbqConfig:
+        """Strict: an unknown key or another format/version is an error naming it."""
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
+        if data.get("version") != VERSION:
+            raise ValueError(f"{where}: version {data.get('version')!r} is not supported (this vqserve reads {VERSION})")
+        known = {f.name for f in fields(cls)}
+        body = {k: v for k, v in data.items() if k not in ("format", "version", "meta")}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown IBQ config keys {unknown}")
+        try:
+            return cls(**body)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    def family_config(self) -> FamilyConfig:
+        return FamilyConfig(family=FAMILY_NAME, factor=self.factor, codebook_size=self.codebook_size,
+                            latent_dim=self.codebook_dim, quantizer="vq", source=self.to_dict())
+
+
+# The published checkpoints' configurations (configs/IBQ/gpu/*.yaml at REFERENCE_COMMIT): all
+# ch 128, ch_mult [1,1,2,2,4], 4 blocks, z 256, embed_dim 256, attention at 16 px.
+PRESETS: dict[str, IbqConfig] = {
+    f"{kind}-{n}": IbqConfig(codebook_size=n)
+    for kind, sizes in (("imagenet", (1024, 8192, 16384, 262144)), ("pretrain", (16384, 262144)))
+    for n in sizes
+}
+
+
+class IbqTokenizer(TokenizerBase):
+    """IBQ's tokenizer as a vqserve tokenizer: the same indices in fp32, the search always fp32."""
+
+    pixel_range = (0.0, 255.0)
+
+    def __init__(self, arch: IbqConfig):
+        super().__init__()
+        self.arch = arch
+        self.config = arch.family_config()
+        common = dict(base_channels=arch.base_channels, ch_mult=arch.ch_mult, num_res_blocks=arch.num_res_blocks,
+                      z_channels=arch.z_channels, codebook_dim=arch.codebook_dim)
+        self.encoder = IbqEncoder(**common)
+        self.quantizer = SoftmaxMaxVQ(arch.codebook_size, arch.codebook_dim)
+        self.decoder = IbqDecoder(**common)
+
+
+def load_weights(tokenizer: IbqTokenizer, state: dict[str, torch.Tensor], where: str) -> None:
+    """Strict load with one line naming the first missing / unexpected / mis-shaped tensor."""
+    expected = tokenizer.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
+                ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
+        raise ValueError(f"{where} does not fit the IBQ architecture: {', '.join(parts)}")
+    for key, tensor in expected.items():
+        got = state[key]
+        if not torch.is_tensor(got) or tuple(got.shape) != tuple(tensor.shape):
+            shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
+            raise ValueError(f"{where}: {key} has shape {shape}, the config needs {tuple(tensor.shape)}")
+        if not got.is_floating_point():
+            raise ValueError(f"{where}: {key} must be a floating-point tensor, got {got.dtype}")
+    tokenizer.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+
+
+class IbqFamily(Family):
+    name = FAMILY_NAME
+    description = "IBQ tokenizers (TencentARC SEED-Voken), converted once by `vqserve import ibq`"
+    weights_name = WEIGHTS_NAME
+
+    def claims(self, config: dict) -> bool:
+        return config.get("format") == FORMAT
+
+    def architecture(self, path: Path) -> IbqConfig:
+        data = read_config_json(path)
+        if data is None:
+            raise ValueError(f"{path / CONFIG_NAME} is missing or not a JSON object")
+        return IbqConfig.from_dict(data, str(path / CONFIG_NAME))
+
+    def read_config(self, path: Path) -> FamilyConfig:
+        return self.architecture(path).family_config()
+
+    def load(self, path: Path, device: str | torch.device = "cpu") -> IbqTokenizer:
+        arch = self.architecture(path)
+        self.check_files(path)
+        tokenizer = IbqTokenizer(arch)
+        load_weights(tokenizer, read_weights(path / WEIGHTS_NAME, "ibq"), str(path / WEIGHTS_NAME))
+        return tokenizer.to(device).eval()
+
+
+def write_config(arch: IbqConfig, meta: dict, target: Path) -> None:
+    (target / CONFIG_NAME).write_text(json.dumps({**arch.to_dict(), "meta": meta}, indent=2) + "\n")
+
+
+IBQ = IbqFamily()

@@ -1,0 +1,208 @@
+"""``vqserve import ibq``: an IBQ Lightning ``.ckpt`` -> a vqserve model directory, once.
+
+IBQ's checkpoints are laid out like Open-MAGVIT2's (the same repository and training code:
+``{"state_dict": ...}`` with ``loss.*`` and LitEma's ``model_ema.*``; every published config
+trains with ``use_ema: True`` and the evaluation scripts run inside ``ema_scope()``), so the
+reading, the EMA choice and the refusals are ``magvit2_import``'s. What differs is the
+model: the taming VQGAN encoder/decoder with ``quant_conv`` / ``post_quant_conv`` and the
+codebook ``quantize.embedding.weight``. Every one of those tensors is checked under IBQ's
+own names and shapes (errors name them as the checkpoint does), then renamed onto vqserve's
+rebuild (``RENAMES``: taming's ``down.{i}.block.{j}`` is LlamaGen's
+``conv_blocks.{i}.res.{j}``, decoder levels counted from the lowest resolution).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from vqserve.model.atomic import atomic_directory
+from vqserve.model.families.base import read_config_json
+from vqserve.model.families.ibq import (
+    FORMAT,
+    PRESETS,
+    REFERENCE_COMMIT,
+    WEIGHTS_NAME,
+    IbqConfig,
+    IbqTokenizer,
+    write_config,
+)
+from vqserve.model.families.llamagen_import import CheckpointError, read_checkpoint
+from vqserve.model.families.magvit2_import import (
+    RESAVE_HINT,
+    WEIGHT_CHOICES,
+    _sha256,
+    select_state,
+    tokenizer_weights,
+)
+
+IBQ_OWN = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "quantize.")
+# IBQ (taming) name -> vqserve name; "{r}" is the decoder level counted from the lowest resolution
+RENAMES = (
+    (r"encoder\.down\.(\d+)\.block\.(\d+)\.(.*)", "encoder.conv_blocks.{0}.res.{1}.{2}"),
+    (r"encoder\.down\.(\d+)\.attn\.(\d+)\.(.*)", "encoder.conv_blocks.{0}.attn.{1}.{2}"),
+    (r"encoder\.down\.(\d+)\.downsample\.(.*)", "encoder.conv_blocks.{0}.downsample.{1}"),
+    (r"decoder\.up\.(\d+)\.block\.(\d+)\.(.*)", "decoder.conv_blocks.{r}.res.{1}.{2}"),
+    (r"decoder\.up\.(\d+)\.attn\.(\d+)\.(.*)", "decoder.conv_blocks.{r}.attn.{1}.{2}"),
+    (r"decoder\.up\.(\d+)\.upsample\.(.*)", "decoder.conv_blocks.{r}.upsample.{1}"),
+    (r"(encoder|decoder)\.mid\.block_1\.(.*)", "{0}.mid.0.{1}"),
+    (r"(encoder|decoder)\.mid\.attn_1\.(.*)", "{0}.mid.1.{1}"),
+    (r"(encoder|decoder)\.mid\.block_2\.(.*)", "{0}.mid.2.{1}"),
+    (r"quant_conv\.(.*)", "encoder.quant_conv.{0}"),
+    (r"post_quant_conv\.(.*)", "decoder.post_quant_conv.{0}"),
+    (r"quantize\.embedding\.weight", "quantizer.embedding"),
+)
+# vqserve name -> IBQ name (the inverse), to name expected tensors as the checkpoint does
+INVERSE = (
+    (r"encoder\.conv_blocks\.(\d+)\.res\.(\d+)\.(.*)", "encoder.down.{0}.block.{1}.{2}"),
+    (r"encoder\.conv_blocks\.(\d+)\.attn\.(\d+)\.(.*)", "encoder.down.{0}.attn.{1}.{2}"),
+    (r"encoder\.conv_blocks\.(\d+)\.downsample\.(.*)", "encoder.down.{0}.downsample.{1}"),
+    (r"decoder\.conv_blocks\.(\d+)\.res\.(\d+)\.(.*)", "decoder.up.{r}.block.{1}.{2}"),
+    (r"decoder\.conv_blocks\.(\d+)\.attn\.(\d+)\.(.*)", "decoder.up.{r}.attn.{1}.{2}"),
+    (r"decoder\.conv_blocks\.(\d+)\.upsample\.(.*)", "decoder.up.{r}.upsample.{1}"),
+    (r"(encoder|decoder)\.mid\.0\.(.*)", "{0}.mid.block_1.{1}"),
+    (r"(encoder|decoder)\.mid\.1\.(.*)", "{0}.mid.attn_1.{1}"),
+    (r"(encoder|decoder)\.mid\.2\.(.*)", "{0}.mid.block_2.{1}"),
+    (r"encoder\.quant_conv\.(.*)", "quant_conv.{0}"),
+    (r"decoder\.post_quant_conv\.(.*)", "post_quant_conv.{0}"),
+    (r"quantizer\.embedding", "quantize.embedding.weight"),
+)
+
+
+def _rename(name: str, table: tuple[tuple[str, str], ...], levels: int) -> str:
+    for pattern, template in table:
+        m = re.fullmatch(pattern, name)
+        if m:
+            groups = m.groups()
+            flipped = levels - 1 - int(groups[0]) if "{r}" in template else None
+            return template.format(*groups, r=flipped)
+    return name
+
+
+def to_vqserve_name(name: str, levels: int) -> str:
+    return _rename(name, RENAMES, levels)
+
+
+def to_ibq_name(name: str, levels: int) -> str:
+    return _rename(name, INVERSE, levels)
+
+
+def _shape(state: dict, key: str, where: str) -> tuple[int, ...]:
+    if key not in state:
+        magvit2 = any(k.startswith("encoder.mid_block.") for k in state)
+        hint = " (an Open-MAGVIT2 checkpoint? use `vqserve import magvit2`)" if magvit2 else ""
+        raise CheckpointError(f"{where}: missing {key}; this is not an IBQ tokenizer state dict{hint}")
+    return tuple(state[key].shape)
+
+
+def _levels(state: dict, pattern: str) -> set[int]:
+    rx = re.compile(pattern)
+    return {int(m.group(1)) for k in state if (m := rx.match(k))}
+
+
+def infer_architecture(state: dict, where: str) -> IbqConfig:
+    """The architecture from tensor shapes alone, under IBQ's names; attention must sit on the
+    lowest resolution only (``attn_resolutions`` = [256 / factor], as every published config)."""
+    stem = _shape(state, "encoder.conv_in.weight", where)
+    levels = len(_levels(state, r"encoder\.down\.(\d+)\."))
+    blocks = len(_levels(state, r"encoder\.down\.0\.block\.(\d+)\."))
+    if levels == 0 or blocks == 0:
+        raise CheckpointError(f"{where}: no encoder.down.N.block.M tensors; this is not an IBQ state dict")
+    for side, pattern in (("encoder", r"encoder\.down\.(\d+)\.attn\."), ("decoder", r"decoder\.up\.(\d+)\.attn\.")):
+        found = _levels(state, pattern)
+        if found != {levels - 1}:
+            raise CheckpointError(f"{where}: {side} attention at levels {sorted(found)}; vqserve supports attention "
+                                  f"on the lowest resolution only (level {levels - 1}, IBQ's attn_resolutions "
+                                  "[16] at 256 px)")
+    base = stem[0]
+    widths = [_shape(state, f"encoder.down.{i}.block.0.conv1.weight", where)[0] for i in range(levels)]
+    if any(w % base for w in widths):
+        raise CheckpointError(f"{where}: level widths {widths} are not multiples of conv_in's {base} channels")
+    codebook = _shape(state, "quantize.embedding.weight", where)
+    if len(codebook) != 2:
+        raise CheckpointError(f"{where}: quantize.embedding.weight must be [codebook_size, dim], got {list(codebook)}")
+    _shape(state, "quant_conv.weight", where)
+    try:
+        return IbqConfig(base_channels=base, ch_mult=[w // base for w in widths], num_res_blocks=blocks,
+                         z_channels=_shape(state, "encoder.conv_out.weight", where)[0],
+                         codebook_size=codebook[0], codebook_dim=codebook[1])
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
+def check_preset(inferred: IbqConfig, preset: str, where: str) -> None:
+    for name, value in asdict(PRESETS[preset]).items():
+        got = getattr(inferred, name)
+        if got != value:
+            raise CheckpointError(f"{where}: --config {preset} expects {name} {value}, the checkpoint has {got} "
+                                  "(leave --config out to import the architecture the weights describe)")
+
+
+def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str) -> None:
+    """Every tensor present, none extra, every shape right, under IBQ's names: one line."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
+                ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
+        raise CheckpointError(f"{where} does not fit the IBQ architecture: {', '.join(parts)}")
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise CheckpointError(f"{where}: {key} has shape {tuple(state[key].shape)}, the config needs {shape}")
+        if not state[key].is_floating_point():
+            raise CheckpointError(f"{where}: {key} must be a floating-point tensor, got {state[key].dtype}")
+
+
+def _refuse_unless_ours(out: Path) -> None:
+    data = read_config_json(out) if out.is_dir() else None
+    if data is None or data.get("format") != FORMAT:
+        raise CheckpointError(f"{out} exists and is not an imported IBQ directory; vqserve will not replace it: "
+                              "choose another --out")
+
+
+def import_ibq(checkpoint: str | os.PathLike, out: str | os.PathLike, preset: str | None = None,
+               weights: str = "auto", force: bool = False) -> tuple[Path, IbqConfig, str]:
+    """Convert ``checkpoint`` into the directory ``out``; returns (out, architecture, "ema" or "raw").
+    Everything is checked before anything is written; the directory appears whole or not at all."""
+    src, out = Path(checkpoint), Path(out)
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {preset!r}")
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"--weights must be one of {list(WEIGHT_CHOICES)}, got {weights!r}")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise CheckpointError(f"{out} already exists; choose a new --out (or --force to replace an "
+                                  "earlier `vqserve import ibq` output)")
+        _refuse_unless_ours(out)
+    where = str(src)
+    checkpoint_obj = read_checkpoint(src, resave_hint=RESAVE_HINT)
+    state, key = select_state(checkpoint_obj, where)
+    arch = infer_architecture(state, where)
+    if preset is not None:
+        check_preset(arch, preset, where)
+    levels = len(arch.ch_mult)
+    with torch.device("meta"):
+        shapes = {to_ibq_name(k, levels): tuple(v.shape) for k, v in IbqTokenizer(arch).state_dict().items()}
+    tensors, used, dropped = tokenizer_weights(state, list(shapes), weights, where, own=IBQ_OWN, model="IBQ's model")
+    check_tensors({k: v for k, v in state.items() if k.startswith(IBQ_OWN)}, shapes, where)  # the trained ones
+    if used == "ema":
+        check_tensors(tensors, shapes, f"{where} (EMA weights)")
+    tokenizer = IbqTokenizer(arch)
+    tokenizer.load_state_dict({to_vqserve_name(k, levels): v.to(torch.float32) for k, v in tensors.items()},
+                              strict=True)
+    info = checkpoint_obj if key == "state_dict" else {}
+    meta = {"imported_from": src.name, "source_sha256": _sha256(src), "state_key": key, "weights": used,
+            "dropped_training_only": dropped, "reference": f"TencentARC/SEED-Voken@{REFERENCE_COMMIT}",
+            **{k: info[k] for k in ("pytorch-lightning_version", "global_step", "epoch")
+               if isinstance(info.get(k), (int, str))},
+            **({"preset": preset} if preset else {})}
+    weights_out = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tokenizer.state_dict().items()}
+    with atomic_directory(out, check_replace=_refuse_unless_ours) as staged:
+        write_config(arch, meta, staged)
+        save_file(weights_out, str(staged / WEIGHTS_NAME), metadata={"format": "pt"})
+    return out, arch, used

@@ -1,0 +1,90 @@
+"""How many tokens an IBQ tokenizer flips in bf16: run naively vs through vqserve.
+
+"Naively" is ``model.to(torch.bfloat16)``: the encoder runs in bf16 *and* IBQ's index rule
+(``max(softmax(z . codebook))``) runs in bf16. With 8 significant bits, the probabilities of
+many codes round to the same value and ``max`` keeps the lowest index among them, so the
+search itself flips tokens. vqserve keeps the rule in fp32 (``SoftmaxMaxVQ``) and, by
+default, the encoder's residual stream in fp32. Each path is compared with the fp32 indices,
+which equal the original code's (tests/test_family_ibq.py)::
+
+    python -m vqserve.model.families.ibq_precision --model DIR --photos A.jpg B.jpg ... [--size 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+
+import numpy as np
+import torch
+
+from vqserve.model.families.ibq_quantizer import softmax_max_index
+from vqserve.model.families.llamagen_precision import VqservePath, load_photo
+from vqserve.model.precision import parse_dtype
+from vqserve.model.tokenizer import pixels_to_float
+
+
+class NaivePath:
+    """The whole encoder cast to ``dtype``, and IBQ's rule on the cast latents and codebook
+    (``fp32_island=True``: vqserve's fp32 rule on the same latents instead)."""
+
+    def __init__(self, tokenizer, dtype: str | torch.dtype, fp32_island: bool = False):
+        dtype = parse_dtype(dtype)
+        self.pixel_range = tokenizer.pixel_range
+        self.encoder = copy.deepcopy(tokenizer.encoder).to(dtype).eval()
+        self.quantizer = tokenizer.quantizer
+        self.codebook = tokenizer.quantizer.embedding.to(dtype)
+        self.fp32_island = fp32_island
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        latents = self.encoder(pixels_to_float(images, self.pixel_range))
+        if self.fp32_island:
+            return self.quantizer(latents.permute(0, 2, 3, 1))[1]
+        return softmax_max_index(latents, self.codebook)
+
+
+def flip_rates(tokenizer, images: torch.Tensor, dtype: str | torch.dtype = "bf16") -> dict[str, float]:
+    """Fraction of all tokens that differ from fp32 per path, images one at a time:
+    ``naive``, ``vqserve_island_only`` (cast encoder, fp32 rule), ``vqserve`` (as served)."""
+    paths = {"naive": NaivePath(tokenizer, dtype), "vqserve_island_only": NaivePath(tokenizer, dtype, True),
+             "vqserve": VqservePath(tokenizer, dtype)}
+    flips = dict.fromkeys(paths, 0)
+    total = 0
+    for image in images.split(1):
+        ref = tokenizer.encode(image)
+        total += ref.numel()
+        for name, path in paths.items():
+            flips[name] += int((path(image) != ref).sum())
+    return {name: count / total for name, count in flips.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vqserve.model.families.ibq_precision",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="an imported IBQ directory (vqserve import ibq)")
+    parser.add_argument("--photos", nargs="+", required=True, help="image files")
+    parser.add_argument("--size", type=int, default=256, help="square crop side in pixels (default 256)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="low precision (default bf16)")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    from vqserve.model.checkpoint import load_tokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(args.model)
+    images = torch.from_numpy(np.stack([load_photo(p, args.size) for p in args.photos]))
+    rates = flip_rates(tokenizer, images, args.dtype)
+    result = {"model": args.model, "dtype": args.dtype, "photos": len(args.photos), "size": args.size,
+              "tokens": int(images.shape[0] * (args.size // tokenizer.factor) ** 2), "flip_rate": rates}
+    for name, rate in rates.items():
+        print(f"{name:>22}: {100 * rate:.2f}% of tokens differ from fp32 ({args.dtype})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The Open-MAGVIT2 family: TencentARC's LFQ image tokenizers (2^18 codes), imported once, served by vqserve.
+
+Open-MAGVIT2 (github.com/TencentARC/SEED-Voken, formerly TencentARC/Open-MAGVIT2) publishes
+its tokenizers as Lightning ``.ckpt`` pickles (``imagenet_256_L.ckpt``, ``imagenet_128_L.ckpt``,
+``pretrain256_262144.ckpt``, ``pretrain256_16384.ckpt``). vqserve never unpickles them at
+serving time: ``vqserve import magvit2 CHECKPOINT --out DIR`` (``magvit2_import``) reads one
+with ``torch.load(weights_only=True)`` and writes a directory this family owns:
+
+* ``config.json``: ``{"format": "vqserve-magvit2", "version": 1, <architecture>, "meta": {...}}``,
+* ``model.safetensors``: the encoder and decoder weights under the original's names (the
+  LFQ quantizer has no weights: its codebook is the corners of the hypercube).
+
+The networks (``magvit2_networks``) are the original's, rebuilt op for op; the quantizer is
+vqserve's LFQ in fp32 with Open-MAGVIT2's bit order (``LsbFirstLFQ``). Indices equal the
+original code's in fp32 (tests/test_family_magvit2.py, against fixtures made by the original).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.magvit2_networks import GROUPS, Magvit2Decoder, Magvit2Encoder
+from vqserve.model.quantizers.lfq import LFQ
+from vqserve.model.tokenizer import TokenizerBase
+
+FORMAT = "vqserve-magvit2"
+VERSION = 1
+WEIGHTS_NAME = "model.safetensors"
+FAMILY_NAME = "magvit2"
+# The SEED-Voken commit whose Open-MAGVIT2 code this architecture follows (and the fixtures came from).
+REFERENCE_COMMIT = "b9a17eac8e2c0779c12a5429b0bfd6c502788484"
+MAX_BITS = 30  # vqserve's LFQ limit (int64 indices, 2^30 codes)
+
+
+class LsbFirstLFQ(LFQ):
+    """vqserve's LFQ with Open-MAGVIT2's index convention: channel k is bit k, least
+    significant first (``index = sum_k [z_k > 0] * 2^k``); vqserve's own LFQ (and
+    vector-quantize-pytorch's) put channel 0 in the most significant bit.
+
+    Everything else is the same sign rule: a channel is bit 1 when ``z > 0`` (0, -0 and NaN
+    give 0), the code is +-1. Open-MAGVIT2's ``LFQ.forward`` gives these indices and
+    ``get_codebook_entry`` these codes (tests/test_family_magvit2.py). Its autoregressive
+    stage splits an 18-bit index into two 9-bit sub-tokens (token factorization): ``pre =
+    index & 511`` (channels 0-8) and ``post = index >> 9`` (channels 9-17). Inference only
+    (served models are not trained here), so no entropy codebook is built."""
+
+    def __init__(self, dim: int):
+        super().__init__(dim, entropy_loss_weight=0.0, commitment_loss_weight=0.0, max_entropy_codebook=0)
+        self.register_buffer("mask", 2 ** torch.arange(dim, dtype=torch.int64), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, codebook_size={self.codebook_size}, bit_order=lsb_first"
+
+
+@dataclass
+class Magvit2Config:
+    """The ``ddconfig`` of Open-MAGVIT2's ``VQModel`` that shapes the weights: ``ch``,
+    ``ch_mult``, ``num_res_blocks``, ``z_channels`` (= ``embed_dim`` = log2 ``n_embed``: one
+    latent channel per LFQ bit). The defaults are the ImageNet 256 model; ``PRESETS`` has the rest."""
+
+    base_channels: int = 128
+    ch_mult: list[int] = field(default_factory=lambda: [1, 1, 2, 2, 4])
+    num_res_blocks: int = 4
+    z_channels: int = 18
+
+    def __post_init__(self) -> None:
+        self.ch_mult = [int(m) for m in self.ch_mult] if isinstance(self.ch_mult, list) else self.ch_mult
+        for name in ("base_channels", "num_res_blocks", "z_channels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Open-MAGVIT2 config: {name} must be a positive integer, got {value!r}")
+        if self.z_channels > MAX_BITS:
+            raise ValueError(f"Open-MAGVIT2 config: z_channels (LFQ bits) must be at most {MAX_BITS}, "
+                             f"got {self.z_channels}")
+        if not isinstance(self.ch_mult, list) or not self.ch_mult or min(self.ch_mult) < 1:
+            raise ValueError(f"Open-MAGVIT2 config: ch_mult must be a non-empty list of positive integers, "
+                             f"got {self.ch_mult!r}")
+        widths = [self.base_channels * m for m in self.ch_mult]
+        if any(w % GROUPS for w in [self.base_channels, *widths]):
+            raise ValueError(f"Open-MAGVIT2 config: base_channels and base_channels x ch_mult must be "
+                             f"multiples of {GROUPS} (GroupNorm groups), got {[self.base_channels, *widths]}")
+
+    @property
+    def factor(self) -> int:
+        return 2 ** (len(self.ch_mult) - 1)
+
+    @property
+    def codebook_size(self) -> int:
+        return 2 ** self.z_channels
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = CONFIG_NAME) -> Magvit2Config:
+        """Strict: an unknown key or another format/version is an error naming it."""
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
+        if data.get("version") != VERSION:
+            raise ValueError(f"{where}: version {data.get('version')!r} is not supported (this vqserve reads {VERSION})")
+        known = {f.name for f in fields(cls)}
+        body = {k: v for k, v in data.items() if k not in ("format", "version", "meta")}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown Open-MAGVIT2 config keys {unknown}")
+        try:
+            return cls(**body)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    def family_config(self) -> FamilyConfig:
+        return FamilyConfig(family=FAMILY_NAME, factor=self.factor, codebook_size=self.codebook_size,
+                            latent_dim=self.z_channels, quantizer="lfq", source=self.to_dict())
+
+
+# The published checkpoints' configurations (configs/Open-MAGVIT2/gpu/*.yaml at REFERENCE_COMMIT).
+PRESETS: dict[str, Magvit2Config] = {
+    "imagenet-256": Magvit2Config(),                                   # imagenet_256_L.ckpt, factor 16
+    "imagenet-128": Magvit2Config(ch_mult=[1, 2, 2, 4]),               # imagenet_128_L.ckpt, factor 8
+    "pretrain-262144": Magvit2Config(),                                # pretrain256_262144.ckpt
+    "pretrain-16384": Magvit2Config(z_channels=14),                    # pretrain256_16384.ckpt
+}
+
+
+class Magvit2Tokenizer(TokenizerBase):
+    """Open-MAGVIT2's tokenizer as a vqserve tokenizer: the same indices in fp32, LFQ always fp32.
+
+    ``pixel_range`` is (0, 255): the encoder receives float pixels unchanged and applies the
+    original's normalisation; the decoder returns the original's own uint8 values as floats.
+    """
+
+    pixel_range = (0.0, 255.0)
+
+    def __init__(self, arch: Magvit2Config):
+        super().__init__()
+        self.arch = arch
+        self.config = arch.family_config()
+        common = dict(base_channels=arch.base_channels, ch_mult=arch.ch_mult,
+                      num_res_blocks=arch.num_res_blocks, z_channels=arch.z_channels)
+        self.encoder = Magvit2Encoder(**common)
+        self.quantizer = LsbFirstLFQ(arch.z_channels)
+        self.decoder = Magvit2Decoder(**common)
+
+
+def load_weights(tokenizer: Magvit2Tokenizer, state: dict[str, torch.Tensor], where: str) -> None:
+    """Strict load with one line naming the first missing / unexpected / mis-shaped tensor."""
+    expected = tokenizer.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
+                ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
+        raise ValueError(f"{where} does not fit the Open-MAGVIT2 architecture: {', '.join(parts)}")
+    for key, tensor in expected.items():
+        got = state[key]
+        if not torch.is_tensor(got) or tuple(got.shape) != tuple(tensor.shape):
+            shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
+            raise ValueError(f"{where}: {key} has shape {shape}, the config needs {tuple(tensor.shape)}")
+        if not got.is_floating_point():
+            raise ValueError(f"{where}: {key} must be a floating-point tensor, got {got.dtype}")
+    tokenizer.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+
+
+def read_weights(path: Path, importer: str = FAMILY_NAME) -> dict[str, torch.Tensor]:
+    """``model.safetensors`` of an imported directory; anything else (a pickle saved under
+    that name, a truncated file) is one line, and nothing is unpickled."""
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        detail = " ".join(str(exc).split())[:160] or type(exc).__name__
+        raise ValueError(f"{path}: not a readable safetensors file ({detail}); vqserve reads weights from "
+                         f"safetensors only: import the checkpoint again with `vqserve import {importer}`") from None
+
+
+class Magvit2Family(Family):
+    name = FAMILY_NAME
+    description = "Open-MAGVIT2 LFQ tokenizers (TencentARC SEED-Voken), converted once by `vqserve import magvit2`"
+    weights_name = WEIGHTS_NAME
+
+    def claims(self, config: dict) -> bool:
+        return config.get("format") == FORMAT
+
+    def architecture(self, path: Path) -> Magvit2Config:
+        data = read_config_json(path)
+        if data is None:
+            raise ValueError(f"{path / CONFIG_NAME} is missing or not a JSON object")
+        return Magvit2Config.from_dict(data, str(path / CONFIG_NAME))
+
+    def read_config(self, path: Path) -> FamilyConfig:
+        return self.architecture(path).family_config()
+
+    def load(self, path: Path, device: str | torch.device = "cpu") -> Magvit2Tokenizer:
+        arch = self.architecture(path)
+        self.check_files(path)
+        tokenizer = Magvit2Tokenizer(arch)
+        load_weights(tokenizer, read_weights(path / WEIGHTS_NAME), str(path / WEIGHTS_NAME))
+        return tokenizer.to(device).eval()
+
+
+def write_config(arch: Magvit2Config, meta: dict, target: Path) -> None:
+    (target / CONFIG_NAME).write_text(json.dumps({**arch.to_dict(), "meta": meta}, indent=2) + "\n")
+
+
+MAGVIT2 = Magvit2Family()

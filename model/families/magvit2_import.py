@@ -1,0 +1,227 @@
+"""``vqserve import magvit2``: an Open-MAGVIT2 Lightning ``.ckpt`` -> a vqserve model directory, once.
+
+Open-MAGVIT2 publishes its tokenizers as Lightning checkpoints: ``torch.save`` pickles of
+``{"state_dict": ..., "epoch", "global_step", "pytorch-lightning_version", "loops",
+"callbacks", "optimizer_states", "lr_schedulers", ...}``. A full unpickle runs whatever code
+the file names, so this reads it with ``torch.load(weights_only=True)`` only (tensors,
+containers, plain values; a genuine Lightning 2.2 checkpoint of Open-MAGVIT2's ``VQModel``
+reads this way, tests/fixtures/magvit2/layout.json); a pickle that names anything else is
+refused with one line before anything is written. A ``.safetensors`` file (a state dict)
+is read as such.
+
+The state dict holds more than the tokenizer: ``loss.*`` (discriminator, LPIPS) and, since
+every published config trains with ``use_ema: True``, ``model_ema.*``: LitEma's shadow copy
+of every parameter, named with the dots removed (``encoder.conv_in.weight`` ->
+``model_ema.encoderconv_inweight``). Open-MAGVIT2's own evaluation and reconstruction scripts
+run the model inside ``ema_scope()``, i.e. with the EMA weights; so does this import by
+default (``weights="auto"``: EMA when the checkpoint has it), ``"raw"`` takes the trained
+weights instead. Every encoder/decoder tensor is checked by name and shape against the
+architecture inferred from the shapes (or against ``--config``); ``loss.*`` and ``model_ema.*``
+are dropped (counted in ``meta``); any other tensor is an error, because it means another
+model (an IBQ checkpoint has ``quant_conv``, a video tokenizer 3-D kernels).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from vqserve.model.atomic import atomic_directory
+from vqserve.model.families.base import read_config_json
+from vqserve.model.families.llamagen_import import CheckpointError, read_checkpoint
+from vqserve.model.families.magvit2 import (
+    FORMAT,
+    PRESETS,
+    REFERENCE_COMMIT,
+    WEIGHTS_NAME,
+    Magvit2Config,
+    Magvit2Tokenizer,
+    load_weights,
+    write_config,
+)
+
+RESAVE_HINT = ("re-save just its weights: torch.save({'state_dict': ckpt['state_dict']}, 'clean.ckpt') "
+               "where you trust it")
+TRAINING_ONLY = ("loss.", "model_ema.")  # dropped: the training loss and LitEma's shadow weights
+EMA_PREFIX = "model_ema."
+WEIGHT_CHOICES = ("auto", "ema", "raw")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / torch.compile wrappers
+
+
+def select_state(checkpoint: object, where: str) -> tuple[dict[str, torch.Tensor], str]:
+    """(the state dict, where it came from): a Lightning checkpoint's ``"state_dict"``, or a
+    bare state dict (a ``.safetensors`` file, a re-saved ``.pt``)."""
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{where}: expected a Lightning checkpoint (a dict with 'state_dict') or a "
+                              f"state dict, got {type(checkpoint).__name__}")
+    if "state_dict" in checkpoint:
+        state, key = checkpoint["state_dict"], "state_dict"
+    elif any(isinstance(k, str) and k.endswith("encoder.conv_in.weight") for k in checkpoint):
+        state, key = checkpoint, ""
+    else:
+        raise CheckpointError(f"{where}: no 'state_dict' in the checkpoint (its keys: "
+                              f"{sorted(map(str, checkpoint))[:10]}); this is not a Lightning checkpoint")
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError(f"{where}: {key or 'the checkpoint'} is not a non-empty dict of tensors")
+    bad = next((k for k, v in state.items() if not isinstance(k, str) or not torch.is_tensor(v)), None)
+    if bad is not None:
+        raise CheckpointError(f"{where}: {key or 'state'}[{bad!r}] is not a tensor (got {type(state[bad]).__name__})")
+    for prefix in WRAPPER_PREFIXES:
+        if all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    return state, key
+
+
+def _shape(state: dict, key: str, where: str) -> tuple[int, ...]:
+    if key not in state:
+        raise CheckpointError(f"{where}: missing {key}; this is not an Open-MAGVIT2 tokenizer state dict")
+    return tuple(state[key].shape)
+
+
+def _count(state: dict, pattern: str) -> int:
+    rx = re.compile(pattern)
+    return len({m.group(1) for k in state if (m := rx.match(k))})
+
+
+def infer_architecture(state: dict, where: str) -> Magvit2Config:
+    """``ch``, ``ch_mult``, ``num_res_blocks`` and ``z_channels`` from tensor shapes alone."""
+    stem = _shape(state, "encoder.conv_in.weight", where)
+    if len(stem) != 4:
+        raise CheckpointError(f"{where}: encoder.conv_in.weight has shape {list(stem)}, expected a 2-D "
+                              "convolution [ch, 3, 3, 3] (a video tokenizer is not supported)")
+    base = stem[0]
+    levels = _count(state, r"encoder\.down\.(\d+)\.")
+    blocks = _count(state, r"encoder\.down\.0\.block\.(\d+)\.")
+    if levels == 0 or blocks == 0:
+        raise CheckpointError(f"{where}: no encoder.down.N.block.M tensors; this is not an Open-MAGVIT2 state dict")
+    widths = [_shape(state, f"encoder.down.{i}.block.0.conv1.weight", where)[0] for i in range(levels)]
+    if any(w % base for w in widths):
+        raise CheckpointError(f"{where}: level widths {widths} are not multiples of conv_in's {base} channels")
+    z_channels = _shape(state, "encoder.conv_out.weight", where)[0]
+    try:
+        return Magvit2Config(base_channels=base, ch_mult=[w // base for w in widths], num_res_blocks=blocks,
+                             z_channels=z_channels)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
+def check_preset(inferred: Magvit2Config, preset: str, where: str) -> None:
+    for name, value in asdict(PRESETS[preset]).items():
+        got = getattr(inferred, name)
+        if got != value:
+            raise CheckpointError(f"{where}: --config {preset} expects {name} {value}, the checkpoint has {got} "
+                                  "(leave --config out to import the architecture the weights describe)")
+
+
+def ema_name(name: str) -> str:
+    """LitEma's buffer name for parameter ``name`` (dots removed, as it registers them)."""
+    return EMA_PREFIX + name.replace(".", "")
+
+
+MAGVIT2_OWN = ("encoder.", "decoder.")  # the tokenizer's tensors in Open-MAGVIT2's VQModel
+
+
+def tokenizer_weights(state: dict, expected: list[str], weights: str, where: str,
+                      own: tuple[str, ...] = MAGVIT2_OWN,
+                      model: str = "Open-MAGVIT2's VQModel") -> tuple[dict[str, torch.Tensor], str, dict[str, int]]:
+    """(the tokenizer's tensors under the checkpoint's names, "ema" or "raw", dropped tensor
+    counts per group). ``expected``: the tokenizer's tensor names as the checkpoint names them;
+    ``own``: their prefixes. Refuses a tensor outside ``own`` and the training-only groups,
+    and, for EMA, a missing or ambiguous shadow. Shared by the SEED-Voken families (IBQ too)."""
+    stray = sorted(k for k in state if not k.startswith((*own, *TRAINING_ONLY)))
+    if stray:
+        hint = " (an IBQ checkpoint? use `vqserve import ibq`)" if stray[0].startswith("quant") else ""
+        raise CheckpointError(f"{where}: {len(stray)} tensor(s) that {model} does not have "
+                              f"(first {stray[0]}){hint}")
+    has_ema = any(ema_name(k) in state for k in expected)
+    if weights == "ema" and not has_ema:
+        raise CheckpointError(f"{where}: --weights ema, but the checkpoint has no model_ema.* tensors for the "
+                              "encoder/decoder (it was not trained with use_ema); use --weights raw")
+    use_ema = has_ema and weights != "raw"
+    dropped: dict[str, int] = {}
+    for k in state:
+        if k.startswith(TRAINING_ONLY):
+            group = k.split(".")[0]
+            dropped[group] = dropped.get(group, 0) + 1
+    out = {k: v for k, v in state.items() if k.startswith(own)}
+    if not use_ema:
+        return out, "raw", dropped
+    shadows: dict[str, str] = {}
+    ema: dict[str, torch.Tensor] = {}
+    for k in expected:
+        name = ema_name(k)
+        if name in shadows:
+            raise CheckpointError(f"{where}: {k} and {shadows[name]} share the EMA name {name}; "
+                                  "import with --weights raw")
+        shadows[name] = k
+        if name not in state:
+            raise CheckpointError(f"{where}: the checkpoint has EMA weights but not {name} (for {k}); "
+                                  "import with --weights raw to use the trained weights")
+        ema[k] = state[name]
+    return ema, "ema", dropped
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _refuse_unless_ours(out: Path) -> None:
+    """Called right before an existing ``out`` would be replaced (and so deleted)."""
+    data = read_config_json(out) if out.is_dir() else None
+    if data is None or data.get("format") != FORMAT:
+        raise CheckpointError(f"{out} exists and is not an imported Open-MAGVIT2 directory; vqserve will not "
+                              "replace it: choose another --out")
+
+
+def import_magvit2(checkpoint: str | os.PathLike, out: str | os.PathLike, preset: str | None = None,
+                   weights: str = "auto", force: bool = False) -> tuple[Path, Magvit2Config, str]:
+    """Convert ``checkpoint`` into the directory ``out`` (config.json + model.safetensors);
+    returns (out, architecture, "ema" or "raw").
+
+    Everything is checked before anything is written; the directory appears whole or not at
+    all. ``out`` must not exist, unless ``force`` and it is an earlier import (then replaced).
+    """
+    src, out = Path(checkpoint), Path(out)
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {preset!r}")
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"--weights must be one of {list(WEIGHT_CHOICES)}, got {weights!r}")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise CheckpointError(f"{out} already exists; choose a new --out (or --force to replace an "
+                                  "earlier `vqserve import magvit2` output)")
+        _refuse_unless_ours(out)
+    where = str(src)
+    checkpoint_obj = read_checkpoint(src, resave_hint=RESAVE_HINT)
+    state, key = select_state(checkpoint_obj, where)
+    arch = infer_architecture(state, where)
+    if preset is not None:
+        check_preset(arch, preset, where)
+    tokenizer = Magvit2Tokenizer(arch)
+    expected = list(tokenizer.state_dict())
+    tensors, used, dropped = tokenizer_weights(state, expected, weights, where)
+    if used == "ema":  # the trained weights are checked too: every key and shape of the file
+        load_weights(tokenizer, {k: v for k, v in state.items() if k.startswith(("encoder.", "decoder."))}, where)
+        where = f"{where} (EMA weights)"
+    load_weights(tokenizer, tensors, where)
+    info = checkpoint_obj if key == "state_dict" else {}
+    meta = {"imported_from": src.name, "source_sha256": _sha256(src), "state_key": key, "weights": used,
+            "dropped_training_only": dropped, "reference": f"TencentARC/SEED-Voken@{REFERENCE_COMMIT}",
+            **{k: info[k] for k in ("pytorch-lightning_version", "global_step", "epoch")
+               if isinstance(info.get(k), (int, str))},
+            **({"preset": preset} if preset else {})}
+    weights_out = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tokenizer.state_dict().items()}
+    with atomic_directory(out, check_replace=_refuse_unless_ours) as staged:
+        write_config(arch, meta, staged)
+        save_file(weights_out, str(staged / WEIGHTS_NAME), metadata={"format": "pt"})
+    return out, arch, used

@@ -1,0 +1,281 @@
+"""The IBQ family against IBQ's own code: fixtures made once by the original
+(tests/fixtures/ibq, written by scripts/make_magvit2_fixtures.py ibq-fixtures), its index
+rule's ties, the importer and its refusals, a real gRPC server, `vqserve tokenize`, bf16.
+
+The fixture model is a small random-initialised configuration of the original ``IBQ``
+LightningModule (ch 32, ch_mult [1, 1], one block per level, attention at the lowest
+resolution, z 16, 512 codes of 8 dimensions, factor 2), built with ``use_ema=True``; the
+reference ran with its EMA weights, as IBQ's evaluation scripts do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_family_magvit2 import CodePayload, LossConfig, lightning_checkpoint
+from vqserve.cli import main as cli_main
+from vqserve.model.checkpoint import load_tokenizer
+from vqserve.model.families import family_for
+from vqserve.model.families.ibq import IBQ, PRESETS, IbqTokenizer
+from vqserve.model.families.ibq_import import (
+    import_ibq,
+    infer_architecture,
+    to_ibq_name,
+    to_vqserve_name,
+)
+from vqserve.model.families.ibq_precision import flip_rates
+from vqserve.model.families.ibq_quantizer import SoftmaxMaxVQ, softmax_max_index
+from vqserve.model.tokenizer import pixels_to_float
+
+pytestmark = pytest.mark.timeout(300)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "ibq"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Small convolutions on a shared 2-core box run fastest on one thread."""
+
+
+@pytest.fixture(scope="module")
+def weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(trained, EMA) weights of the reference model under IBQ's names, exact fp32."""
+    stored = load_file(str(FIXTURES / "weights.safetensors"))
+
+    def value(key: str) -> torch.Tensor:
+        return stored[key].to(torch.float32) * 2.0 ** -int(stored[f"{key}#exp"])
+
+    trained = {k: value(k) for k in stored if "#" not in k and not k.startswith("ema:")}
+    return trained, {**trained, **{k[4:]: value(k) for k in stored if "#" not in k and k.startswith("ema:")}}
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURES / "cases.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, weights) -> Path:
+    path = tmp_path_factory.mktemp("ibq") / "imagenet256_small.ckpt"
+    torch.save(lightning_checkpoint(*weights), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def imported(checkpoint, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("imported") / "ibq-small"
+    import_ibq(checkpoint, out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tok(imported) -> IbqTokenizer:
+    return load_tokenizer(imported)
+
+
+# ---- the same tokens and pixels as IBQ's own code (fp32) -------------------------------------
+@pytest.mark.parametrize("case", ["square", "rect"])
+def test_indices_latents_and_pixels_equal_the_original(tok, cases, case):
+    images = cases[f"{case}_images"]
+    indices = tok.encode(images)
+    assert torch.equal(indices, cases[f"{case}_indices"])
+    assert torch.equal(indices, cases[f"{case}_indices_cl"])  # its scripts' channels-last input: the same
+    assert torch.equal(tok.encode_latents(pixels_to_float(images, tok.pixel_range)), cases[f"{case}_latents"])
+    decoded = tok.decode(indices)
+    assert torch.equal(decoded, cases[f"{case}_decoded_uint8"])  # get_codebook_entry -> decode -> uint8
+    one_by_one = torch.cat([tok.decode(indices[i:i + 1]) for i in range(len(indices))])
+    assert torch.equal(one_by_one, cases[f"{case}_decoded1_uint8"])
+    if not bool(cases[f"{case}_recon_same"]):
+        # reconstruct_image.py decodes its straight-through codes (hard - soft + soft), not the
+        # codebook rows: within a level of the decode of the indices
+        assert int((decoded.int() - cases[f"{case}_recon_uint8"].int()).abs().max()) <= 1
+
+
+def test_decode_of_given_indices_equals_the_original(tok, cases):
+    assert torch.equal(tok.decode(cases["given_indices"]), cases["given_decoded_uint8"])
+
+
+def test_ties_break_like_the_original_not_like_argmax_of_the_logits(cases):
+    """Duplicated codes, all-zero logits, and a code whose logit is one ulp larger than another's
+    (softmax gives both the same probability: the original keeps the lower index)."""
+    q = SoftmaxMaxVQ(64, 8)
+    q.embedding.copy_(cases["tie_codebook"])
+    codes, indices = q(cases["tie_z"].permute(0, 2, 3, 1))
+    assert torch.equal(indices, cases["tie_indices"])
+    assert int(indices[0, 0, 0]) == 3 and int(indices[0, 0, 2]) == 0
+    assert int(indices[0, 0, 1]) == 7 and int(cases["tie_logit_argmax"][0, 0, 1]) == 41
+    assert torch.equal(codes, cases["tie_codebook"][indices])
+
+
+def test_search_is_per_image_and_fp32_whatever_the_input():
+    g = torch.Generator().manual_seed(0)
+    q = SoftmaxMaxVQ(4096, 16)
+    q.embedding.copy_(torch.randn(4096, 16, generator=g))
+    z = torch.randn(3, 5, 7, 16, generator=g)
+    _, indices = q(z)
+    assert torch.equal(indices, softmax_max_index(z.permute(0, 3, 1, 2), q.embedding))  # one product, batch of 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        codes, low = q(z.to(torch.bfloat16))
+    assert codes.dtype == torch.bfloat16 and torch.equal(low, q(z.to(torch.bfloat16).float())[1])
+    q.to(torch.bfloat16)
+    assert q.embedding.dtype == torch.float32
+
+
+# ---- architecture and importer ---------------------------------------------------------------
+def test_published_architecture_has_the_original_tensor_names_and_shapes():
+    published = json.loads((FIXTURES / "published_keys.json").read_text())["imagenet-262144"]
+    with torch.device("meta"):
+        ours = IbqTokenizer(PRESETS["imagenet-262144"])
+        shapes = {to_ibq_name(k, 5): list(v.shape) for k, v in ours.state_dict().items()}
+        state = {k: torch.empty(v) for k, v in published.items()}
+    assert shapes == published
+    assert all(to_vqserve_name(to_ibq_name(k, 5), 5) == k for k in ours.state_dict())
+    assert infer_architecture(state, "published") == PRESETS["imagenet-262144"]
+    assert PRESETS["imagenet-1024"].codebook_size == 1024 and PRESETS["imagenet-262144"].factor == 16
+
+
+def test_import_takes_the_ema_weights(imported, checkpoint, cases, tmp_path):
+    path = Path(imported)
+    assert family_for(path) is IBQ
+    meta = json.loads((path / "config.json").read_text())["meta"]
+    assert meta["weights"] == "ema" and meta["dropped_training_only"]["loss"] == 2
+    assert IBQ.read_config(path).codebook_size == 512 and IBQ.read_config(path).factor == 2
+    out, _, used = import_ibq(checkpoint, tmp_path / "raw", weights="raw")
+    assert used == "raw"  # the trained quant_conv differs from its EMA copy: other tokens
+    assert not torch.equal(load_tokenizer(out).encode(cases["rect_images"]), cases["rect_indices"])
+
+
+def test_bad_checkpoints_get_one_line_errors_and_write_nothing(tmp_path, weights):
+    trained, ema = weights
+
+    def save(name: str, obj) -> Path:
+        torch.save(obj, tmp_path / name)
+        return tmp_path / name
+
+    extra_attn = {**trained, "encoder.down.0.attn.0.q.weight": torch.zeros(32, 32, 1, 1)}
+    torch.save({"state_dict": trained}, tmp_path / "pickled.safetensors")
+    magvit2_like = {k: v for k, v in trained.items() if not k.startswith(("quant", "post_quant"))}
+    magvit2_like["encoder.mid_block.0.conv1.weight"] = torch.zeros(1)
+    bad = {
+        "missing key": (save("missing.ckpt", lightning_checkpoint(
+            {k: v for k, v in trained.items() if k != "decoder.conv_out.bias"}, ema)),
+            r"1 missing \(first decoder.conv_out.bias\)"),
+        "wrong shape": (save("wrong.ckpt", lightning_checkpoint(
+            {**trained, "post_quant_conv.weight": torch.zeros(16, 8, 3, 3)}, ema)),
+            r"post_quant_conv.weight has shape \(16, 8, 3, 3\), the config needs \(16, 8, 1, 1\)"),
+        "attention elsewhere": (save("attn.ckpt", {"state_dict": extra_attn}), r"encoder attention at levels \[0, 1\]"),
+        "pickle as safetensors": (tmp_path / "pickled.safetensors", "not a readable safetensors file"),
+        "code payload": (save("evil.ckpt", lightning_checkpoint(trained, ema, hook=CodePayload(tmp_path / "PWNED"))),
+                         r"refused, this pickle holds more than weights"),
+        "lightning hparams class": (save("hparams.ckpt", lightning_checkpoint(
+            trained, ema, hyper_parameters={"lossconfig": LossConfig()})), r"it names \S*LossConfig"),
+        "an Open-MAGVIT2 checkpoint": (save("magvit2.ckpt", {"state_dict": magvit2_like}),
+                                       r"use `vqserve import magvit2`"),
+    }
+    for what, (path, message) in bad.items():
+        out = tmp_path / f"out-{path.stem}"
+        with pytest.raises(ValueError, match=message) as err:
+            import_ibq(path, out)
+        assert "\n" not in str(err.value), what
+        assert not out.exists(), what
+    assert not (tmp_path / "PWNED").exists()
+    with pytest.raises(ValueError, match="--config imagenet-1024 expects base_channels 128"):
+        import_ibq(tmp_path / "missing.ckpt", tmp_path / "x", preset="imagenet-1024")
+
+
+def test_a_model_directory_whose_weights_are_a_pickle_is_refused(imported, tmp_path, weights):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(imported, bad)
+    torch.save(weights[1], bad / "model.safetensors")
+    with pytest.raises(ValueError, match="not a readable safetensors file .*vqserve import ibq") as err:
+        load_tokenizer(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_import(checkpoint, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert cli_main(["import", "ibq", str(checkpoint), "--out", str(out)]) == 0
+    assert "imported IBQ (ema weights; factor 2, 512 codes x 8" in capsys.readouterr().err
+    assert cli_main(["import", "ibq", str(checkpoint), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vqserve import: error:") and "already exists" in err and err.count("\n") == 1
+
+
+# ---- a real server and `vqserve tokenize` ---------------------------------------------------
+def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
+    import pandas as pd
+    from PIL import Image
+
+    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.server import ServerConfig, ServerThread
+
+    cfg = ServerConfig(model=imported, backend="eager", device="cpu", host="127.0.0.1", port=0,
+                       metrics_port=0, max_batch_size=4, max_delay_ms=5, grace_s=5)
+    with ServerThread(cfg) as server, TokenizerClient(server.target, timeout=60) as client:
+        info = client.model_info()
+        assert (info["codebook_size"], info["factor"], info["quantizer"]) == (512, 2, "vq")
+        for case in ("square", "rect"):
+            indices = client.encode(cases[f"{case}_images"].numpy())
+            np.testing.assert_array_equal(indices, cases[f"{case}_indices"].numpy())
+            np.testing.assert_array_equal(client.decode(indices), cases[f"{case}_decoded1_uint8"].numpy())
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    expected = {}
+    for case in ("square", "rect"):
+        for i, image in enumerate(cases[f"{case}_images"].numpy()):
+            Image.fromarray(image).save(photos / f"{case}{i}.png")
+            expected[f"{case}{i}"] = cases[f"{case}_indices"][i].numpy()
+    out = tmp_path / "tokens"
+    assert cli_main(["tokenize", str(photos), "--out", str(out), "--model", imported, "--workers", "0",
+                     "--no-progress"]) == 0
+    rows = pd.read_parquet(out)
+    assert len(rows) == len(expected)
+    for row in rows.itertuples():
+        grid = np.asarray(row.tokens).reshape(row.grid_height, row.grid_width)
+        np.testing.assert_array_equal(grid, expected[Path(row.key).stem])
+
+
+# ---- exports ----------------------------------------------------------------------------------
+PARITY = dict(parity_size=32, parity_count=2)
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=pytest.mark.slow),
+                                 pytest.param("pt2", marks=pytest.mark.slow)])
+def test_export_keeps_the_original_tokens(fmt, imported, tmp_path, cases):
+    from vqserve.export.exporter import export_model
+    from vqserve.export.runtime import load_runtime
+
+    manifest = export_model(imported, fmt, "fp32", tmp_path / fmt, **PARITY)
+    assert manifest["parity"]["index_agreement"] == 1.0
+    island = manifest["fp32_island"]["encode"]
+    assert island["ok"] and manifest["fp32_island"]["decode"]["ok"]
+    assert set(island["quantizer_ops"]) & {"argmax", "ArgMax"}  # the search is inside the island
+    runtime = load_runtime(tmp_path / fmt)
+    for case in ("square", "rect"):
+        np.testing.assert_array_equal(runtime.encode(cases[f"{case}_images"].numpy()), cases[f"{case}_indices"].numpy())
+        decoded = runtime.decode(cases[f"{case}_indices"].numpy()).astype(int)
+        assert np.abs(decoded - cases[f"{case}_decoded_uint8"].numpy().astype(int)).max() <= 1  # ONNX Runtime: 1
+
+
+# ---- bf16 ------------------------------------------------------------------------------------
+def test_bf16_flips_naive_vs_vqserve(tok):
+    """Four scikit-image photographs (64x64 centre crops; random weights): the original cast to
+    bf16 (its softmax search in bf16 included) flips more tokens than vqserve's bf16 path."""
+    from skimage import data
+
+    crops = []
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        img = getattr(data, name)()
+        h, w = img.shape[:2]
+        crops.append(img[h // 2 - 32: h // 2 + 32, w // 2 - 32: w // 2 + 32, :3])
+    rates = flip_rates(tok, torch.from_numpy(np.stack(crops)), "bf16")
+    assert rates["naive"] > rates["vqserve_island_only"] >= 0
+    assert rates["vqserve"] < rates["naive"] / 1.5

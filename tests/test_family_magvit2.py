@@ -1,0 +1,386 @@
+"""The Open-MAGVIT2 family against Open-MAGVIT2's own code: fixtures made once by the original
+(tests/fixtures/magvit2/README.md), the importer and its refusals, a real gRPC server,
+`vqserve tokenize`, bf16.
+
+The fixture model is a small random-initialised configuration of the original ``VQModel``
+(ch 32, ch_mult [2, 1, 1], one block per level, LFQ 10 bits = 1,024 codes, factor 4), built
+with ``use_ema=True`` like every published config; the reference ran with its EMA weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vqserve.cli import main as cli_main
+from vqserve.model.checkpoint import load_tokenizer
+from vqserve.model.families import family_for
+from vqserve.model.families.magvit2 import (
+    MAGVIT2,
+    PRESETS,
+    LsbFirstLFQ,
+    Magvit2Config,
+    Magvit2Tokenizer,
+)
+from vqserve.model.families.magvit2_import import import_magvit2, infer_architecture
+from vqserve.model.families.magvit2_precision import flip_rates, original_lfq_indices
+from vqserve.model.tokenizer import pixels_to_float
+
+pytestmark = pytest.mark.timeout(300)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "magvit2"
+SMALL = Magvit2Config(base_channels=32, ch_mult=[2, 1, 1], num_res_blocks=1, z_channels=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Small convolutions on a shared 2-core box run fastest on one thread."""
+
+
+def _fixture_weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(trained, EMA) weights of the reference model, exact fp32 (stored as int8 x 2^-exp)."""
+    stored = load_file(str(FIXTURES / "weights.safetensors"))
+
+    def value(key: str) -> torch.Tensor:
+        return stored[key].to(torch.float32) * 2.0 ** -int(stored[f"{key}#exp"])
+
+    trained = {k: value(k) for k in stored if "#" not in k and not k.startswith("ema:")}
+    ema = {**trained, **{k[len("ema:"):]: value(k) for k in stored if "#" not in k and k.startswith("ema:")}}
+    return trained, ema
+
+
+@pytest.fixture(scope="module")
+def weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return _fixture_weights()
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURES / "cases.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def layout() -> dict:
+    return json.loads((FIXTURES / "layout.json").read_text())
+
+
+def lightning_checkpoint(trained: dict, ema: dict, **extra) -> dict:
+    """A checkpoint laid out as Lightning 2.2's ``Trainer.save_checkpoint`` writes Open-MAGVIT2's
+    ``VQModel`` (tests/fixtures/magvit2/layout.json): the training loss's tensors, LitEma's
+    shadow weights (dots removed from the names), loops, callbacks, optimizer state."""
+    state = dict(trained)
+    state["loss.discriminator.main.0.weight"] = torch.zeros(8, 3, 4, 4)
+    state["loss.discriminator.main.0.bias"] = torch.zeros(8)
+    state["model_ema.decay"] = torch.tensor(0.999)
+    state["model_ema.num_updates"] = torch.tensor(-1, dtype=torch.int32)
+    for name, value in {**ema, "loss.discriminator.main.0.weight": torch.zeros(8, 3, 4, 4)}.items():
+        state["model_ema." + name.replace(".", "")] = value
+    return {"epoch": 269, "global_step": 1_350_000, "pytorch-lightning_version": "2.2.0", "state_dict": state,
+            "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 270}}}},
+            "callbacks": {"ModelCheckpoint{'monitor': None, 'mode': 'min'}": {
+                "dirpath": "../../checkpoints/vqgan/test", "best_model_score": None,
+                "kth_value": torch.tensor(float("inf")), "best_k_models": {}}},
+            "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4)}},
+                                  "param_groups": [{"lr": 1e-4, "betas": (0.5, 0.9), "params": [0]}]}],
+            "lr_schedulers": [], **extra}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, weights) -> Path:
+    path = tmp_path_factory.mktemp("magvit2") / "imagenet_small.ckpt"
+    torch.save(lightning_checkpoint(*weights), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def imported(checkpoint, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("imported") / "magvit2-small"
+    import_magvit2(checkpoint, out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tok(imported) -> Magvit2Tokenizer:
+    return load_tokenizer(imported)
+
+
+# ---- the same tokens and pixels as Open-MAGVIT2's own code (fp32) --------------------------
+@pytest.mark.parametrize("case", ["square", "rect"])
+def test_indices_latents_and_pixels_equal_the_original(tok, cases, case):
+    images = cases[f"{case}_images"]
+    indices = tok.encode(images)
+    assert torch.equal(indices, cases[f"{case}_indices"])  # 100% of indices, bit order included
+    # the original's reconstruction scripts feed channels-last pixels: the same indices here
+    assert torch.equal(indices, cases[f"{case}_indices_cl"])
+    latents = tok.encode_latents(pixels_to_float(images, tok.pixel_range))
+    assert torch.equal(latents, cases[f"{case}_latents"])  # bit for bit
+    decoded = tok.decode(indices)
+    assert torch.equal(decoded, cases[f"{case}_decoded_uint8"])  # get_codebook_entry -> decode -> uint8
+    # reconstruct_image.py's encode -> decode gave the same pixels (the fixture says so)
+    assert bool(cases[f"{case}_recon_same"]) and f"{case}_recon_uint8" not in cases
+    # one image at a time, as a server's micro-batch of 1 decodes: the original's own pixels
+    # at batch 1 (which differ from its batch-of-2 pixels on 1 of 24,576 values of "square")
+    one_by_one = torch.cat([tok.decode(indices[i:i + 1]) for i in range(len(indices))])
+    assert torch.equal(one_by_one, cases[f"{case}_decoded1_uint8"])
+
+
+def test_decode_of_given_indices_equals_the_original(tok, cases):
+    assert torch.equal(tok.decode(cases["given_indices"]), cases["given_decoded_uint8"])
+    assert torch.equal(tok.decode(cases["row_indices"]), cases["row_decoded_uint8"])  # a 1 x 2 grid
+
+
+def test_lfq_bit_order_and_edge_values_equal_the_original(tok, cases):
+    """Zeros, -0, subnormals, infinities and NaN: bit 1 only for z > 0; channel k is bit k;
+    codes are the original's get_codebook_entry; the AR stage's two sub-tokens are the low
+    and high halves of the same bits."""
+    z = cases["lfq_z"].permute(0, 2, 3, 1)
+    codes, indices = tok.quantizer(z)
+    assert torch.equal(indices, cases["lfq_indices"])
+    assert torch.equal(codes.permute(0, 3, 1, 2), cases["lfq_codes"])
+    assert torch.equal(tok.quantizer.indices_to_codes(indices), codes)
+    half = 2 ** (tok.quantizer.dim // 2)
+    assert torch.equal(indices % half, cases["lfq_factorized_pre"])
+    assert torch.equal(indices // half, cases["lfq_factorized_post"])
+    # bf16 latents: the original's LFQ (and the naive-path emulation) vs vqserve's fp32 island
+    assert torch.equal(original_lfq_indices(cases["lfq_z"].to(torch.bfloat16)), cases["lfq_indices_bf16"])
+    assert torch.equal(tok.quantizer(z.to(torch.bfloat16))[1], cases["lfq_indices_bf16"])
+    one_hot = torch.where(torch.eye(10, dtype=torch.bool), 1.0, -1.0)
+    assert tok.quantizer(one_hot)[1].tolist() == [2 ** k for k in range(10)]  # least significant first
+
+
+def test_quantizer_keeps_fp32_state_and_rejects_bad_indices(tok):
+    q = LsbFirstLFQ(18)
+    q.to(torch.bfloat16)
+    assert q.mask.dtype == torch.int64 and q.codebook_size == 2 ** 18
+    idx = torch.randint(0, 2 ** 18, (3, 5), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(q(q.indices_to_codes(idx))[1], idx)
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, 1023\]"):
+        tok.decode(torch.full((1, 2, 2), 1024))
+    with pytest.raises(ValueError, match="multiples of the downsampling factor 4"):
+        tok.encode(torch.zeros(1, 6, 8, 3, dtype=torch.uint8))
+
+
+# ---- architecture: the published configurations -----------------------------------------------
+def test_published_architectures_have_the_original_tensor_names_and_shapes():
+    """Tensor names and shapes of the original VQModel at full size (published_keys.json,
+    written by the reference code) equal vqserve's; the shapes alone give back the preset."""
+    published = json.loads((FIXTURES / "published_keys.json").read_text())
+    for name, keys in published.items():
+        with torch.device("meta"):
+            ours = Magvit2Tokenizer(PRESETS[name])
+        shapes = {k: list(v.shape) for k, v in ours.state_dict().items()}
+        assert shapes == keys, name
+        with torch.device("meta"):
+            state = {k: torch.empty(v) for k, v in keys.items()}
+        assert infer_architecture(state, name) == PRESETS[name]
+    assert PRESETS["imagenet-256"].factor == 16 and PRESETS["imagenet-128"].factor == 8
+    assert PRESETS["imagenet-256"].codebook_size == 262_144 and PRESETS["pretrain-16384"].codebook_size == 16_384
+
+
+# ---- the importer -----------------------------------------------------------------------------
+def test_import_takes_the_ema_weights_like_the_original_scripts(imported, checkpoint, layout, weights, cases,
+                                                                 tmp_path):
+    ckpt = torch.load(checkpoint, weights_only=True)
+    assert sorted(ckpt) == layout["checkpoint"]["top_level_keys"]  # the layout Lightning writes
+    path = Path(imported)
+    assert family_for(path) is MAGVIT2
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+    meta = json.loads((path / "config.json").read_text())["meta"]
+    assert meta["weights"] == "ema" and meta["state_key"] == "state_dict" and meta["global_step"] == 1_350_000
+    assert meta["dropped_training_only"] == {"loss": 2, "model_ema": len(weights[1]) + 3}
+    assert MAGVIT2.read_config(path).factor == 4 and MAGVIT2.read_config(path).quantizer == "lfq"
+    # --weights raw: the trained weights, whose conv_out differs, give other tokens
+    out, _, used = import_magvit2(checkpoint, tmp_path / "raw", weights="raw")
+    assert used == "raw"
+    assert not torch.equal(load_tokenizer(out).encode(cases["rect_images"]), cases["rect_indices"])
+    # a bare state dict in a .safetensors file (the EMA weights under their own names)
+    save_file(weights[1], str(tmp_path / "ema.safetensors"))
+    out, _, used = import_magvit2(tmp_path / "ema.safetensors", tmp_path / "st", preset=None)
+    assert used == "raw" and torch.equal(load_tokenizer(out).encode(cases["rect_images"]), cases["rect_indices"])
+
+
+class CodePayload:
+    """Unpickling this would create a directory: proof of code execution if it appears."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+class LossConfig:
+    """A config object pickled into a checkpoint's hyper_parameters (as omegaconf's or
+    Lightning's AttributeDict would be): a class the weights-only reader may not import."""
+
+    def __init__(self):
+        self.target = "src.Open_MAGVIT2.modules.losses.vqperceptual.VQLPIPSWithDiscriminator"
+
+
+def _bad_checkpoints(tmp_path: Path, trained: dict, ema: dict) -> dict[str, tuple[Path, str, dict]]:
+    def save(name: str, obj) -> Path:
+        torch.save(obj, tmp_path / name)
+        return tmp_path / name
+
+    def without(state: dict, key: str) -> dict:
+        return {k: v for k, v in state.items() if k != key}
+
+    wrong = {**trained, "encoder.mid_block.0.conv1.weight": torch.zeros(32, 32, 1, 1)}
+    (tmp_path / "garbage.ckpt").write_bytes(b"not a checkpoint at all")
+    torch.save({"state_dict": trained}, tmp_path / "pickled.safetensors")
+    return {
+        "missing key": (save("missing.ckpt", lightning_checkpoint(without(trained, "decoder.conv_out.bias"), ema)),
+                        r"1 missing \(first decoder.conv_out.bias\)", {}),
+        "wrong shape": (save("wrong.ckpt", lightning_checkpoint(wrong, ema)),
+                        r"encoder.mid_block.0.conv1.weight has shape \(32, 32, 1, 1\), the config needs "
+                        r"\(32, 32, 3, 3\)", {}),
+        "missing EMA": (save("noema.ckpt", {"state_dict": without(lightning_checkpoint(trained, ema)["state_dict"],
+                                                                  "model_ema.decoderconv_outbias")}),
+                        r"has EMA weights but not model_ema.decoderconv_outbias \(for decoder.conv_out.bias\)", {}),
+        "not tensors": (save("strings.ckpt", {"state_dict": {**trained, "encoder.conv_in.weight": "x"}}),
+                        "is not a tensor", {}),
+        "EMA asked, none there": (save("raw.ckpt", {"state_dict": trained}), "--weights ema, but the checkpoint has "
+                                  "no model_ema", {"weights": "ema"}),
+        "pickle as safetensors": (tmp_path / "pickled.safetensors", "not a readable safetensors file", {}),
+        "garbage": (tmp_path / "garbage.ckpt", "not a PyTorch checkpoint torch.load can read", {}),
+        "code payload": (save("evil.ckpt", lightning_checkpoint(trained, ema, hook=CodePayload(tmp_path / "PWNED"))),
+                         r"refused, this pickle holds more than weights \(it names posix.mkdir\).*"
+                         r"torch.save\(\{'state_dict': ckpt\['state_dict'\]\}", {}),
+        "lightning hparams class": (save("hparams.ckpt", lightning_checkpoint(trained, ema, hyper_parameters={
+                                        "lossconfig": LossConfig()})),
+                                    r"refused, this pickle holds more than weights \(it names "
+                                    r"\S*test_family_magvit2.LossConfig\)", {}),
+        "not a dict": (save("list.ckpt", [torch.zeros(1)]), "expected a Lightning checkpoint", {}),
+        "no state_dict": (save("nokey.ckpt", {"optimizer_states": []}), "no 'state_dict' in the checkpoint", {}),
+        "an IBQ checkpoint": (save("ibq.ckpt", {"state_dict": {**trained, "quant_conv.weight": torch.zeros(4, 4, 1, 1)}}),
+                              r"tensor\(s\) that Open-MAGVIT2's VQModel does not have \(first quant_conv.weight\) "
+                              r"\(an IBQ checkpoint\? use `vqserve import ibq`\)", {}),
+        "wrong preset": (save("preset.ckpt", lightning_checkpoint(trained, ema)),
+                         "--config imagenet-256 expects base_channels 128, the checkpoint has 32",
+                         {"preset": "imagenet-256"}),
+    }
+
+
+def test_bad_checkpoints_get_one_line_errors_and_write_nothing(tmp_path, weights):
+    for what, (path, message, kwargs) in _bad_checkpoints(tmp_path, *weights).items():
+        out = tmp_path / f"out-{path.stem}"
+        with pytest.raises(ValueError, match=message) as err:
+            import_magvit2(path, out, **kwargs)
+        assert "\n" not in str(err.value), what
+        assert not out.exists(), what
+    assert not (tmp_path / "PWNED").exists()  # the payload never ran
+
+
+def test_a_model_directory_whose_weights_are_a_pickle_is_refused(imported, tmp_path, weights):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(imported, bad)
+    torch.save(weights[1], bad / "model.safetensors")
+    with pytest.raises(ValueError, match="not a readable safetensors file .*vqserve import magvit2") as err:
+        load_tokenizer(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_import(checkpoint, tmp_path, capsys, cases):
+    out = tmp_path / "cli"
+    assert cli_main(["import", "magvit2", str(checkpoint), "--out", str(out), "--config", "imagenet-128"]) == 2
+    assert "--config imagenet-128 expects" in capsys.readouterr().err
+    assert cli_main(["import", "magvit2", str(checkpoint), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "imported Open-MAGVIT2 (ema weights; factor 4, LFQ 10 bits = 1,024 codes" in err
+    assert f"vqserve serve --model {out}" in err
+    assert cli_main(["import", "magvit2", str(checkpoint), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vqserve import: error:") and "already exists" in err and err.count("\n") == 1
+    assert cli_main(["import", "magvit2", str(checkpoint), "--out", str(out), "--force", "--quiet"]) == 0
+    assert torch.equal(load_tokenizer(out).encode(cases["square_images"]), cases["square_indices"])
+
+
+# ---- a real server and `vqserve tokenize` --------------------------------------------------
+def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
+    import pandas as pd
+    from PIL import Image
+
+    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.server import ServerConfig, ServerThread
+
+    cfg = ServerConfig(model=imported, backend="eager", device="cpu", host="127.0.0.1", port=0,
+                       metrics_port=0, max_batch_size=4, max_delay_ms=5, grace_s=5)
+    with ServerThread(cfg) as server, TokenizerClient(server.target, timeout=60) as client:
+        info = client.model_info()
+        assert (info["codebook_size"], info["factor"], info["quantizer"], info["index_dtype"]) == (1024, 4, "lfq", "uint16")
+        for case in ("square", "rect"):
+            indices = client.encode(cases[f"{case}_images"].numpy())
+            np.testing.assert_array_equal(indices, cases[f"{case}_indices"].numpy())
+            np.testing.assert_array_equal(client.decode(indices), cases[f"{case}_decoded1_uint8"].numpy())
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    expected = {}
+    for case in ("square", "rect"):
+        for i, image in enumerate(cases[f"{case}_images"].numpy()):
+            Image.fromarray(image).save(photos / f"{case}{i}.png")
+            expected[f"{case}{i}"] = cases[f"{case}_indices"][i].numpy()
+    out = tmp_path / "tokens"
+    assert cli_main(["tokenize", str(photos), "--out", str(out), "--model", imported, "--workers", "0",
+                     "--no-progress"]) == 0
+    rows = pd.read_parquet(out)
+    assert len(rows) == len(expected)
+    for row in rows.itertuples():
+        grid = np.asarray(row.tokens).reshape(row.grid_height, row.grid_width)
+        np.testing.assert_array_equal(grid, expected[Path(row.key).stem])
+
+
+# ---- exports ------------------------------------------------------------------------------------
+PARITY = dict(parity_size=32, parity_count=2)
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=pytest.mark.slow),
+                                 pytest.param("pt2", marks=pytest.mark.slow)])
+def test_export_keeps_the_original_tokens(fmt, imported, tmp_path, cases):
+    from vqserve.export.exporter import export_model
+    from vqserve.export.runtime import load_runtime
+
+    manifest = export_model(imported, fmt, "fp32", tmp_path / fmt, **PARITY)
+    assert manifest["parity"]["index_agreement"] == 1.0
+    assert manifest["fp32_island"]["encode"]["ok"] and manifest["fp32_island"]["decode"]["ok"]
+    runtime = load_runtime(tmp_path / fmt)
+    for case in ("square", "rect"):
+        np.testing.assert_array_equal(runtime.encode(cases[f"{case}_images"].numpy()), cases[f"{case}_indices"].numpy())
+        decoded = runtime.decode(cases[f"{case}_indices"].numpy()).astype(int)
+        assert np.abs(decoded - cases[f"{case}_decoded_uint8"].numpy().astype(int)).max() <= 1  # ONNX Runtime: 1
+
+
+def test_bf16_export_proves_the_island_in_the_graph(imported, tmp_path):
+    from vqserve.export.exporter import export_model
+
+    manifest = export_model(imported, "torchscript", "bf16", tmp_path / "ts", min_agreement=0.0, **PARITY)
+    island = manifest["fp32_island"]["encode"]
+    assert island["ok"] and set(island["island_float_dtypes"]) <= {"float32"} and "gt" in island["quantizer_ops"]
+    assert "bfloat16" in island["network_conv_dtypes"]
+
+
+# ---- bf16: the original run naively vs vqserve's path ------------------------------------------
+def test_bf16_flips_naive_vs_vqserve(tok):
+    """Four scikit-image photographs (128x128 centre crops, 1,024 tokens each; random weights):
+    vqserve's bf16 path (fp32 residual stream, fp32 LFQ) flips fewer tokens than the original
+    cast to bf16; the fp32 island alone changes nothing for LFQ (the sign of a bf16 latent
+    is the sign of its fp32 value). docs/MODELS.md has the full-size figures."""
+    from skimage import data
+
+    crops = []
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        img = getattr(data, name)()
+        h, w = img.shape[:2]
+        crops.append(img[h // 2 - 64: h // 2 + 64, w // 2 - 64: w // 2 + 64, :3])
+    rates = flip_rates(tok, torch.from_numpy(np.stack(crops)), "bf16")
+    assert rates["naive"] > 0.005
+    assert rates["vqserve_island_only"] == rates["naive"]
+    assert rates["vqserve"] < rates["naive"] / 1.5
