@@ -159,7 +159,8 @@ def measure_magvit2(name: str, photos: np.ndarray, dtypes: list[str], workdir: P
     the cast latents), the same with vqserve's fp32 LFQ, and the served path (EagerRuntime)."""
     from safetensors.torch import save_file
 
-    from vqserve.model.families.magvit2 import PRESETS, WEIGHTS_NAME, Magvit2Tokenizer, write_config
+    from vqserve.model.families.imported import write_config
+    from vqserve.model.families.magvit2 import PRESETS, WEIGHTS_NAME, Magvit2Tokenizer
     from vqserve.model.families.magvit2_precision import NaivePath
 
     torch.manual_seed(0)
@@ -191,8 +192,9 @@ def measure_ibq(name: str, photos: np.ndarray, dtypes: list[str], workdir: Path)
     vqserve's fp32 search, and the served path (EagerRuntime)."""
     from safetensors.torch import save_file
 
-    from vqserve.model.families.ibq import PRESETS, WEIGHTS_NAME, IbqTokenizer, write_config
+    from vqserve.model.families.ibq import PRESETS, WEIGHTS_NAME, IbqTokenizer
     from vqserve.model.families.ibq_precision import NaivePath
+    from vqserve.model.families.imported import write_config
 
     torch.manual_seed(0)
     arch = PRESETS[name]

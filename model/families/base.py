@@ -30,6 +30,11 @@ its residual blocks (``residual_block_types``) so the bf16/fp16 policy of
 ``vqserve.model.mixed_precision`` can keep its residual stream in fp32.
 
 Register a new family in ``vqserve.model.families.FAMILIES`` (one tuple, one line).
+
+A family whose directories ``vqserve import NAME`` writes subclasses ``ImportedFamily``
+(``vqserve.model.families.imported``) rather than ``Family``: it names its config dataclass
+(an ``ImportedConfig``), its tokenizer class and a label, and inherits ``claims`` by format,
+``read_config`` and a strict ``load``, so every imported family refuses bad directories alike.
 """
 
 from __future__ import annotations

@@ -20,18 +20,19 @@ code's in fp32 (tests/test_family_cosmos.py, against fixtures made by the origin
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import zlib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.base import FamilyConfig
 from vqserve.model.families.cosmos_networks import PATCH_METHODS, CosmosDecoder, CosmosEncoder
+from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
 from vqserve.model.families.llamagen_networks import GROUPS
 from vqserve.model.precision import fp32_island
 from vqserve.model.quantizers.common import check_last_dim, to_fp32
@@ -47,12 +48,16 @@ REFERENCE_COMMIT = "3584ae752ce8ebdbe06a420bf60d7513c0e878cc"
 
 
 @dataclass
-class CosmosConfig:
+class CosmosConfig(ImportedConfig):
     """Cosmos's ``discrete_image`` network config (``cosmos_tokenizer/networks/configs.py``),
     the fields that shape the network. The defaults are DI16x16; ``PRESETS`` has DI8x8.
 
     ``resolution`` and ``attn_resolutions`` only decide where attention layers sit (Cosmos
     tracks a nominal resolution per level); for the published models, nowhere but the middle."""
+
+    FORMAT: ClassVar[str] = FORMAT
+    VERSION: ClassVar[int] = VERSION
+    LABEL: ClassVar[str] = "Cosmos"
 
     channels: int = 128
     channels_mult: list[int] = field(default_factory=lambda: [2, 4, 4])
@@ -148,26 +153,6 @@ class CosmosConfig:
                     z_channels=self.z_channels, embedding_dim=self.embedding_dim)
 
     # -- config.json ----------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = CONFIG_NAME) -> CosmosConfig:
-        """Strict: an unknown key or another format/version is an error naming it."""
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
-        if data.get("version") != VERSION:
-            raise ValueError(f"{where}: version {data.get('version')!r} is not supported (this vqserve reads {VERSION})")
-        known = {f.name for f in fields(cls)}
-        body = {k: v for k, v in data.items() if k not in ("format", "version", "meta")}
-        unknown = sorted(set(body) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown Cosmos config keys {unknown}")
-        try:
-            return cls(**body)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: {exc}") from None
-
     def family_config(self) -> FamilyConfig:
         return FamilyConfig(family=FAMILY_NAME, factor=self.factor, codebook_size=self.codebook_size,
                             latent_dim=len(self.levels), quantizer="fsq", levels=list(self.levels),
@@ -221,21 +206,7 @@ class CosmosTokenizer(TokenizerBase):
 
 def load_weights(tokenizer: CosmosTokenizer, state: dict[str, torch.Tensor], where: str) -> None:
     """Strict load with one line naming the first missing / unexpected / mis-shaped tensor."""
-    expected = tokenizer.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
-                ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
-        raise ValueError(f"{where} does not fit the Cosmos DI architecture: {', '.join(parts)}")
-    for key, tensor in expected.items():
-        got = state[key]
-        if not torch.is_tensor(got) or tuple(got.shape) != tuple(tensor.shape):
-            shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
-            raise ValueError(f"{where}: {key} has shape {shape}, the config needs {tuple(tensor.shape)}")
-        if not got.is_floating_point():
-            raise ValueError(f"{where}: {key} must be a floating-point tensor, got {got.dtype}")
-    tokenizer.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    load_strict_weights(tokenizer, state, where, "Cosmos DI")
 
 
 def deterministic_weights(arch: CosmosConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -284,40 +255,20 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-class CosmosFamily(Family):
+class CosmosFamily(ImportedFamily):
     name = FAMILY_NAME
     description = "NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (FSQ), converted once by `vqserve import cosmos`"
-    weights_name = WEIGHTS_NAME
+    config_class = CosmosConfig
+    tokenizer_class = CosmosTokenizer
+    label = "Cosmos DI"
 
-    def claims(self, config: dict) -> bool:
-        return config.get("format") == FORMAT
-
-    def architecture(self, path: Path) -> CosmosConfig:
-        data = read_config_json(path)
-        if data is None:
-            raise ValueError(f"{path / CONFIG_NAME} is missing or not a JSON object")
-        return CosmosConfig.from_dict(data, str(path / CONFIG_NAME))
-
-    def read_config(self, path: Path) -> FamilyConfig:
-        return self.architecture(path).family_config()
-
-    def load(self, path: Path, device: str | torch.device = "cpu") -> CosmosTokenizer:
-        arch = self.architecture(path)
-        self.check_files(path)
-        tokenizer = CosmosTokenizer(arch)
-        weights = path / WEIGHTS_NAME
+    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
         try:
-            state = load_file(str(weights), device="cpu")
+            return load_file(str(path), device="cpu")
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
             detail = str(exc).split("\n")[0][:200]
-            raise ValueError(f"{weights}: not a safetensors file ({detail}); vqserve never unpickles weights: "
+            raise ValueError(f"{path}: not a safetensors file ({detail}); vqserve never unpickles weights: "
                              "make the directory again with `vqserve import cosmos`") from None
-        load_weights(tokenizer, state, str(weights))
-        return tokenizer.to(device).eval()
-
-
-def write_config(arch: CosmosConfig, meta: dict, target: Path) -> None:
-    (target / CONFIG_NAME).write_text(json.dumps({**arch.to_dict(), "meta": meta}, indent=2) + "\n")
 
 
 COSMOS = CosmosFamily()

@@ -26,32 +26,27 @@ imported Cosmos directory.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import re
 import zipfile
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from vqserve.model.atomic import atomic_directory
-from vqserve.model.families.base import read_config_json
 from vqserve.model.families.cosmos import (
     FORMAT,
     PRESETS,
     REFERENCE_COMMIT,
-    WEIGHTS_NAME,
     CosmosConfig,
     CosmosTokenizer,
     load_weights,
-    write_config,
 )
-from vqserve.model.families.llamagen_import import CheckpointError, read_checkpoint
+from vqserve.model.families.importing import CheckpointError, check_out, sha256_file, write_imported
+from vqserve.model.families.importing import check_preset as shared_check_preset
+from vqserve.model.families.llamagen_import import read_checkpoint
 
 # What a directory downloaded from Hugging Face holds, in the order they are looked for.
 PUBLISHED_FILES = (("encoder.jit", "decoder.jit"), ("autoencoder.jit",))
@@ -363,28 +358,7 @@ def _attention_config(common: dict, want: tuple[list[bool], list[bool]]) -> Cosm
 
 
 def check_preset(inferred: CosmosConfig, preset: str, where: str) -> None:
-    expected = PRESETS[preset]
-    for name, value in asdict(expected).items():
-        got = getattr(inferred, name)
-        if got != value:
-            raise CheckpointError(f"{where}: --config {preset} expects {name} {value}, the checkpoint has {got} "
-                                  "(leave --config out to import the architecture the weights describe)")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _refuse_unless_ours(out: Path) -> None:
-    """Called right before an existing ``out`` would be replaced (and so deleted)."""
-    data = read_config_json(out) if out.is_dir() else None
-    if data is None or data.get("format") != FORMAT:
-        raise CheckpointError(f"{out} exists and is not an imported Cosmos directory; vqserve will not "
-                              "replace it: choose another --out")
+    shared_check_preset(inferred, PRESETS, preset, where)
 
 
 def import_cosmos(sources: Sequence[str | os.PathLike] | str | os.PathLike, out: str | os.PathLike,
@@ -398,11 +372,7 @@ def import_cosmos(sources: Sequence[str | os.PathLike] | str | os.PathLike, out:
     out = Path(out)
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {preset!r}")
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise CheckpointError(f"{out} already exists; choose a new --out (or --force to replace an "
-                                  "earlier `vqserve import cosmos` output)")
-        _refuse_unless_ours(out)
+    check_out(out, force, FORMAT, "Cosmos", "cosmos")
     files = expand_sources(sources)
     where = " + ".join(str(f) for f in files)
     weights, constants = merge_sources(files)
@@ -411,11 +381,8 @@ def import_cosmos(sources: Sequence[str | os.PathLike] | str | os.PathLike, out:
         check_preset(arch, preset, where)
     tokenizer = CosmosTokenizer(arch)
     load_weights(tokenizer, to_vqserve_names(weights), where)
-    meta = {"imported_from": [{"file": f.name, "sha256": _sha256(f)} for f in files],
+    meta = {"imported_from": [{"file": f.name, "sha256": sha256_file(f)} for f in files],
             "dropped_constants": sorted(constants), "reference": f"NVIDIA/Cosmos-Tokenizer@{REFERENCE_COMMIT}",
             **({"preset": preset} if preset else {})}
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tokenizer.state_dict().items()}
-    with atomic_directory(out, check_replace=_refuse_unless_ours) as staged:
-        write_config(arch, meta, staged)
-        save_file(state, str(staged / WEIGHTS_NAME), metadata={"format": "pt"})
+    write_imported(out, arch, meta, tokenizer, "Cosmos")
     return out, arch

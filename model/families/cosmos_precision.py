@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 
 import numpy as np
 import torch
 
-from vqserve.model.mixed_precision import low_precision_encoder
+from vqserve.model.families.flip_measure import VqservePath, add_measure_args, write_json
 from vqserve.model.precision import parse_dtype
 from vqserve.model.tokenizer import pixels_to_float
 
@@ -90,21 +89,6 @@ class LatentCastPath:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         latents = self.tokenizer.encode_latents(pixels_to_float(images, self.tokenizer.pixel_range))
         return original_fsq_indices(latents.to(self.dtype), list(self.tokenizer.quantizer.levels))
-
-
-class VqservePath:
-    """vqserve's encoder in ``dtype`` (residual stream in fp32 unless ``fp32_stream=False``),
-    the quantizer in fp32, as exports and the eager runtime run it."""
-
-    def __init__(self, tokenizer, dtype: str | torch.dtype, fp32_stream: bool | None = None):
-        self.pixel_range = tokenizer.pixel_range
-        self.encoder, _ = low_precision_encoder(tokenizer.encoder, dtype, fp32_stream)
-        self.quantizer = tokenizer.quantizer
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        latents = self.encoder(pixels_to_float(images, self.pixel_range))
-        return self.quantizer(latents.permute(0, 2, 3, 1))[1]
 
 
 def flip_counts(tokenizer, images: torch.Tensor, dtype: str | torch.dtype = "bf16") -> dict:
@@ -187,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--preset", choices=sorted(PRESETS), help="a published architecture with random weights")
     parser.add_argument("--seed", type=int, default=0, help="weights seed for --preset (default 0)")
     parser.add_argument("--photos", nargs="+", default=None, help="image files (default: scikit-image's photographs)")
-    parser.add_argument("--size", type=int, default=256, help="square crop side in pixels (default 256)")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="low precision (default bf16)")
-    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    add_measure_args(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.model:
@@ -206,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>20}: {n:6d} / {counts['tokens']} tokens differ from fp32 ({100 * n / counts['tokens']:.2f}%, {args.dtype})")
     print(f"{'naive only':>20}: {counts['naive_only']} tokens the original's cast flips and vqserve does not; "
           f"vqserve only: {counts['vqserve_only']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

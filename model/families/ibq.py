@@ -19,16 +19,15 @@ fp32 reproduces for all 256 values, and decoded pixels follow ``custom_to_pil``:
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.base import FamilyConfig
 from vqserve.model.families.ibq_quantizer import SoftmaxMaxVQ
+from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
 from vqserve.model.families.llamagen_networks import GROUPS, LlamaGenDecoder, LlamaGenEncoder, swish
-from vqserve.model.families.magvit2 import read_weights
 from vqserve.model.precision import cast_to, module_dtype
 from vqserve.model.tokenizer import TokenizerBase
 
@@ -71,9 +70,13 @@ class IbqDecoder(LlamaGenDecoder):
 
 
 @dataclass
-class IbqConfig:
+class IbqConfig(ImportedConfig):
     """IBQ's ``ddconfig`` (``ch``, ``ch_mult``, ``num_res_blocks``, ``z_channels``) plus
     ``n_embed`` and ``embed_dim``. The defaults are the ImageNet 262,144-code model."""
+
+    FORMAT: ClassVar[str] = FORMAT
+    VERSION: ClassVar[int] = VERSION
+    LABEL: ClassVar[str] = "IBQ"
 
     base_channels: int = 128
     ch_mult: list[int] = field(default_factory=lambda: [1, 1, 2, 2, 4])
@@ -100,26 +103,6 @@ class IbqConfig:
     @property
     def factor(self) -> int:
         return 2 ** (len(self.ch_mult) - 1)
-
-    def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = CONFIG_NAME) -> IbqConfig:
-        """Strict: an unknown key or another format/version is an error naming it."""
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
-        if data.get("version") != VERSION:
-            raise ValueError(f"{where}: version {data.get('version')!r} is not supported (this vqserve reads {VERSION})")
-        known = {f.name for f in fields(cls)}
-        body = {k: v for k, v in data.items() if k not in ("format", "version", "meta")}
-        unknown = sorted(set(body) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown IBQ config keys {unknown}")
-        try:
-            return cls(**body)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: {exc}") from None
 
     def family_config(self) -> FamilyConfig:
         return FamilyConfig(family=FAMILY_NAME, factor=self.factor, codebook_size=self.codebook_size,
@@ -153,50 +136,15 @@ class IbqTokenizer(TokenizerBase):
 
 def load_weights(tokenizer: IbqTokenizer, state: dict[str, torch.Tensor], where: str) -> None:
     """Strict load with one line naming the first missing / unexpected / mis-shaped tensor."""
-    expected = tokenizer.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
-                ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
-        raise ValueError(f"{where} does not fit the IBQ architecture: {', '.join(parts)}")
-    for key, tensor in expected.items():
-        got = state[key]
-        if not torch.is_tensor(got) or tuple(got.shape) != tuple(tensor.shape):
-            shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
-            raise ValueError(f"{where}: {key} has shape {shape}, the config needs {tuple(tensor.shape)}")
-        if not got.is_floating_point():
-            raise ValueError(f"{where}: {key} must be a floating-point tensor, got {got.dtype}")
-    tokenizer.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    load_strict_weights(tokenizer, state, where, "IBQ")
 
 
-class IbqFamily(Family):
+class IbqFamily(ImportedFamily):
     name = FAMILY_NAME
     description = "IBQ tokenizers (TencentARC SEED-Voken), converted once by `vqserve import ibq`"
-    weights_name = WEIGHTS_NAME
-
-    def claims(self, config: dict) -> bool:
-        return config.get("format") == FORMAT
-
-    def architecture(self, path: Path) -> IbqConfig:
-        data = read_config_json(path)
-        if data is None:
-            raise ValueError(f"{path / CONFIG_NAME} is missing or not a JSON object")
-        return IbqConfig.from_dict(data, str(path / CONFIG_NAME))
-
-    def read_config(self, path: Path) -> FamilyConfig:
-        return self.architecture(path).family_config()
-
-    def load(self, path: Path, device: str | torch.device = "cpu") -> IbqTokenizer:
-        arch = self.architecture(path)
-        self.check_files(path)
-        tokenizer = IbqTokenizer(arch)
-        load_weights(tokenizer, read_weights(path / WEIGHTS_NAME, "ibq"), str(path / WEIGHTS_NAME))
-        return tokenizer.to(device).eval()
-
-
-def write_config(arch: IbqConfig, meta: dict, target: Path) -> None:
-    (target / CONFIG_NAME).write_text(json.dumps({**arch.to_dict(), "meta": meta}, indent=2) + "\n")
+    config_class = IbqConfig
+    tokenizer_class = IbqTokenizer
+    label = "IBQ"
 
 
 IBQ = IbqFamily()

@@ -15,28 +15,24 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from vqserve.model.atomic import atomic_directory
-from vqserve.model.families.base import read_config_json
 from vqserve.model.families.ibq import (
     FORMAT,
     PRESETS,
-    REFERENCE_COMMIT,
-    WEIGHTS_NAME,
     IbqConfig,
     IbqTokenizer,
-    write_config,
 )
-from vqserve.model.families.llamagen_import import CheckpointError, read_checkpoint
+from vqserve.model.families.imported import key_mismatch
+from vqserve.model.families.importing import CheckpointError, check_out, write_imported
+from vqserve.model.families.importing import check_preset as shared_check_preset
+from vqserve.model.families.llamagen_import import read_checkpoint
 from vqserve.model.families.magvit2_import import (
     RESAVE_HINT,
     WEIGHT_CHOICES,
-    _sha256,
+    lightning_meta,
     select_state,
     tokenizer_weights,
 )
@@ -136,33 +132,19 @@ def infer_architecture(state: dict, where: str) -> IbqConfig:
 
 
 def check_preset(inferred: IbqConfig, preset: str, where: str) -> None:
-    for name, value in asdict(PRESETS[preset]).items():
-        got = getattr(inferred, name)
-        if got != value:
-            raise CheckpointError(f"{where}: --config {preset} expects {name} {value}, the checkpoint has {got} "
-                                  "(leave --config out to import the architecture the weights describe)")
+    shared_check_preset(inferred, PRESETS, preset, where)
 
 
 def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str) -> None:
     """Every tensor present, none extra, every shape right, under IBQ's names: one line."""
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
-                ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
-        raise CheckpointError(f"{where} does not fit the IBQ architecture: {', '.join(parts)}")
+    mismatch = key_mismatch(expected, state)
+    if mismatch:
+        raise CheckpointError(f"{where} does not fit the IBQ architecture: {mismatch}")
     for key, shape in expected.items():
         if tuple(state[key].shape) != shape:
             raise CheckpointError(f"{where}: {key} has shape {tuple(state[key].shape)}, the config needs {shape}")
         if not state[key].is_floating_point():
             raise CheckpointError(f"{where}: {key} must be a floating-point tensor, got {state[key].dtype}")
-
-
-def _refuse_unless_ours(out: Path) -> None:
-    data = read_config_json(out) if out.is_dir() else None
-    if data is None or data.get("format") != FORMAT:
-        raise CheckpointError(f"{out} exists and is not an imported IBQ directory; vqserve will not replace it: "
-                              "choose another --out")
 
 
 def import_ibq(checkpoint: str | os.PathLike, out: str | os.PathLike, preset: str | None = None,
@@ -174,11 +156,7 @@ def import_ibq(checkpoint: str | os.PathLike, out: str | os.PathLike, preset: st
         raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {preset!r}")
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"--weights must be one of {list(WEIGHT_CHOICES)}, got {weights!r}")
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise CheckpointError(f"{out} already exists; choose a new --out (or --force to replace an "
-                                  "earlier `vqserve import ibq` output)")
-        _refuse_unless_ours(out)
+    check_out(out, force, FORMAT, "IBQ", "ibq")
     where = str(src)
     checkpoint_obj = read_checkpoint(src, resave_hint=RESAVE_HINT)
     state, key = select_state(checkpoint_obj, where)
@@ -195,14 +173,6 @@ def import_ibq(checkpoint: str | os.PathLike, out: str | os.PathLike, preset: st
     tokenizer = IbqTokenizer(arch)
     tokenizer.load_state_dict({to_vqserve_name(k, levels): v.to(torch.float32) for k, v in tensors.items()},
                               strict=True)
-    info = checkpoint_obj if key == "state_dict" else {}
-    meta = {"imported_from": src.name, "source_sha256": _sha256(src), "state_key": key, "weights": used,
-            "dropped_training_only": dropped, "reference": f"TencentARC/SEED-Voken@{REFERENCE_COMMIT}",
-            **{k: info[k] for k in ("pytorch-lightning_version", "global_step", "epoch")
-               if isinstance(info.get(k), (int, str))},
-            **({"preset": preset} if preset else {})}
-    weights_out = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tokenizer.state_dict().items()}
-    with atomic_directory(out, check_replace=_refuse_unless_ours) as staged:
-        write_config(arch, meta, staged)
-        save_file(weights_out, str(staged / WEIGHTS_NAME), metadata={"format": "pt"})
+    meta = lightning_meta(src, checkpoint_obj, key, used, dropped, preset)
+    write_imported(out, arch, meta, tokenizer, "IBQ")
     return out, arch, used

@@ -12,16 +12,14 @@ which equal the original code's (tests/test_family_ibq.py)::
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import sys
 
-import numpy as np
 import torch
 
+from vqserve.model.families.flip_measure import VqservePath, flip_rates_of
+from vqserve.model.families.flip_measure import main as measure_main
 from vqserve.model.families.ibq_quantizer import softmax_max_index
-from vqserve.model.families.llamagen_precision import VqservePath, load_photo
 from vqserve.model.precision import parse_dtype
 from vqserve.model.tokenizer import pixels_to_float
 
@@ -51,39 +49,11 @@ def flip_rates(tokenizer, images: torch.Tensor, dtype: str | torch.dtype = "bf16
     ``naive``, ``vqserve_island_only`` (cast encoder, fp32 rule), ``vqserve`` (as served)."""
     paths = {"naive": NaivePath(tokenizer, dtype), "vqserve_island_only": NaivePath(tokenizer, dtype, True),
              "vqserve": VqservePath(tokenizer, dtype)}
-    flips = dict.fromkeys(paths, 0)
-    total = 0
-    for image in images.split(1):
-        ref = tokenizer.encode(image)
-        total += ref.numel()
-        for name, path in paths.items():
-            flips[name] += int((path(image) != ref).sum())
-    return {name: count / total for name, count in flips.items()}
+    return flip_rates_of(paths, tokenizer, images)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vqserve.model.families.ibq_precision",
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="an imported IBQ directory (vqserve import ibq)")
-    parser.add_argument("--photos", nargs="+", required=True, help="image files")
-    parser.add_argument("--size", type=int, default=256, help="square crop side in pixels (default 256)")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="low precision (default bf16)")
-    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    args = parser.parse_args(argv)
-    from vqserve.model.checkpoint import load_tokenizer
-
-    torch.set_num_threads(1)
-    tokenizer = load_tokenizer(args.model)
-    images = torch.from_numpy(np.stack([load_photo(p, args.size) for p in args.photos]))
-    rates = flip_rates(tokenizer, images, args.dtype)
-    result = {"model": args.model, "dtype": args.dtype, "photos": len(args.photos), "size": args.size,
-              "tokens": int(images.shape[0] * (args.size // tokenizer.factor) ** 2), "flip_rate": rates}
-    for name, rate in rates.items():
-        print(f"{name:>22}: {100 * rate:.2f}% of tokens differ from fp32 ({args.dtype})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return measure_main(argv, "ibq", "IBQ", __doc__, flip_rates)
 
 
 if __name__ == "__main__":

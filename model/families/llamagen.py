@@ -17,14 +17,15 @@ code's in fp32 (tests/test_family_llamagen.py, against fixtures made by the orig
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from safetensors.torch import load_file
 
-from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.base import FamilyConfig
+from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
 from vqserve.model.families.llamagen_networks import GROUPS, LlamaGenDecoder, LlamaGenEncoder
 from vqserve.model.families.llamagen_quantizer import L2NearestCode
 from vqserve.model.tokenizer import TokenizerBase
@@ -38,9 +39,13 @@ REFERENCE_COMMIT = "ce98ec41803a74a90ce68c40ababa9eaeffeb4ec"
 
 
 @dataclass
-class LlamaGenConfig:
+class LlamaGenConfig(ImportedConfig):
     """LlamaGen's ``ModelArgs`` plus the two widths its ``VQModel`` hard-codes (``ch`` 128,
     ``num_res_blocks`` 2). The defaults are VQ-16; ``PRESETS`` has VQ-8."""
+
+    FORMAT: ClassVar[str] = FORMAT
+    VERSION: ClassVar[int] = VERSION
+    LABEL: ClassVar[str] = "LlamaGen"
 
     encoder_ch_mult: list[int] = field(default_factory=lambda: [1, 1, 2, 2, 4])
     decoder_ch_mult: list[int] = field(default_factory=lambda: [1, 1, 2, 2, 4])
@@ -77,26 +82,6 @@ class LlamaGenConfig:
     def factor(self) -> int:
         return 2 ** (len(self.encoder_ch_mult) - 1)
 
-    def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = CONFIG_NAME) -> LlamaGenConfig:
-        """Strict: an unknown key or another format/version is an error naming it."""
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
-        if data.get("version") != VERSION:
-            raise ValueError(f"{where}: version {data.get('version')!r} is not supported (this vqserve reads {VERSION})")
-        known = {f.name for f in fields(cls)}
-        body = {k: v for k, v in data.items() if k not in ("format", "version", "meta")}
-        unknown = sorted(set(body) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown LlamaGen config keys {unknown}")
-        try:
-            return cls(**body)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: {exc}") from None
-
     def family_config(self) -> FamilyConfig:
         return FamilyConfig(family=FAMILY_NAME, factor=self.factor, codebook_size=self.codebook_size,
                             latent_dim=self.codebook_dim, quantizer="vq", source=self.to_dict())
@@ -130,50 +115,19 @@ class LlamaGenTokenizer(TokenizerBase):
 
 def load_weights(tokenizer: LlamaGenTokenizer, state: dict[str, torch.Tensor], where: str) -> None:
     """Strict load with one line naming the first missing / unexpected / mis-shaped tensor."""
-    expected = tokenizer.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
-                ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
-        raise ValueError(f"{where} does not fit the LlamaGen architecture: {', '.join(parts)}")
-    for key, tensor in expected.items():
-        got = state[key]
-        if not torch.is_tensor(got) or tuple(got.shape) != tuple(tensor.shape):
-            shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
-            raise ValueError(f"{where}: {key} has shape {shape}, the config needs {tuple(tensor.shape)}")
-        if not got.is_floating_point():
-            raise ValueError(f"{where}: {key} must be a floating-point tensor, got {got.dtype}")
-    tokenizer.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    load_strict_weights(tokenizer, state, where, "LlamaGen")
 
 
-class LlamaGenFamily(Family):
+class LlamaGenFamily(ImportedFamily):
     name = FAMILY_NAME
     description = "LlamaGen VQ-8 / VQ-16 tokenizers, converted once by `vqserve import llamagen`"
-    weights_name = WEIGHTS_NAME
+    config_class = LlamaGenConfig
+    tokenizer_class = LlamaGenTokenizer
+    label = "LlamaGen"
 
-    def claims(self, config: dict) -> bool:
-        return config.get("format") == FORMAT
-
-    def architecture(self, path: Path) -> LlamaGenConfig:
-        data = read_config_json(path)
-        if data is None:
-            raise ValueError(f"{path / CONFIG_NAME} is missing or not a JSON object")
-        return LlamaGenConfig.from_dict(data, str(path / CONFIG_NAME))
-
-    def read_config(self, path: Path) -> FamilyConfig:
-        return self.architecture(path).family_config()
-
-    def load(self, path: Path, device: str | torch.device = "cpu") -> LlamaGenTokenizer:
-        arch = self.architecture(path)
-        self.check_files(path)
-        tokenizer = LlamaGenTokenizer(arch)
-        load_weights(tokenizer, load_file(str(path / WEIGHTS_NAME), device="cpu"), str(path / WEIGHTS_NAME))
-        return tokenizer.to(device).eval()
-
-
-def write_config(arch: LlamaGenConfig, meta: dict, target: Path) -> None:
-    (target / CONFIG_NAME).write_text(json.dumps({**arch.to_dict(), "meta": meta}, indent=2) + "\n")
+    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        """safetensors' own error for a file that is not one (as before the shared base)."""
+        return load_file(str(path), device="cpu")
 
 
 LLAMAGEN = LlamaGenFamily()

@@ -22,27 +22,23 @@ check every key and shape, rename to vqserve's layout and write ``config.json`` 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import pickle
 import re
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from vqserve.model.atomic import atomic_directory
-from vqserve.model.families.base import read_config_json
+from vqserve.model.families.importing import CheckpointError, check_out, sha256_file, write_imported
+from vqserve.model.families.importing import check_preset as shared_check_preset
 from vqserve.model.families.llamagen import (
     FORMAT,
     PRESETS,
     REFERENCE_COMMIT,
-    WEIGHTS_NAME,
     LlamaGenConfig,
     LlamaGenTokenizer,
     load_weights,
-    write_config,
 )
 
 # Where LlamaGen's scripts look for the weights, in the order they look (sample_c2i.py first).
@@ -53,10 +49,6 @@ RENAMES = (("quant_conv.", "encoder.quant_conv."), ("post_quant_conv.", "decoder
 # Tensors LlamaGen keeps for training only: the codebook-usage ring buffer.
 TRAINING_ONLY = ("quantize.codebook_used",)
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / torch.compile wrappers
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be imported; the message is one line naming what is wrong."""
 
 
 # What a refusal tells the user to do with a checkpoint they trust (``read_checkpoint``).
@@ -187,12 +179,7 @@ def infer_architecture(state: dict, where: str) -> LlamaGenConfig:
 
 
 def check_preset(inferred: LlamaGenConfig, preset: str, where: str) -> None:
-    expected = PRESETS[preset]
-    for name, value in asdict(expected).items():
-        got = getattr(inferred, name)
-        if got != value:
-            raise CheckpointError(f"{where}: --config {preset} expects {name} {value}, the checkpoint has {got} "
-                                  "(leave --config out to import the architecture the weights describe)")
+    shared_check_preset(inferred, PRESETS, preset, where)
 
 
 def to_vqserve_names(state: dict) -> dict[str, torch.Tensor]:
@@ -208,22 +195,6 @@ def to_vqserve_names(state: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _refuse_unless_ours(out: Path) -> None:
-    """Called right before an existing ``out`` would be replaced (and so deleted)."""
-    data = read_config_json(out) if out.is_dir() else None
-    if data is None or data.get("format") != FORMAT:
-        raise CheckpointError(f"{out} exists and is not an imported LlamaGen directory; vqserve will not "
-                              "replace it: choose another --out")
-
-
 def import_llamagen(checkpoint: str | os.PathLike, out: str | os.PathLike, preset: str | None = None,
                     state_key: str | None = None, force: bool = False,
                     prefix: str | None = None) -> tuple[Path, LlamaGenConfig]:
@@ -235,11 +206,7 @@ def import_llamagen(checkpoint: str | os.PathLike, out: str | os.PathLike, prese
     src, out = Path(checkpoint), Path(out)
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {preset!r}")
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise CheckpointError(f"{out} already exists; choose a new --out (or --force to replace an "
-                                  "earlier `vqserve import llamagen` output)")
-        _refuse_unless_ours(out)
+    check_out(out, force, FORMAT, "LlamaGen", "llamagen")
     where = str(src)
     state, key = select_state(read_checkpoint(src), state_key, where, prefix)
     arch = infer_architecture(state, where)
@@ -248,11 +215,8 @@ def import_llamagen(checkpoint: str | os.PathLike, out: str | os.PathLike, prese
     tokenizer = LlamaGenTokenizer(arch)
     load_weights(tokenizer, to_vqserve_names(state), where)
     dropped = sorted(k for k in state if k in TRAINING_ONLY)
-    meta = {"imported_from": src.name, "source_sha256": _sha256(src), "state_key": key,
+    meta = {"imported_from": src.name, "source_sha256": sha256_file(src), "state_key": key,
             "dropped_training_only": dropped, "reference": f"FoundationVision/LlamaGen@{REFERENCE_COMMIT}",
             **({"preset": preset} if preset else {}), **({"prefix": prefix} if prefix else {})}
-    weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tokenizer.state_dict().items()}
-    with atomic_directory(out, check_replace=_refuse_unless_ours) as staged:
-        write_config(arch, meta, staged)
-        save_file(weights, str(staged / WEIGHTS_NAME), metadata={"format": "pt"})
+    write_imported(out, arch, meta, tokenizer, "LlamaGen")
     return out, arch

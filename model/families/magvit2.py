@@ -17,14 +17,13 @@ original code's in fp32 (tests/test_family_magvit2.py, against fixtures made by 
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-from safetensors.torch import load_file
 
-from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.base import FamilyConfig
+from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
 from vqserve.model.families.magvit2_networks import GROUPS, Magvit2Decoder, Magvit2Encoder
 from vqserve.model.quantizers.lfq import LFQ
 from vqserve.model.tokenizer import TokenizerBase
@@ -59,10 +58,14 @@ class LsbFirstLFQ(LFQ):
 
 
 @dataclass
-class Magvit2Config:
+class Magvit2Config(ImportedConfig):
     """The ``ddconfig`` of Open-MAGVIT2's ``VQModel`` that shapes the weights: ``ch``,
     ``ch_mult``, ``num_res_blocks``, ``z_channels`` (= ``embed_dim`` = log2 ``n_embed``: one
     latent channel per LFQ bit). The defaults are the ImageNet 256 model; ``PRESETS`` has the rest."""
+
+    FORMAT: ClassVar[str] = FORMAT
+    VERSION: ClassVar[int] = VERSION
+    LABEL: ClassVar[str] = "Open-MAGVIT2"
 
     base_channels: int = 128
     ch_mult: list[int] = field(default_factory=lambda: [1, 1, 2, 2, 4])
@@ -93,26 +96,6 @@ class Magvit2Config:
     @property
     def codebook_size(self) -> int:
         return 2 ** self.z_channels
-
-    def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = CONFIG_NAME) -> Magvit2Config:
-        """Strict: an unknown key or another format/version is an error naming it."""
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
-        if data.get("version") != VERSION:
-            raise ValueError(f"{where}: version {data.get('version')!r} is not supported (this vqserve reads {VERSION})")
-        known = {f.name for f in fields(cls)}
-        body = {k: v for k, v in data.items() if k not in ("format", "version", "meta")}
-        unknown = sorted(set(body) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown Open-MAGVIT2 config keys {unknown}")
-        try:
-            return cls(**body)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: {exc}") from None
 
     def family_config(self) -> FamilyConfig:
         return FamilyConfig(family=FAMILY_NAME, factor=self.factor, codebook_size=self.codebook_size,
@@ -150,61 +133,15 @@ class Magvit2Tokenizer(TokenizerBase):
 
 def load_weights(tokenizer: Magvit2Tokenizer, state: dict[str, torch.Tensor], where: str) -> None:
     """Strict load with one line naming the first missing / unexpected / mis-shaped tensor."""
-    expected = tokenizer.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
-                ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
-        raise ValueError(f"{where} does not fit the Open-MAGVIT2 architecture: {', '.join(parts)}")
-    for key, tensor in expected.items():
-        got = state[key]
-        if not torch.is_tensor(got) or tuple(got.shape) != tuple(tensor.shape):
-            shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
-            raise ValueError(f"{where}: {key} has shape {shape}, the config needs {tuple(tensor.shape)}")
-        if not got.is_floating_point():
-            raise ValueError(f"{where}: {key} must be a floating-point tensor, got {got.dtype}")
-    tokenizer.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    load_strict_weights(tokenizer, state, where, "Open-MAGVIT2")
 
 
-def read_weights(path: Path, importer: str = FAMILY_NAME) -> dict[str, torch.Tensor]:
-    """``model.safetensors`` of an imported directory; anything else (a pickle saved under
-    that name, a truncated file) is one line, and nothing is unpickled."""
-    try:
-        return load_file(str(path), device="cpu")
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        detail = " ".join(str(exc).split())[:160] or type(exc).__name__
-        raise ValueError(f"{path}: not a readable safetensors file ({detail}); vqserve reads weights from "
-                         f"safetensors only: import the checkpoint again with `vqserve import {importer}`") from None
-
-
-class Magvit2Family(Family):
+class Magvit2Family(ImportedFamily):
     name = FAMILY_NAME
     description = "Open-MAGVIT2 LFQ tokenizers (TencentARC SEED-Voken), converted once by `vqserve import magvit2`"
-    weights_name = WEIGHTS_NAME
-
-    def claims(self, config: dict) -> bool:
-        return config.get("format") == FORMAT
-
-    def architecture(self, path: Path) -> Magvit2Config:
-        data = read_config_json(path)
-        if data is None:
-            raise ValueError(f"{path / CONFIG_NAME} is missing or not a JSON object")
-        return Magvit2Config.from_dict(data, str(path / CONFIG_NAME))
-
-    def read_config(self, path: Path) -> FamilyConfig:
-        return self.architecture(path).family_config()
-
-    def load(self, path: Path, device: str | torch.device = "cpu") -> Magvit2Tokenizer:
-        arch = self.architecture(path)
-        self.check_files(path)
-        tokenizer = Magvit2Tokenizer(arch)
-        load_weights(tokenizer, read_weights(path / WEIGHTS_NAME), str(path / WEIGHTS_NAME))
-        return tokenizer.to(device).eval()
-
-
-def write_config(arch: Magvit2Config, meta: dict, target: Path) -> None:
-    (target / CONFIG_NAME).write_text(json.dumps({**arch.to_dict(), "meta": meta}, indent=2) + "\n")
+    config_class = Magvit2Config
+    tokenizer_class = Magvit2Tokenizer
+    label = "Open-MAGVIT2"
 
 
 MAGVIT2 = Magvit2Family()

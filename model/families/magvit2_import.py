@@ -23,27 +23,22 @@ model (an IBQ checkpoint has ``quant_conv``, a video tokenizer 3-D kernels).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from vqserve.model.atomic import atomic_directory
-from vqserve.model.families.base import read_config_json
-from vqserve.model.families.llamagen_import import CheckpointError, read_checkpoint
+from vqserve.model.families.importing import CheckpointError, check_out, sha256_file, write_imported
+from vqserve.model.families.importing import check_preset as shared_check_preset
+from vqserve.model.families.llamagen_import import read_checkpoint
 from vqserve.model.families.magvit2 import (
     FORMAT,
     PRESETS,
     REFERENCE_COMMIT,
-    WEIGHTS_NAME,
     Magvit2Config,
     Magvit2Tokenizer,
     load_weights,
-    write_config,
 )
 
 RESAVE_HINT = ("re-save just its weights: torch.save({'state_dict': ckpt['state_dict']}, 'clean.ckpt') "
@@ -112,11 +107,7 @@ def infer_architecture(state: dict, where: str) -> Magvit2Config:
 
 
 def check_preset(inferred: Magvit2Config, preset: str, where: str) -> None:
-    for name, value in asdict(PRESETS[preset]).items():
-        got = getattr(inferred, name)
-        if got != value:
-            raise CheckpointError(f"{where}: --config {preset} expects {name} {value}, the checkpoint has {got} "
-                                  "(leave --config out to import the architecture the weights describe)")
+    shared_check_preset(inferred, PRESETS, preset, where)
 
 
 def ema_name(name: str) -> str:
@@ -167,22 +158,6 @@ def tokenizer_weights(state: dict, expected: list[str], weights: str, where: str
     return ema, "ema", dropped
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _refuse_unless_ours(out: Path) -> None:
-    """Called right before an existing ``out`` would be replaced (and so deleted)."""
-    data = read_config_json(out) if out.is_dir() else None
-    if data is None or data.get("format") != FORMAT:
-        raise CheckpointError(f"{out} exists and is not an imported Open-MAGVIT2 directory; vqserve will not "
-                              "replace it: choose another --out")
-
-
 def import_magvit2(checkpoint: str | os.PathLike, out: str | os.PathLike, preset: str | None = None,
                    weights: str = "auto", force: bool = False) -> tuple[Path, Magvit2Config, str]:
     """Convert ``checkpoint`` into the directory ``out`` (config.json + model.safetensors);
@@ -196,11 +171,7 @@ def import_magvit2(checkpoint: str | os.PathLike, out: str | os.PathLike, preset
         raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {preset!r}")
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"--weights must be one of {list(WEIGHT_CHOICES)}, got {weights!r}")
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise CheckpointError(f"{out} already exists; choose a new --out (or --force to replace an "
-                                  "earlier `vqserve import magvit2` output)")
-        _refuse_unless_ours(out)
+    check_out(out, force, FORMAT, "Open-MAGVIT2", "magvit2")
     where = str(src)
     checkpoint_obj = read_checkpoint(src, resave_hint=RESAVE_HINT)
     state, key = select_state(checkpoint_obj, where)
@@ -214,14 +185,18 @@ def import_magvit2(checkpoint: str | os.PathLike, out: str | os.PathLike, preset
         load_weights(tokenizer, {k: v for k, v in state.items() if k.startswith(("encoder.", "decoder."))}, where)
         where = f"{where} (EMA weights)"
     load_weights(tokenizer, tensors, where)
-    info = checkpoint_obj if key == "state_dict" else {}
-    meta = {"imported_from": src.name, "source_sha256": _sha256(src), "state_key": key, "weights": used,
+    meta = lightning_meta(src, checkpoint_obj, key, used, dropped, preset)
+    write_imported(out, arch, meta, tokenizer, "Open-MAGVIT2")
+    return out, arch, used
+
+
+def lightning_meta(src: Path, checkpoint: object, key: str, used: str, dropped: dict[str, int],
+                   preset: str | None) -> dict:
+    """``meta`` of a SEED-Voken import (Open-MAGVIT2, IBQ): the source file and its sha256,
+    which weights were taken and dropped, and Lightning's own step/epoch/version when present."""
+    info = checkpoint if key == "state_dict" and isinstance(checkpoint, dict) else {}
+    return {"imported_from": src.name, "source_sha256": sha256_file(src), "state_key": key, "weights": used,
             "dropped_training_only": dropped, "reference": f"TencentARC/SEED-Voken@{REFERENCE_COMMIT}",
             **{k: info[k] for k in ("pytorch-lightning_version", "global_step", "epoch")
                if isinstance(info.get(k), (int, str))},
             **({"preset": preset} if preset else {})}
-    weights_out = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tokenizer.state_dict().items()}
-    with atomic_directory(out, check_replace=_refuse_unless_ours) as staged:
-        write_config(arch, meta, staged)
-        save_file(weights_out, str(staged / WEIGHTS_NAME), metadata={"format": "pt"})
-    return out, arch, used

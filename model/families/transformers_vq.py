@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.imported import key_mismatch
 from vqserve.model.families.transformers_quantizer import SquaredDistanceVQ
 from vqserve.model.precision import Fp32StateModule, cast_to
 from vqserve.model.tokenizer import TokenizerBase
@@ -457,12 +458,9 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
     """Strict load with one line naming the first missing / unexpected / mis-shaped tensor."""
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
-                ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
-        raise ValueError(f"weights in {where} do not match config.json: {', '.join(parts)}")
+    mismatch = key_mismatch(expected, state)
+    if mismatch:
+        raise ValueError(f"weights in {where} do not match config.json: {mismatch}")
     for key, tensor in expected.items():
         got = state[key]
         if tuple(got.shape) != tuple(tensor.shape):

@@ -49,8 +49,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         formatter_class=parser.formatter_class)
     llamagen.add_argument("checkpoint", metavar="CHECKPOINT",
                           help="LlamaGen .pt file, e.g. vq_ds16_c2i.pt or vq_ds8_c2i.pt")
-    llamagen.add_argument("--out", required=True, metavar="DIR",
-                          help="model directory to create; it must not exist yet")
+    _add_out(llamagen)
     llamagen.add_argument("--config", choices=["vq-16", "vq-8"], default=None,
                           help="check the weights against this published architecture (VQ-16: ch_mult "
                                "1,1,2,2,4, factor 16; VQ-8: 1,2,2,4, factor 8); default: inferred "
@@ -63,12 +62,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                           help="import only the tensors whose names start with PREFIX (removed), for a "
                                "tokenizer stored inside a larger model: Janus keeps LlamaGen's VQ-16 "
                                "under 'gen_vision_model.' in a .safetensors shard")
-    llamagen.add_argument("--force", action="store_true",
-                          help="replace DIR if it is an earlier `vqserve import llamagen` output "
-                               "(any other existing directory is never replaced)")
-    llamagen.add_argument("--quiet", action="store_true", help="print nothing on success")
-    llamagen.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                          help="on errors, also print the Python traceback")
+    _add_force_quiet_debug(llamagen, "llamagen", " (any other existing directory is never replaced)")
     _add_magvit2(families, parser)
     _add_cosmos(families, parser)
 
@@ -82,34 +76,25 @@ def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
         formatter_class=parser.formatter_class)
     magvit2.add_argument("checkpoint", metavar="CHECKPOINT",
                          help="Open-MAGVIT2 .ckpt, e.g. imagenet_256_L.ckpt (or a .safetensors state dict)")
-    magvit2.add_argument("--out", required=True, metavar="DIR", help="model directory to create; it must not exist yet")
+    _add_out(magvit2)
     magvit2.add_argument("--config", choices=["imagenet-256", "imagenet-128", "pretrain-262144", "pretrain-16384"],
                          default=None, help="check the weights against this published architecture; default: "
                                             "inferred from the tensor shapes")
     magvit2.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
                          help="auto (default): the EMA weights when the checkpoint has them, as Open-MAGVIT2's "
                               "evaluation and reconstruction scripts use them (ema_scope); raw: the trained weights")
-    magvit2.add_argument("--force", action="store_true",
-                         help="replace DIR if it is an earlier `vqserve import magvit2` output")
-    magvit2.add_argument("--quiet", action="store_true", help="print nothing on success")
-    magvit2.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                         help="on errors, also print the Python traceback")
+    _add_force_quiet_debug(magvit2, "magvit2")
     magvit2.set_defaults(_import=_run_magvit2)
     _add_ibq(families, parser)
 
 
 def _run_magvit2(args: argparse.Namespace) -> int:
-    from vqserve.model.checkpoint import load_tokenizer
     from vqserve.model.families.magvit2_import import import_magvit2
 
     out, arch, used = import_magvit2(args.checkpoint, args.out, preset=args.config, weights=args.weights,
                                      force=args.force)
-    tokenizer = load_tokenizer(out)
-    if not args.quiet:
-        print(f"imported Open-MAGVIT2 ({used} weights; factor {arch.factor}, LFQ {arch.z_channels} bits = "
-              f"{arch.codebook_size:,} codes, {sum(p.numel() for p in tokenizer.parameters()) / 1e6:.1f}M "
-              f"parameters) -> {out}\nserve it:  vqserve serve --model {out}", file=sys.stderr)
-    return 0
+    return _report(out, f"Open-MAGVIT2 ({used} weights; factor {arch.factor}, LFQ {arch.z_channels} bits = "
+                        f"{arch.codebook_size:,} codes", args.quiet)
 
 
 def _add_ibq(families, parser: argparse.ArgumentParser) -> None:
@@ -122,7 +107,7 @@ def _add_ibq(families, parser: argparse.ArgumentParser) -> None:
         formatter_class=parser.formatter_class)
     ibq.add_argument("checkpoint", metavar="CHECKPOINT",
                      help="IBQ .ckpt, e.g. imagenet256_262144.ckpt (or a .safetensors state dict)")
-    ibq.add_argument("--out", required=True, metavar="DIR", help="model directory to create; it must not exist yet")
+    _add_out(ibq)
     ibq.add_argument("--config", default=None, metavar="NAME",
                      choices=["imagenet-1024", "imagenet-8192", "imagenet-16384", "imagenet-262144",
                               "pretrain-16384", "pretrain-262144"],
@@ -131,25 +116,17 @@ def _add_ibq(families, parser: argparse.ArgumentParser) -> None:
     ibq.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
                      help="auto (default): the EMA weights when the checkpoint has them, as IBQ's evaluation "
                           "and reconstruction scripts use them (ema_scope); raw: the trained weights")
-    ibq.add_argument("--force", action="store_true", help="replace DIR if it is an earlier `vqserve import ibq` output")
-    ibq.add_argument("--quiet", action="store_true", help="print nothing on success")
-    ibq.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                     help="on errors, also print the Python traceback")
+    _add_force_quiet_debug(ibq, "ibq")
     ibq.set_defaults(_import=_run_ibq)
 
 
 def _run_ibq(args: argparse.Namespace) -> int:
-    from vqserve.model.checkpoint import load_tokenizer
     from vqserve.model.families.ibq_import import import_ibq
 
     out, arch, used = import_ibq(args.checkpoint, args.out, preset=args.config, weights=args.weights,
                                  force=args.force)
-    tokenizer = load_tokenizer(out)
-    if not args.quiet:
-        print(f"imported IBQ ({used} weights; factor {arch.factor}, {arch.codebook_size:,} codes x "
-              f"{arch.codebook_dim}, {sum(p.numel() for p in tokenizer.parameters()) / 1e6:.1f}M parameters) "
-              f"-> {out}\nserve it:  vqserve serve --model {out}", file=sys.stderr)
-    return 0
+    return _report(out, f"IBQ ({used} weights; factor {arch.factor}, {arch.codebook_size:,} codes x "
+                        f"{arch.codebook_dim}", args.quiet)
 
 
 def _add_cosmos(families, parser: argparse.ArgumentParser) -> None:
@@ -164,43 +141,55 @@ def _add_cosmos(families, parser: argparse.ArgumentParser) -> None:
         formatter_class=parser.formatter_class)
     cosmos.add_argument("sources", nargs="+", metavar="SOURCE",
                         help="the downloaded model folder, or encoder.jit decoder.jit, or autoencoder.jit")
-    cosmos.add_argument("--out", required=True, metavar="DIR", help="model directory to create; it must not exist yet")
+    _add_out(cosmos)
     cosmos.add_argument("--config", choices=["DI8x8", "DI16x16"], default=None,
                         help="check the weights against this published architecture; default: inferred "
                              "from the tensor shapes")
-    cosmos.add_argument("--force", action="store_true",
-                        help="replace DIR if it is an earlier `vqserve import cosmos` output")
-    cosmos.add_argument("--quiet", action="store_true", help="print nothing on success")
-    cosmos.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="on errors, also print the Python traceback")
+    _add_force_quiet_debug(cosmos, "cosmos")
     cosmos.set_defaults(_import=_run_cosmos)
 
 
 def _run_cosmos(args: argparse.Namespace) -> int:
-    from vqserve.model.checkpoint import load_tokenizer
     from vqserve.model.families.cosmos_import import import_cosmos
 
     out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force)
-    tokenizer = load_tokenizer(out)
-    if not args.quiet:
-        print(f"imported Cosmos DI (factor {arch.factor}, FSQ {arch.levels} = {arch.codebook_size:,} codes, "
-              f"{sum(p.numel() for p in tokenizer.parameters()) / 1e6:.1f}M parameters) -> {out}\n"
-              f"serve it:  vqserve serve --model {out}", file=sys.stderr)
-    return 0
+    return _report(out, f"Cosmos DI (factor {arch.factor}, FSQ {arch.levels} = {arch.codebook_size:,} codes",
+                   args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "_import", None) is not None:  # families that name their own runner
         return args._import(args)
-    from vqserve.model.checkpoint import load_tokenizer
     from vqserve.model.families.llamagen_import import import_llamagen
 
     # a checkpoint that cannot be imported raises ValueError: one line, exit status 2
     out, arch = import_llamagen(args.checkpoint, args.out, preset=args.config,
                                 state_key=args.state_key, force=args.force, prefix=args.prefix)
-    tokenizer = load_tokenizer(out)  # the written directory loads through the family registry
-    if not args.quiet:
-        print(f"imported LlamaGen VQ (factor {arch.factor}, {arch.codebook_size} codes x {arch.codebook_dim}, "
-              f"{sum(p.numel() for p in tokenizer.parameters()) / 1e6:.1f}M parameters) -> {out}\n"
-              f"serve it:  vqserve serve --model {out}", file=sys.stderr)
+    return _report(out, f"LlamaGen VQ (factor {arch.factor}, {arch.codebook_size} codes x {arch.codebook_dim}",
+                   args.quiet)
+
+
+def _add_out(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--out", required=True, metavar="DIR", help="model directory to create; it must not exist yet")
+
+
+def _add_force_quiet_debug(sub: argparse.ArgumentParser, family: str, note: str = "") -> None:
+    """The options every import shares, after its own: ``--force`` replaces only an earlier
+    import of the same family (the importer checks), ``--quiet``, ``--debug``."""
+    sub.add_argument("--force", action="store_true",
+                     help=f"replace DIR if it is an earlier `vqserve import {family}` output{note}")
+    sub.add_argument("--quiet", action="store_true", help="print nothing on success")
+    sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                     help="on errors, also print the Python traceback")
+
+
+def _report(out, summary: str, quiet: bool) -> int:
+    """Load the written directory through the family registry (so a directory that would not
+    serve fails here, not later) and say what was imported: ``summary`` is the family's facts."""
+    from vqserve.model.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(out)
+    if not quiet:
+        print(f"imported {summary}, {sum(p.numel() for p in tokenizer.parameters()) / 1e6:.1f}M parameters) "
+              f"-> {out}\nserve it:  vqserve serve --model {out}", file=sys.stderr)
     return 0

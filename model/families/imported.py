@@ -1,0 +1,146 @@
+"""What every *imported* family shares: a checkpoint converted once by ``vqserve import NAME``.
+
+LlamaGen, Cosmos, Open-MAGVIT2 and IBQ all serve a directory that their importer wrote:
+``config.json`` (``{"format": "vqserve-NAME", "version": 1, <architecture>, "meta": {...}}``)
+and ``model.safetensors`` (weights under vqserve's names). Reading that directory is the same
+code for each, so it lives here once and a family only says what differs:
+
+* ``ImportedConfig``: mixed into the family's architecture dataclass; ``to_dict`` and a strict
+  ``from_dict`` (format, version, unknown keys, bad values: one line naming the file).
+* ``load_strict_weights``: every tensor present, none extra, every shape right, floating
+  point; one line naming the first that is not.
+* ``ImportedFamily``: ``claims`` by format, ``architecture`` / ``read_config`` / ``load`` from
+  the config class, the tokenizer class and a label (class attributes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import load_file
+
+from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+class ImportedConfig:
+    """Mixin for a family's architecture dataclass: its ``config.json`` form, read strictly.
+
+    Subclasses set ``FORMAT``, ``VERSION`` and ``LABEL`` (the family's name in messages) and
+    implement ``family_config``. Strict because a directory written by another vqserve (or
+    edited by hand) must fail in one line naming the key, not serve other tokens."""
+
+    FORMAT: ClassVar[str]
+    VERSION: ClassVar[int]
+    LABEL: ClassVar[str]
+
+    def to_dict(self) -> dict:
+        return {"format": self.FORMAT, "version": self.VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = CONFIG_NAME) -> Any:
+        """Strict: an unknown key or another format/version is an error naming it."""
+        if data.get("format") != cls.FORMAT:
+            raise ValueError(f"{where}: format must be {cls.FORMAT!r}, got {data.get('format')!r}")
+        if data.get("version") != cls.VERSION:
+            raise ValueError(f"{where}: version {data.get('version')!r} is not supported "
+                             f"(this vqserve reads {cls.VERSION})")
+        known = {f.name for f in fields(cls)}
+        body = {k: v for k, v in data.items() if k not in ("format", "version", "meta")}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown {cls.LABEL} config keys {unknown}")
+        try:
+            return cls(**body)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    def family_config(self) -> FamilyConfig:
+        raise NotImplementedError
+
+
+def write_config(arch: ImportedConfig, meta: dict, target: Path) -> None:
+    """``target/config.json``: the architecture plus the importer's ``meta`` (provenance)."""
+    (target / CONFIG_NAME).write_text(json.dumps({**arch.to_dict(), "meta": meta}, indent=2) + "\n")
+
+
+def key_mismatch(expected: Iterable[str], state: Iterable[str]) -> str:
+    """``"N missing (first K), M unexpected (first L)"`` between two collections of tensor
+    names, or "" when they are the same set (one line, for the strict loaders)."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
+            ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
+    return ", ".join(parts)
+
+
+def load_strict_weights(tokenizer: torch.nn.Module, state: dict[str, torch.Tensor], where: str,
+                        label: str) -> None:
+    """Strict load with one line naming the first missing / unexpected / mis-shaped tensor;
+    ``label`` names the architecture (``"... does not fit the {label} architecture"``)."""
+    expected = tokenizer.state_dict()
+    mismatch = key_mismatch(expected, state)
+    if mismatch:
+        raise ValueError(f"{where} does not fit the {label} architecture: {mismatch}")
+    for key, tensor in expected.items():
+        got = state[key]
+        if not torch.is_tensor(got) or tuple(got.shape) != tuple(tensor.shape):
+            shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
+            raise ValueError(f"{where}: {key} has shape {shape}, the config needs {tuple(tensor.shape)}")
+        if not got.is_floating_point():
+            raise ValueError(f"{where}: {key} must be a floating-point tensor, got {got.dtype}")
+    tokenizer.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+
+
+def read_safetensors_weights(path: Path, importer: str) -> dict[str, torch.Tensor]:
+    """``model.safetensors`` of an imported directory; anything else (a pickle saved under
+    that name, a truncated file) is one line, and nothing is unpickled."""
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        detail = " ".join(str(exc).split())[:160] or type(exc).__name__
+        raise ValueError(f"{path}: not a readable safetensors file ({detail}); vqserve reads weights from "
+                         f"safetensors only: import the checkpoint again with `vqserve import {importer}`") from None
+
+
+class ImportedFamily(Family):
+    """A family whose directories ``vqserve import NAME`` writes (see the module docstring).
+
+    Subclasses set ``name``, ``description``, ``config_class`` (an ``ImportedConfig``
+    dataclass), ``tokenizer_class`` (built from that config) and ``label`` (the architecture
+    in weight errors); ``read_weights`` may be overridden for the family's own message."""
+
+    weights_name = WEIGHTS_NAME
+    config_class: ClassVar[type[ImportedConfig]]
+    tokenizer_class: ClassVar[type[torch.nn.Module]]
+    label: ClassVar[str] = ""
+
+    def claims(self, config: dict) -> bool:
+        return config.get("format") == self.config_class.FORMAT
+
+    def architecture(self, path: Path) -> Any:
+        data = read_config_json(path)
+        if data is None:
+            raise ValueError(f"{path / CONFIG_NAME} is missing or not a JSON object")
+        return self.config_class.from_dict(data, str(path / CONFIG_NAME))
+
+    def read_config(self, path: Path) -> FamilyConfig:
+        return self.architecture(path).family_config()
+
+    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        """The tensors of ``path`` (the weights file); safetensors only, never unpickled."""
+        return read_safetensors_weights(path, self.name)
+
+    def load(self, path: Path, device: str | torch.device = "cpu") -> Any:
+        arch = self.architecture(path)
+        self.check_files(path)
+        tokenizer = self.tokenizer_class(arch)
+        weights = path / self.weights_name
+        load_strict_weights(tokenizer, self.read_weights(weights), str(weights), self.label)
+        return tokenizer.to(device).eval()

@@ -1,0 +1,76 @@
+"""What every ``vqserve import NAME`` shares once the checkpoint is read: refusals and the write.
+
+Each importer (``llamagen_import``, ``cosmos_import``, ``magvit2_import``, ``ibq_import``)
+reads its own checkpoint layout, but ends the same way: ``--config`` checked against a
+published architecture, an existing ``--out`` refused (or, with ``--force``, replaced only
+when it is an earlier import of the same family, because what gets replaced is deleted),
+and ``config.json`` + ``model.safetensors`` written atomically. The messages name the family
+(``label``) and the subcommand, so a user sees which import refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from vqserve.model.atomic import atomic_directory
+from vqserve.model.families.base import read_config_json
+from vqserve.model.families.imported import WEIGHTS_NAME, ImportedConfig, write_config
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be imported; the message is one line naming what is wrong."""
+
+
+def sha256_file(path: Path) -> str:
+    """The source checkpoint's sha256, recorded in ``meta`` (which file this directory came from)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_preset(inferred: ImportedConfig, presets: dict, preset: str, where: str) -> None:
+    """``--config PRESET``: the architecture the weights describe must be that published one."""
+    for name, value in asdict(presets[preset]).items():
+        got = getattr(inferred, name)
+        if got != value:
+            raise CheckpointError(f"{where}: --config {preset} expects {name} {value}, the checkpoint has {got} "
+                                  "(leave --config out to import the architecture the weights describe)")
+
+
+def replace_check(format_name: str, label: str) -> Callable[[Path], None]:
+    """The check run right before an existing ``out`` would be replaced (and so deleted):
+    only an earlier import of this family (its ``config.json`` has ``format_name``) may go."""
+    def refuse_unless_ours(out: Path) -> None:
+        data = read_config_json(out) if out.is_dir() else None
+        if data is None or data.get("format") != format_name:
+            raise CheckpointError(f"{out} exists and is not an imported {label} directory; vqserve will not "
+                                  "replace it: choose another --out")
+    return refuse_unless_ours
+
+
+def check_out(out: Path, force: bool, format_name: str, label: str, command: str) -> None:
+    """Before anything is read: ``out`` must not exist, unless ``force`` and it is an earlier
+    ``vqserve import {command}`` output (checked again right before the replace)."""
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise CheckpointError(f"{out} already exists; choose a new --out (or --force to replace an "
+                                  f"earlier `vqserve import {command}` output)")
+        replace_check(format_name, label)(out)
+
+
+def write_imported(out: Path, arch: ImportedConfig, meta: dict, tokenizer: torch.nn.Module, label: str,
+                   weights_name: str = WEIGHTS_NAME) -> None:
+    """``config.json`` (architecture + ``meta``) and the tokenizer's fp32 weights under
+    vqserve's names, as one directory that appears whole or not at all."""
+    weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tokenizer.state_dict().items()}
+    with atomic_directory(out, check_replace=replace_check(arch.FORMAT, label)) as staged:
+        write_config(arch, meta, staged)
+        save_file(weights, str(staged / weights_name), metadata={"format": "pt"})
