@@ -145,6 +145,7 @@ def _info_dict(info: pb.ModelInfo) -> dict:
         "model_hash": info.model_hash,
         "source_hash": info.source_hash or info.model_hash,  # servers before 26 Nov 2026: unset
         "exact": bool(info.exact),
+        "decodes": not info.encode_only,
         "server_version": info.server_version,
         "execution_plan": info.execution_plan,
         "determinism": {"batch_invariant": info.determinism.batch_invariant,

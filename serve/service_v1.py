@@ -168,6 +168,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):
                     max_batch_size=engine.max_batch_size, dtype=info.dtype, backend=info.backend,
                     device=info.device, model_hash=info.model_hash, server_version=__version__,
                     exact=bool(info.exact), source_hash=info.source_hash or info.model_hash,
+                    encode_only=not info.decodes,
                     execution_plan=info.extra.get("plan_line", ""),
                     determinism=_determinism_msg(getattr(engine, "determinism", None)),
                 )

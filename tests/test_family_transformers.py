@@ -300,7 +300,7 @@ def test_export_keeps_the_class_tokens(saved, oracles, photos, tmp_path, model_t
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_grpc_server_returns_the_class_tokens(saved, oracles, photos, model_type):
+def test_grpc_server_returns_the_class_tokens(saved, oracles, photos, model_type, tmp_path, capsys):
     import grpc
 
     from vqserve.serve.client import TokenizerClient
@@ -312,6 +312,7 @@ def test_grpc_server_returns_the_class_tokens(saved, oracles, photos, model_type
     with ServerThread(cfg) as server, TokenizerClient(server.target, timeout=60) as client:
         info = client.model_info()
         assert (info["codebook_size"], info["factor"], info["index_dtype"]) == (512, 4, "uint16")
+        assert info["decodes"] is (model_type in DECODES)   # GetModelInfo.encode_only
         indices = client.encode(photos)
         np.testing.assert_array_equal(indices, expected)
         if model_type in DECODES:
@@ -323,6 +324,16 @@ def test_grpc_server_returns_the_class_tokens(saved, oracles, photos, model_type
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "transformers-chameleon encodes only" in err.value.details()
             assert "\n" not in err.value.details()
+            # the client command reads encode_only from GetModelInfo and refuses before sending
+            from vqserve.cli import main
+
+            (tmp_path / "tokens").mkdir()
+            np.save(tmp_path / "tokens" / "p0.npy", indices[0])
+            capsys.readouterr()
+            assert main(["decode", "--server", server.target, str(tmp_path / "tokens"),
+                         "--out", str(tmp_path / "recon")]) == 2
+            assert "encodes only (it has no decoder)" in capsys.readouterr().err
+            assert not (tmp_path / "recon").exists()
 
 
 @pytest.fixture(scope="module")

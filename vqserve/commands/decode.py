@@ -226,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"vqserve decode: error: {rpc_failure(exc, args.server)}", file=sys.stderr)
             return 1
+        if not info.get("decodes", True):
+            raise UsageError(f"the model served at {args.server} encodes only (it has no decoder): "
+                             "decode its tokens where a decoder for them is served")
         per_image = 2 if int(info.get("codes_per_position") or 1) <= 1 else 3
         files = [_plan(s, per_image) for s in sources]
         good = [tf for tf in files if not tf.error]
