@@ -275,6 +275,100 @@ def check_targets(result: dict) -> dict:
 ImageCallback = Callable[[str, np.ndarray, np.ndarray, "np.ndarray | None"], None]
 
 
+class _TokenFigures:
+    """What every evaluation measures on the tokens, whether or not the model decodes: the
+    fp32 encode (timed), the code histogram, agreement per low precision (as served and under
+    autocast) and the learnability figures. One copy for ``evaluate_tokenizer`` and
+    ``evaluate_encoder``."""
+
+    def __init__(self, tokenizer, precisions: Sequence[str], channels_last: bool, learnability: bool):
+        from vqserve.model.mixed_precision import low_precision_encoder
+
+        tokenizer.eval()
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        served = {p: _set_layout(low_precision_encoder(tokenizer.encoder, p)[0].to(tokenizer.device), layout)
+                  for p in precisions}
+        self.tokenizer, self.precisions = tokenizer, list(precisions)
+        self.channels_last, self.learnability = channels_last, learnability
+        # (result key, precision, encoder copy or None for autocast)
+        self.runs = [(p, p, served[p]) for p in precisions] + [(f"{p}_autocast", p, None) for p in precisions]
+        self.agree = {key: [0, 0] for key, _, _ in self.runs}
+        self.timings = {"fp32": 0.0, **{key: 0.0 for key, _, _ in self.runs}}
+        self.counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
+        self.grids: list[np.ndarray] = []
+
+    def encode(self, batch: torch.Tensor) -> torch.Tensor:
+        """The reference: plain fp32 eager, default memory format - exactly ``tok.encode``."""
+        t0 = time.perf_counter()
+        idx = self.tokenizer.encode(batch).cpu()
+        self.timings["fp32"] += time.perf_counter() - t0
+        self.counts += code_counts(idx, self.tokenizer.codebook_size)
+        return idx
+
+    def learn(self, row: dict, img: np.ndarray, idx: torch.Tensor, recon: torch.Tensor | None) -> None:
+        """Perplexity, shift equivariance and (with a reconstruction) the crop cost into ``row``."""
+        if not self.learnability:
+            return
+        from vqserve.model import learnability as learn
+
+        tok = self.tokenizer
+        self.grids.append(idx[0].numpy())
+        row["perplexity"] = learn.perplexity(idx[0], tok.codebook_size)
+        if recon is not None:
+            row["crop_cost_db"] = {str(k): v for k, v in learn.crop_cost(tok, img, idx[0], recon[0]).items()}
+        try:
+            row["shift_equivariance"] = {str(k): v for k, v in learn.shift_equivariance(tok, img).items()}
+        except ValueError:
+            pass  # too small to shift by 3 tokens and keep an interior: no figure, not a wrong one
+
+    def agreement(self, row: dict, batch: torch.Tensor, idx: torch.Tensor) -> None:
+        with _memory_format(self.tokenizer, self.channels_last):
+            for key, precision, encoder in self.runs:
+                t0 = time.perf_counter()
+                low = encode_in_precision(self.tokenizer, batch, precision, self.channels_last, encoder).cpu()
+                self.timings[key] += time.perf_counter() - t0
+                same = int((low == idx).sum())
+                self.agree[key][0] += same
+                self.agree[key][1] += idx.numel()
+                row[f"agreement_{key}"] = same / idx.numel()
+
+    def result(self, per_image: list[dict], **pixel_figures) -> dict:
+        """The set's result: the token figures, ``pixel_figures`` (none for an encode-only
+        model), the held-out bits per token and the targets."""
+        tok = self.tokenizer
+        agree = self.agree
+        result = {
+            "images": len(per_image),
+            "factor": tok.factor,
+            "codebook_size": tok.codebook_size,
+            # "bayer4": codes depend on position (docs/TRAINING.md, "The dither"); read with the perplexity
+            "dither": getattr(tok.quantizer, "dither", "none"),
+            **pixel_figures,
+            "codebook": codebook_stats(self.counts),
+            "agreement": {p: agree[p][0] / max(agree[p][1], 1) for p in self.precisions},
+            "agreement_autocast": {p: agree[f"{p}_autocast"][0] / max(agree[f"{p}_autocast"][1], 1)
+                                   for p in self.precisions},
+            "encode_seconds": self.timings,
+            "per_image": per_image,
+        }
+        if self.learnability:
+            from vqserve.model import learnability as learn
+
+            for row, held in zip(per_image, learn.held_out_bits(self.grids, tok.codebook_size) or [],
+                                 strict=False):
+                row.update(held)
+            result["learnability"] = learn.summarise(per_image)
+        return result
+
+
+def _finish(result: dict) -> dict:
+    result["targets"] = check_targets(result)
+    result["utilization"] = result["codebook"]["utilization"]
+    result["entropy_bits"] = result["codebook"]["entropy_bits"]
+    result["perplexity"] = result["codebook"]["perplexity"]
+    return result
+
+
 def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[str] | None = None,
                        precisions: Sequence[str] = ("bf16", "fp16"),
                        channels_last: bool = True, baseline: bool = True, tile: int = 128,
@@ -295,35 +389,19 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     ``images`` are uint8 ``[H,W,3]`` arrays; each is centre-cropped to a multiple of the
     tokenizer's factor and processed one at a time (sizes may differ).
     """
-    from vqserve.model import learnability as learn
-    from vqserve.model.mixed_precision import low_precision_encoder
-
     if not tokenizer.decodes:  # an encode-only model: the token figures alone
         return evaluate_encoder(tokenizer, images, names, precisions, channels_last, learnability)
-    tokenizer.eval()
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    served = {p: _set_layout(low_precision_encoder(tokenizer.encoder, p)[0].to(tokenizer.device), layout)
-              for p in precisions}
+    figures = _TokenFigures(tokenizer, precisions, channels_last, learnability)
     f = tokenizer.factor
     names = list(names) if names is not None else [f"image{i}" for i in range(len(images))]
     per_image = []
-    counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
     sq_err, n_px = 0.0, 0
     base_sq_err, tiled_sq_err = 0.0, 0.0
-    # (result key, precision, encoder copy or None for autocast)
-    runs = [(p, p, served[p]) for p in precisions] + [(f"{p}_autocast", p, None) for p in precisions]
-    agree = {name: [0, 0] for name, _, _ in runs}
-    grids = []
-    timings = {"fp32": 0.0, **{name: 0.0 for name, _, _ in runs}}
     for name, img in zip(names, images, strict=True):
         img = _centre_crop_multiple(np.asarray(img), f)
         batch = torch.from_numpy(np.array(img))[None]
-        # the reference: plain fp32 eager, default memory format - exactly ``tok.encode``
-        t0 = time.perf_counter()
-        idx = tokenizer.encode(batch).cpu()
-        timings["fp32"] += time.perf_counter() - t0
+        idx = figures.encode(batch)
         recon = tokenizer.decode(idx).cpu()
-        counts += code_counts(idx, tokenizer.codebook_size)
         err = (batch.to(torch.float64) - recon.to(torch.float64)) ** 2
         sq_err += float(err.sum())
         n_px += err.numel()
@@ -342,46 +420,13 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
             tiled = tiled_round_trip(tokenizer, batch, tile)
             row["tiled_psnr"] = psnr(batch, tiled)
             tiled_sq_err += float(((batch.to(torch.float64) - tiled.to(torch.float64)) ** 2).sum())
-        if learnability:
-            grids.append(idx[0].numpy())
-            row["perplexity"] = learn.perplexity(idx[0], tokenizer.codebook_size)
-            row["crop_cost_db"] = {str(k): v for k, v in
-                                   learn.crop_cost(tokenizer, img, idx[0], recon[0]).items()}
-            try:
-                row["shift_equivariance"] = {str(k): v for k, v in learn.shift_equivariance(tokenizer, img).items()}
-            except ValueError:
-                pass  # too small to shift by 3 tokens and keep an interior: no figure, not a wrong one
+        figures.learn(row, img, idx, recon)
         if on_image is not None:
             on_image(name, batch[0].numpy(), recon[0].numpy(), None if base is None else base[0].numpy())
-        with _memory_format(tokenizer, channels_last):
-            for name, precision, encoder in runs:
-                t0 = time.perf_counter()
-                low = encode_in_precision(tokenizer, batch, precision, channels_last, encoder).cpu()
-                timings[name] += time.perf_counter() - t0
-                same = int((low == idx).sum())
-                agree[name][0] += same
-                agree[name][1] += idx.numel()
-                row[f"agreement_{name}"] = same / idx.numel()
+        figures.agreement(row, batch, idx)
         per_image.append(row)
-    result = {
-        "images": len(per_image),
-        "factor": f,
-        "codebook_size": tokenizer.codebook_size,
-        # "bayer4": codes depend on position (docs/TRAINING.md, "The dither"); read with the perplexity
-        "dither": getattr(tokenizer.quantizer, "dither", "none"),
-        "psnr": _psnr_from(sq_err, n_px),
-        "ssim": float(np.mean([r["ssim"] for r in per_image])),
-        "codebook": codebook_stats(counts),
-        "agreement": {p: agree[p][0] / max(agree[p][1], 1) for p in precisions},
-        "agreement_autocast": {p: agree[f"{p}_autocast"][0] / max(agree[f"{p}_autocast"][1], 1)
-                               for p in precisions},
-        "encode_seconds": timings,
-        "per_image": per_image,
-    }
-    if learnability:
-        for row, held in zip(per_image, learn.held_out_bits(grids, tokenizer.codebook_size) or [], strict=False):
-            row.update(held)
-        result["learnability"] = learn.summarise(per_image)
+    result = figures.result(per_image, psnr=_psnr_from(sq_err, n_px),
+                            ssim=float(np.mean([r["ssim"] for r in per_image])))
     result["max_abs_mean_error"] = max(r["max_abs_mean_error"] for r in per_image)
     result["max_flat_tint"] = max(r["flat_tint"] for r in per_image)
     if baseline:
@@ -390,11 +435,7 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     if tile:
         result["tile"] = tile
         result["tiled_psnr"] = _psnr_from(tiled_sq_err, n_px)
-    result["targets"] = check_targets(result)
-    result["utilization"] = result["codebook"]["utilization"]
-    result["entropy_bits"] = result["codebook"]["entropy_bits"]
-    result["perplexity"] = result["codebook"]["perplexity"]
-    return result
+    return _finish(result)
 
 
 def evaluate_encoder(tokenizer, images: Sequence[np.ndarray], names: Sequence[str] | None = None,
@@ -404,64 +445,18 @@ def evaluate_encoder(tokenizer, images: Sequence[np.ndarray], names: Sequence[st
     needs no reconstruction - codebook use, agreement per precision (as served and under
     autocast), encode time, and the learnability figures that need no decoder (shift
     equivariance, perplexity, held-out bits per token). ``result["decodes"]`` is False."""
-    from vqserve.model import learnability as learn
-    from vqserve.model.mixed_precision import low_precision_encoder
-
-    tokenizer.eval()
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    served = {p: _set_layout(low_precision_encoder(tokenizer.encoder, p)[0].to(tokenizer.device), layout)
-              for p in precisions}
-    runs = [(p, p, served[p]) for p in precisions] + [(f"{p}_autocast", p, None) for p in precisions]
-    f = tokenizer.factor
+    figures = _TokenFigures(tokenizer, precisions, channels_last, learnability)
     names = list(names) if names is not None else [f"image{i}" for i in range(len(images))]
-    counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
-    agree = {name: [0, 0] for name, _, _ in runs}
-    timings = {"fp32": 0.0, **{name: 0.0 for name, _, _ in runs}}
-    per_image, grids = [], []
+    per_image = []
     for name, img in zip(names, images, strict=True):
-        img = _centre_crop_multiple(np.asarray(img), f)
+        img = _centre_crop_multiple(np.asarray(img), tokenizer.factor)
         batch = torch.from_numpy(np.array(img))[None]
-        t0 = time.perf_counter()
-        idx = tokenizer.encode(batch).cpu()
-        timings["fp32"] += time.perf_counter() - t0
-        counts += code_counts(idx, tokenizer.codebook_size)
+        idx = figures.encode(batch)
         row = {"name": name, "height": img.shape[0], "width": img.shape[1]}
-        if learnability:
-            grids.append(idx[0].numpy())
-            row["perplexity"] = learn.perplexity(idx[0], tokenizer.codebook_size)
-            try:
-                row["shift_equivariance"] = {str(k): v for k, v in learn.shift_equivariance(tokenizer, img).items()}
-            except ValueError:
-                pass  # too small to shift by 3 tokens and keep an interior
-        with _memory_format(tokenizer, channels_last):
-            for key, precision, encoder in runs:
-                t0 = time.perf_counter()
-                low = encode_in_precision(tokenizer, batch, precision, channels_last, encoder).cpu()
-                timings[key] += time.perf_counter() - t0
-                same = int((low == idx).sum())
-                agree[key][0] += same
-                agree[key][1] += idx.numel()
-                row[f"agreement_{key}"] = same / idx.numel()
+        figures.learn(row, img, idx, None)
+        figures.agreement(row, batch, idx)
         per_image.append(row)
-    result = {
-        "images": len(per_image), "factor": f, "codebook_size": tokenizer.codebook_size, "decodes": False,
-        "dither": getattr(tokenizer.quantizer, "dither", "none"),
-        "codebook": codebook_stats(counts),
-        "agreement": {p: agree[p][0] / max(agree[p][1], 1) for p in precisions},
-        "agreement_autocast": {p: agree[f"{p}_autocast"][0] / max(agree[f"{p}_autocast"][1], 1)
-                               for p in precisions},
-        "encode_seconds": timings,
-        "per_image": per_image,
-    }
-    if learnability:
-        for row, held in zip(per_image, learn.held_out_bits(grids, tokenizer.codebook_size) or [], strict=False):
-            row.update(held)
-        result["learnability"] = learn.summarise(per_image)
-    result["targets"] = check_targets(result)
-    result["utilization"] = result["codebook"]["utilization"]
-    result["entropy_bits"] = result["codebook"]["entropy_bits"]
-    result["perplexity"] = result["codebook"]["perplexity"]
-    return result
+    return _finish(figures.result(per_image, decodes=False))
 
 
 def _psnr_from(sq_err: float, n: int) -> float:

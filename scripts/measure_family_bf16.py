@@ -170,16 +170,25 @@ def measure_magvit2(name: str, photos: np.ndarray, dtypes: list[str], workdir: P
     path.mkdir()
     write_config(arch, {"random_init": "torch default, seed 0"}, path)
     save_file({k: v.contiguous() for k, v in tok.state_dict().items()}, str(path / WEIGHTS_NAME))
+    return _flip_row(f"open-magvit2-{name}", tok, path, NaivePath, photos, dtypes)
+
+
+def _flip_row(model: str, tok, path: Path, naive_path, photos: np.ndarray, dtypes: list[str]) -> dict:
+    """One table row for an imported family saved at ``path``: flips against ``tok``'s fp32
+    tokens of the original cast wholesale, the same with vqserve's fp32 island, and the served
+    path (``EagerRuntime``), one image at a time (``flip_measure.flip_rates_of``)."""
+    from vqserve.model.families.flip_measure import flip_rates_of
+
     images = torch.from_numpy(photos)
     ref = np.concatenate([tok.encode(p[None]).numpy() for p in images])
-    row = {"model": f"open-magvit2-{name}", "positions": int(ref.size), "distinct_codes_fp32": int(len(np.unique(ref)))}
+    row = {"model": model, "positions": int(ref.size), "distinct_codes_fp32": int(len(np.unique(ref)))}
     for dtype in dtypes:
         served = EagerRuntime(path, dtype=dtype)
-        paths = {"naive_flips": NaivePath(tok, dtype), "naive_cast+fp32_island_flips": NaivePath(tok, dtype, True)}
-        row[dtype] = {key: float(np.mean(np.concatenate([run(p[None]).numpy() for p in images]) != ref))
-                      for key, run in paths.items()}
-        row[dtype]["vqserve_flips"] = float(np.mean(
-            np.concatenate([served.encode(p[None].numpy()) for p in images]).astype(np.int64) != ref))
+        row[dtype] = flip_rates_of({
+            "naive_flips": naive_path(tok, dtype),
+            "naive_cast+fp32_island_flips": naive_path(tok, dtype, True),
+            "vqserve_flips": lambda image, rt=served: torch.from_numpy(rt.encode(image.numpy()).astype(np.int64)),
+        }, tok, images)
         print(row["model"], dtype, row[dtype], flush=True)
     return row
 
@@ -204,18 +213,7 @@ def measure_ibq(name: str, photos: np.ndarray, dtypes: list[str], workdir: Path)
     path.mkdir()
     write_config(arch, {"random_init": "torch default, codebook N(0,1), seed 0"}, path)
     save_file({k: v.contiguous() for k, v in tok.state_dict().items()}, str(path / WEIGHTS_NAME))
-    images = torch.from_numpy(photos)
-    ref = np.concatenate([tok.encode(p[None]).numpy() for p in images])
-    row = {"model": f"ibq-{name}", "positions": int(ref.size), "distinct_codes_fp32": int(len(np.unique(ref)))}
-    for dtype in dtypes:
-        served = EagerRuntime(path, dtype=dtype)
-        paths = {"naive_flips": NaivePath(tok, dtype), "naive_cast+fp32_island_flips": NaivePath(tok, dtype, True)}
-        row[dtype] = {key: float(np.mean(np.concatenate([run(p[None]).numpy() for p in images]) != ref))
-                      for key, run in paths.items()}
-        row[dtype]["vqserve_flips"] = float(np.mean(
-            np.concatenate([served.encode(p[None].numpy()) for p in images]).astype(np.int64) != ref))
-        print(row["model"], dtype, row[dtype], flush=True)
-    return row
+    return _flip_row(f"ibq-{name}", tok, path, NaivePath, photos, dtypes)
 
 
 def main() -> None:

@@ -99,29 +99,25 @@ def tokenize(photos: Path, out: Path, model: str, engine: str, *extra: str) -> i
                  "--ray-actors", "1", "--no-progress", *extra])
 
 
-def files(out: Path) -> dict[str, bytes]:
-    return folder_bytes(out)
-
-
 @pytest.mark.parametrize("size", [["--size", "32"], ["--keep-size"]], ids=["size32", "keep"])
 def test_ray_equals_local_and_resumes(ray_local, photos_dir, tiny_checkpoint, tmp_path, size):
     local, dist = tmp_path / "local", tmp_path / "ray"
     assert tokenize(photos_dir, local, tiny_checkpoint, "local", *size) == 0
     assert tokenize(photos_dir, dist, tiny_checkpoint, "ray", *size) == 0
-    want = files(local)
+    want = folder_bytes(local)
     # 9 images in shards of 3, tasks of 2 + 1: several shards, a partial last task, one error
     assert sorted(want) == ["__vqserve__/errors.jsonl", "__vqserve__/manifest.json", "shard-000000.parquet",
                             "shard-000001.parquet", "shard-000002.parquet"]
     errors = want["__vqserve__/errors.jsonl"]
     assert errors.count(b"\n") == 1 and b"img3x" in errors
-    assert files(dist) == want
+    assert folder_bytes(dist) == want
 
     # resume on Ray: only the missing shard is redone, and the folder is byte-identical again
     (dist / "shard-000001.parquet").unlink()
     kept = {n: (dist / n).stat().st_mtime_ns for n in ("shard-000000.parquet", "shard-000002.parquet")}
     assert tokenize(photos_dir, dist, tiny_checkpoint, "ray", *size) == 0
     assert {n: (dist / n).stat().st_mtime_ns for n in kept} == kept
-    assert files(dist) == want
+    assert folder_bytes(dist) == want
 
 
 def test_ray_fail_fast_and_actor_refusal(ray_local, photos_dir, tiny_checkpoint, tmp_path, capsys):
@@ -149,12 +145,12 @@ def test_ray_runs_the_drivers_plan_and_either_engine_resumes_the_other(ray_local
     args = ("--size", "32", "--plan", plan)
     assert tokenize(photos_dir, local, tiny_checkpoint, "local", *args) == 0
     assert tokenize(photos_dir, dist, tiny_checkpoint, "ray", *args) == 0
-    want = files(local)
+    want = folder_bytes(local)
     assert json.loads(want["__vqserve__/manifest.json"])["model"]["backend"] == "torchscript", "the plan's backend ran"
-    assert files(dist) == want
+    assert folder_bytes(dist) == want
     (dist / "shard-000001.parquet").unlink()  # a Ray run finished by the local engine
     assert tokenize(photos_dir, dist, tiny_checkpoint, "local", *args) == 0
-    assert files(dist) == want
+    assert folder_bytes(dist) == want
     (local / "shard-000000.parquet").unlink()  # and a local run finished on Ray
     assert tokenize(photos_dir, local, tiny_checkpoint, "ray", *args) == 0
-    assert files(local) == want
+    assert folder_bytes(local) == want

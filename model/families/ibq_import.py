@@ -26,14 +26,11 @@ from vqserve.model.families.ibq import (
     IbqTokenizer,
 )
 from vqserve.model.families.imported import key_mismatch
-from vqserve.model.families.importing import CheckpointError, check_out, write_imported
+from vqserve.model.families.importing import CheckpointError, write_imported
 from vqserve.model.families.importing import check_preset as shared_check_preset
-from vqserve.model.families.llamagen_import import read_checkpoint
 from vqserve.model.families.magvit2_import import (
-    RESAVE_HINT,
-    WEIGHT_CHOICES,
     lightning_meta,
-    select_state,
+    open_lightning,
     tokenizer_weights,
 )
 
@@ -152,17 +149,9 @@ def import_ibq(checkpoint: str | os.PathLike, out: str | os.PathLike, preset: st
     """Convert ``checkpoint`` into the directory ``out``; returns (out, architecture, "ema" or "raw").
     Everything is checked before anything is written; the directory appears whole or not at all."""
     src, out = Path(checkpoint), Path(out)
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {preset!r}")
-    if weights not in WEIGHT_CHOICES:
-        raise ValueError(f"--weights must be one of {list(WEIGHT_CHOICES)}, got {weights!r}")
-    check_out(out, force, FORMAT, "IBQ", "ibq")
+    checkpoint_obj, state, key, arch = open_lightning(src, out, preset, weights, force, PRESETS, FORMAT,
+                                                      "IBQ", "ibq", infer_architecture, check_preset)
     where = str(src)
-    checkpoint_obj = read_checkpoint(src, resave_hint=RESAVE_HINT)
-    state, key = select_state(checkpoint_obj, where)
-    arch = infer_architecture(state, where)
-    if preset is not None:
-        check_preset(arch, preset, where)
     levels = len(arch.ch_mult)
     with torch.device("meta"):
         shapes = {to_ibq_name(k, levels): tuple(v.shape) for k, v in IbqTokenizer(arch).state_dict().items()}

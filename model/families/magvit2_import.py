@@ -167,17 +167,10 @@ def import_magvit2(checkpoint: str | os.PathLike, out: str | os.PathLike, preset
     all. ``out`` must not exist, unless ``force`` and it is an earlier import (then replaced).
     """
     src, out = Path(checkpoint), Path(out)
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {preset!r}")
-    if weights not in WEIGHT_CHOICES:
-        raise ValueError(f"--weights must be one of {list(WEIGHT_CHOICES)}, got {weights!r}")
-    check_out(out, force, FORMAT, "Open-MAGVIT2", "magvit2")
+    checkpoint_obj, state, key, arch = open_lightning(src, out, preset, weights, force, PRESETS, FORMAT,
+                                                      "Open-MAGVIT2", "magvit2", infer_architecture,
+                                                      check_preset)
     where = str(src)
-    checkpoint_obj = read_checkpoint(src, resave_hint=RESAVE_HINT)
-    state, key = select_state(checkpoint_obj, where)
-    arch = infer_architecture(state, where)
-    if preset is not None:
-        check_preset(arch, preset, where)
     tokenizer = Magvit2Tokenizer(arch)
     expected = list(tokenizer.state_dict())
     tensors, used, dropped = tokenizer_weights(state, expected, weights, where)
@@ -188,6 +181,26 @@ def import_magvit2(checkpoint: str | os.PathLike, out: str | os.PathLike, preset
     meta = lightning_meta(src, checkpoint_obj, key, used, dropped, preset)
     write_imported(out, arch, meta, tokenizer, "Open-MAGVIT2")
     return out, arch, used
+
+
+def open_lightning(src: Path, out: Path, preset: str | None, weights: str, force: bool, presets: dict,
+                   fmt: str, label: str, command: str, infer, check_preset_of) -> tuple[object, dict, str, object]:
+    """The first half of a SEED-Voken import (Open-MAGVIT2, IBQ), before any file is written:
+    the flags checked, ``out`` free (or an earlier import with ``force``), the Lightning
+    checkpoint read with ``weights_only``, its state dict found, the architecture inferred
+    from its shapes and compared with ``preset``. Returns (checkpoint, state, its key, arch)."""
+    if preset is not None and preset not in presets:
+        raise ValueError(f"--config must be one of {sorted(presets)}, got {preset!r}")
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"--weights must be one of {list(WEIGHT_CHOICES)}, got {weights!r}")
+    check_out(out, force, fmt, label, command)
+    where = str(src)
+    checkpoint = read_checkpoint(src, resave_hint=RESAVE_HINT)
+    state, key = select_state(checkpoint, where)
+    arch = infer(state, where)
+    if preset is not None:
+        check_preset_of(arch, preset, where)
+    return checkpoint, state, key, arch
 
 
 def lightning_meta(src: Path, checkpoint: object, key: str, used: str, dropped: dict[str, int],
