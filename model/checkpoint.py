@@ -25,16 +25,36 @@ from vqserve.model.precision import parse_dtype
 from vqserve.model.tokenizer import Tokenizer, TokenizerBase
 
 DEFAULT_NAME = "default"
+# The tokenizers shipped inside the package, by the name ``--model`` takes: the undithered
+# default (tokens a generative model learns well) and the dithered one (smoother flat colour
+# for reconstruction-only uses; its codes depend on their position modulo 4, docs/TRAINING.md).
+PACKAGED_MODELS = (DEFAULT_NAME, "dithered")
+
+
+def is_packaged_name(name: str | os.PathLike | None) -> bool:
+    """Whether ``name`` names a shipped tokenizer (``default``, ``dithered``) rather than a path."""
+    return str(name) in PACKAGED_MODELS
+
+
+def packaged_model_dir(name: str = DEFAULT_NAME) -> Path:
+    """Where a shipped tokenizer lives inside the installed package."""
+    if name not in PACKAGED_MODELS:
+        raise ValueError(f"no shipped tokenizer is called {name!r}; shipped: {', '.join(PACKAGED_MODELS)}")
+    return Path(str(resources.files("vqserve.model").joinpath(name)))
 
 
 def default_tokenizer_dir() -> Path:
-    """Where the shipped tokenizer lives inside the installed package."""
-    return Path(str(resources.files("vqserve.model").joinpath("default")))
+    """Where the shipped default tokenizer lives inside the installed package."""
+    return packaged_model_dir(DEFAULT_NAME)
+
+
+def packaged_model_available(name: str = DEFAULT_NAME) -> bool:
+    d = packaged_model_dir(name)
+    return (d / CONFIG_NAME).is_file() and (d / WEIGHTS_NAME).is_file()
 
 
 def default_tokenizer_available() -> bool:
-    d = default_tokenizer_dir()
-    return (d / CONFIG_NAME).is_file() and (d / WEIGHTS_NAME).is_file()
+    return packaged_model_available(DEFAULT_NAME)
 
 
 NETWORK_STORAGE = ("fp32", "fp16", "bf16")
@@ -88,19 +108,22 @@ def read_config(path: str | os.PathLike) -> tuple[TokenizerConfig | FamilyConfig
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """``"default"`` -> the packaged directory; anything else must be a model directory of a
-    known family (vqserve's own checkpoint, a diffusers VQModel, ...) holding its files."""
-    if str(name_or_path) == DEFAULT_NAME:
-        if not default_tokenizer_available():
+    """``"default"`` or ``"dithered"`` -> the packaged directory; anything else must be a model
+    directory of a known family (vqserve's own checkpoint, a diffusers VQModel, ...) holding
+    its files."""
+    if is_packaged_name(name_or_path):
+        name = str(name_or_path)
+        if not packaged_model_available(name):
             raise FileNotFoundError(
-                "the default tokenizer weights are not in this install "
-                f"(expected {default_tokenizer_dir()}/{CONFIG_NAME} and {WEIGHTS_NAME}); "
+                f"the {name} tokenizer weights are not in this install "
+                f"(expected {packaged_model_dir(name)}/{CONFIG_NAME} and {WEIGHTS_NAME}); "
                 "train one with `vqserve train` and pass its directory instead"
             )
-        return default_tokenizer_dir()
+        return packaged_model_dir(name)
     path = Path(name_or_path)
     if not path.exists():
-        raise FileNotFoundError(f"model {str(path)!r} does not exist (use 'default' or a checkpoint directory)")
+        raise FileNotFoundError(f"model {str(path)!r} does not exist (use 'default', 'dithered' "
+                                "or a checkpoint directory)")
     if not path.is_dir():
         raise ValueError(f"model {str(path)!r} must be a directory holding {CONFIG_NAME} and {WEIGHTS_NAME}")
     family_for(path).check_files(path)

@@ -167,7 +167,9 @@ def run_ray(job: pipeline.Job, model: str, backend: str, dtype: str | None, devi
     """Decode in Ray tasks, encode in ``actors`` tokenizer actors, commit here shard by shard.
     ``plan``: the driver's execution plan (``PlanChoice.to_dict()``), which every actor runs,
     so the output is byte-identical to the local engine's with the same plan."""
-    if model != "default" and Path(model).exists():
+    from vqserve.model.checkpoint import is_packaged_name
+
+    if not is_packaged_name(model) and Path(model).exists():
         model = str(Path(model).resolve())  # workers need not share the driver's cwd
     tasks = {(t.shard, t.index): t for s in job.pending for t in job.tasks(s)}
     ray, started, ctx, saved = None, False, None, None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -70,6 +71,30 @@ def test_clear_errors(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not a vqserve tokenizer config"):
         load_tokenizer(path)
+
+
+def test_the_shipped_names_are_the_same_for_the_cli_and_the_loader():
+    from vqserve.commands.common import PACKAGED_MODEL_NAMES
+    from vqserve.model.checkpoint import PACKAGED_MODELS, packaged_model_dir, resolve_model_path
+
+    assert PACKAGED_MODEL_NAMES == PACKAGED_MODELS == ("default", "dithered")
+    with pytest.raises(ValueError, match="no shipped tokenizer is called 'v4'"):
+        packaged_model_dir("v4")
+    with pytest.raises(FileNotFoundError, match="'default', 'dithered' or a checkpoint directory"):
+        resolve_model_path("v4")
+
+
+@pytest.mark.skipif(not default_tokenizer_available(), reason="model/ weights absent in this checkout")
+def test_dithered_is_the_shipped_dithered_tokenizer_with_the_same_network():
+    tok, dithered = load_tokenizer("default"), load_tokenizer("dithered")
+    assert tok.config.dither == "none" and dithered.config.dither == "bayer4"
+    assert tok.config == dataclasses.replace(dithered.config, dither="none")
+    from vqserve.commands.common import UsageError, check_model_exists, model_ref
+
+    check_model_exists("dithered")      # a name, not a path: accepted before anything loads
+    assert model_ref("dithered") == "dithered"   # and recorded as such in manifests
+    with pytest.raises(UsageError, match="`dithered`"):
+        check_model_exists("dithred")
 
 
 def test_default_resolves_or_says_why():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -455,3 +456,50 @@ def test_an_undithered_tokenizer_fine_tunes_into_a_dithered_one(image_dir, tmp_p
     with pytest.raises(ValueError, match="freeze_encoder"):
         Trainer(tiny_config(image_dir, tmp_path / "t2", steps=2, val_every=0, freeze_encoder=True, change_dither=True,
                             init_from=str(tmp_path / "tuned" / "final")))
+
+
+# -- the shipped recipes (issue 28) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_recipe_is_a_valid_training_config(path):
+    cfg = TrainConfig.from_dict(load_config_file(path))
+    assert cfg.steps > 0 and cfg.data in ("photos:train", "builtin")
+
+
+@pytest.mark.parametrize("name, recipes", [
+    ("default", ["default-v6-decoder.yaml", "default-v6-decoder-256.yaml"]),
+    ("dithered", ["default-v5-dither.yaml"]),
+])
+def test_the_shipped_tokenizers_are_what_their_recipes_train(name, recipes):
+    """The configs in configs/ say how each shipped tokenizer was made: their model section
+    must be the shipped config, and the v6 stages keep v4's tokens (encoder frozen)."""
+    shipped = load_tokenizer(name).config
+    for recipe in recipes:
+        cfg = TrainConfig.from_dict(load_config_file(Path(__file__).resolve().parents[1] / "configs" / recipe))
+        assert cfg.tokenizer_config() == shipped, recipe
+        assert cfg.freeze_encoder == (name == "default"), recipe
+
+
+def test_train_on_budget_sets_the_schedule_from_the_measured_rate(image_dir, tmp_path):
+    """scripts/train_on_budget.py (how the v6 default was trained on a lent GPU): a few seconds
+    on CPU must still end in a saved, loadable tokenizer whose meta records the plan."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps({**tiny_config(image_dir, tmp_path / "unused").to_dict(), "steps": 10_000}))
+    res = subprocess.run([sys.executable, str(root / "scripts" / "train_on_budget.py"), "--config", str(config),
+                          "--seconds", "4", "--probe", "6", "--set", "val_every=0", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    meta = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["meta"]
+    assert 6 < meta["planned_steps"] < 10_000 and meta["step"] <= meta["planned_steps"]
+    assert meta["network_storage"] == "fp16"
+    load_tokenizer(tmp_path / "run" / "final")
+    bad = subprocess.run([sys.executable, str(root / "scripts" / "train_on_budget.py"), "--config", str(config),
+                          "--seconds", "4", "--set", "steps", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "expected KEY=VALUE" in bad.stderr

@@ -29,7 +29,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_device: str = "auto"
     planner pick a lower precision where it agrees with fp32 on ``--min-agreement`` - is offered."""
     m = parser.add_argument_group("model")
     m.add_argument("--model", default=model_default,
-                   help="`default` (the shipped tokenizer), a model directory (a vqserve checkpoint, a "
+                   help="`default` (the shipped tokenizer), `dithered` (the shipped dithered one, for "
+                        "reconstruction only: docs/TRAINING.md), a model directory (a vqserve checkpoint, a "
                         "diffusers VQModel, an imported LlamaGen: docs/MODELS.md) or an exported artifact dir")
     m.add_argument("--backend", default="auto", choices=["auto", "eager", "torchscript", "onnx", "pt2"],
                    help="runtime; auto = the recorded format for artifacts; for checkpoints eager, or with "
@@ -73,19 +74,28 @@ def add_expect_hash(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
                              "defence against a swapped or re-hashed artifact (docs/EXPORT.md, Trust)")
 
 
+# The shipped tokenizers' names (vqserve.model.checkpoint.PACKAGED_MODELS, which a test keeps
+# equal): written out here so parsing a command line never imports torch.
+PACKAGED_MODEL_NAMES = ("default", "dithered")
+
+
+def is_packaged_name(model: str) -> bool:
+    return model in PACKAGED_MODEL_NAMES
+
+
 def check_model_exists(model: str | None, env: str | None = None) -> None:
     """Refuse a ``--model`` path that is not there before any port is bound or file written,
     so the user gets one line instead of a failed background load."""
-    if model in (None, "default") or Path(model).expanduser().exists():
+    if model is None or is_packaged_name(model) or Path(model).expanduser().exists():
         return
     via = f" (or {env})" if env else ""
     raise UsageError(f"--model {model}: no such file or directory; pass `default` (the shipped "
-                     f"tokenizer), a checkpoint directory or an exported artifact directory{via}")
+                     f"tokenizer), `dithered`, a checkpoint directory or an exported artifact directory{via}")
 
 
 def model_ref(model: str) -> str:
-    """How a model is recorded in output manifests: ``default`` or an absolute path."""
-    return model if model == "default" else str(Path(model).resolve())
+    """How a model is recorded in output manifests: a shipped name or an absolute path."""
+    return model if is_packaged_name(model) else str(Path(model).resolve())
 
 
 # ---- settings from VQSERVE_* environment variables (containers) --------------------------------

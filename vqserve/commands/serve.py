@@ -31,6 +31,7 @@ from vqserve.commands.common import (
     add_expect_hash,
     add_model_args,
     check_model_exists,
+    is_packaged_name,
     min_agreement_for,
     plan_choice,
     resolve_env_fallbacks,
@@ -268,7 +269,7 @@ def port_in_use_message(exc) -> str:
 def check_artifact_dtype(model: str | None, dtype: str | None) -> None:
     """``--dtype`` for an exported artifact must be the dtype it was exported in: refused here,
     in one line (exit 2), rather than by the model load after the port is bound."""
-    if dtype in (None, "auto") or model in (None, "default") or not (Path(model) / "manifest.json").is_file():
+    if dtype in (None, "auto") or model is None or is_packaged_name(model) or not (Path(model) / "manifest.json").is_file():
         return
     from vqserve.export.manifest import read_manifest
     from vqserve.export.runtimes import check_artifact_dtype as check

@@ -5,12 +5,13 @@ GradScaler, fp16 under autocast with a GradScaler, fp32 plain; the quantizer is 
 all three. Checkpoints go to OUT/last atomically; `--resume` continues from there.
 
 Examples:
-  vqserve train --config configs/default.yaml                  # the shipped default
+  vqserve train --config configs/default.yaml                  # the first default (v1)
   vqserve train --config configs/default.yaml --device cuda    # same recipe on a GPU
   vqserve train --data ~/photos --crop-size 128 --steps 20000 --precision bf16 --out runs/mine
   vqserve train --config configs/default.yaml --resume          # continue a killed run
-  vqserve train --config configs/default-v5-dither.yaml --init-from default --data ~/photos \
-      --steps 2000 --lr 1e-4 --out runs/tuned                    # fine-tune the default on your photos
+  vqserve train --config configs/default-v6-decoder.yaml --init-from default --data ~/photos \
+      --device cpu --steps 2000 --lr 1e-4 --out runs/tuned       # fine-tune the default's decoder
+                                                                 # on your photos: tokens stay the same
 """
 
 from __future__ import annotations
