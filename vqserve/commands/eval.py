@@ -39,7 +39,7 @@ from pathlib import Path
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="'default' (the shipped tokenizer) or a model directory (vqserve checkpoint, "
+    parser.add_argument("--model", default="default", help="'default' (the shipped tokenizer), 'dithered' (the shipped dithered one) or a model directory (vqserve checkpoint, "
                         "diffusers VQModel, imported LlamaGen: docs/MODELS.md)")
     parser.add_argument("--images", default="builtin",
                         help="an image folder (recursive), 'builtin' (validation photographs), "

@@ -31,7 +31,7 @@ import sys
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="'default' (the shipped tokenizer) or a model directory (vqserve checkpoint, "
+    parser.add_argument("--model", default="default", help="'default' (the shipped tokenizer), 'dithered' (the shipped dithered one) or a model directory (vqserve checkpoint, "
                         "diffusers VQModel, imported LlamaGen: docs/MODELS.md)")
     parser.add_argument("--format", required=True, choices=["torchscript", "onnx", "pt2", "torchserve"],
                         dest="fmt", help="artifact format (torchserve: TorchServe model archives)")
