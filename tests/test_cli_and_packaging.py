@@ -21,6 +21,8 @@ def test_info_runs_as_console_script():
     facts = json.loads(out.stdout)
     assert facts["vqserve"] and facts["torch"].startswith("2.")
     assert facts["runtimes"]["eager"] is True and "onnx" in facts["runtimes"]
+    # both shipped tokenizers are package data: a wheel or checkout that lost one says so here
+    assert facts["shipped_tokenizers"] == ["default", "dithered"]
 
 
 def test_info_table(capsys):

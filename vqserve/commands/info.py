@@ -180,11 +180,14 @@ def collect(probe: bool = True) -> dict:
     facts["runtimes"] = runtimes
     facts["low_precision"] = low_precision_facts(probe)
     try:
-        from vqserve.model import default_tokenizer_available
+        from vqserve.model.checkpoint import PACKAGED_MODELS, packaged_model_available
 
-        facts["default_tokenizer"] = default_tokenizer_available()
+        facts["default_tokenizer"] = packaged_model_available("default")
+        # the names --model takes besides paths, where their weights are in this install
+        facts["shipped_tokenizers"] = [n for n in PACKAGED_MODELS if packaged_model_available(n)]
     except ImportError:
         facts["default_tokenizer"] = False
+        facts["shipped_tokenizers"] = []
     return facts
 
 
