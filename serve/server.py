@@ -1038,9 +1038,15 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self, grace: float = 5.0) -> None:
+        """Stop and wait for the thread. Safe to call twice, from any thread: a call that
+        finds the loop already closed (another stop() got there first and the thread is
+        on its way out) only waits."""
         if self.loop is not None and self._thread.is_alive():
             self._grace = grace
-            self.loop.call_soon_threadsafe(self._stop.set)
+            try:
+                self.loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:   # 'Event loop is closed': the server has already stopped
+                pass
             self._thread.join(grace + 30)
 
     def __enter__(self) -> ServerThread:

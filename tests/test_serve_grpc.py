@@ -318,6 +318,31 @@ def test_deadline_and_cancellation_drop_requests_before_they_run(slow, photos):
 
 
 # ---- health, readiness, reflection ------------------------------------------------------
+def test_stop_in_the_window_after_the_loop_closed_is_a_no_op(tiny_checkpoint):
+    """A second stop() that comes after the server's event loop closed but before its thread
+    ended (how test_health_not_serving_while_loading_then_serving failed once in CI: a stop
+    on another thread finished first) must wait for the thread, not raise 'Event loop is
+    closed'. The window is held open here so the race is hit every time."""
+    release = threading.Event()
+
+    class Lingering(ServerThread):
+        def _main(self) -> None:
+            super()._main()
+            release.wait(10)   # the loop is closed, the thread still alive
+
+    srv = Lingering(config(model=tiny_checkpoint, metrics_port=-1)).start()
+    first = threading.Thread(target=srv.stop, kwargs={"grace": 0.5})
+    first.start()
+    deadline = time.monotonic() + 30
+    while not srv.loop.is_closed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.loop.is_closed()
+    threading.Timer(0.3, release.set).start()
+    srv.stop()
+    first.join(30)
+    assert not srv._thread.is_alive()
+
+
 def test_health_not_serving_while_loading_then_serving(tiny_checkpoint):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
