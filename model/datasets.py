@@ -271,6 +271,27 @@ def pip_heldout_images() -> tuple[list[np.ndarray], list[str]]:
     return images, names
 
 
+def export_split(role: str, out: Path) -> tuple[int, int]:
+    """Write ``photos:<role>`` as the training code sees it (decoded, reduced, RGB) into
+    ``out`` as lossless PNGs, ``000.png`` onwards in the split's order. A folder source of
+    these files gives the same pixels as the spec itself, with no cache or network needed.
+    Refuses a folder that holds anything: nothing of the user's is overwritten."""
+    from PIL import Image
+
+    from vqserve.model.data import open_source
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"--out {out}: exists and is not an empty folder; give a new one")
+    source = open_source(f"photos:{role}")
+    out.mkdir(parents=True, exist_ok=True)
+    size = 0
+    for i, image in enumerate(source.images):
+        path = out / f"{i:03d}.png"
+        Image.fromarray(image).save(path, optimize=True)
+        size += path.stat().st_size
+    return len(source.images), size
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vqserve.model.datasets",
                                      description="Fetch and list the pinned package photographs.")
@@ -280,11 +301,21 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--mirror", default=DEFAULT_MIRROR, help="Debian mirror base URL")
     f.add_argument("--debs", type=Path, help="use .deb files already downloaded here (verified)")
     sub.add_parser("list", help="print every file, its role and whether it is present")
+    e = sub.add_parser("export", help="write the photos:train or photos:select images, as training "
+                       "reads them, as PNG files into a new folder (for a machine with no network, "
+                       "e.g. a lent GPU: train there with data: DIR)")
+    e.add_argument("--role", choices=["train", "select"], default="train",
+                   help="which split (the held-out photographs are never exported for training)")
+    e.add_argument("--out", type=Path, required=True, help="a folder that does not exist yet, or is empty")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "fetch":
             root = fetch(args.dir, args.mirror, args.debs)
             print(f"data set ready in {root}")
+            return 0
+        if args.cmd == "export":
+            count, size = export_split(args.role, args.out)
+            print(f"photos:{args.role}: {count} images, {size / 1e6:.1f} MB of PNG in {args.out}")
             return 0
         for role, files in ROLES.items():
             for pkg, member in files:

@@ -246,3 +246,33 @@ def test_reduce_keeps_the_long_side_within_bounds(tmp_path):
     img = load_reduced(tmp_path / "wide.png", max_side=400)
     assert img.shape == (100, 334, 3) and img.dtype == np.uint8  # reduced by 3 (ceil 1000/400)
     assert load_reduced(tmp_path / "wide.png", max_side=1000).shape == (300, 1000, 3)
+
+
+def test_export_writes_a_split_as_the_same_pixels_and_never_into_a_used_folder(tmp_path, monkeypatch, capsys):
+    """`python -m vqserve.model.datasets export`: how the v6 default's photographs reached a
+    GPU machine with no network. A folder of the exported PNGs must give training exactly
+    the pixels the spec gives. The package photographs are stand-ins here (written where
+    `make data` would put them), so the test needs no download."""
+    from vqserve.model.data import open_source
+    from vqserve.model.datasets import ROLES, local_path, main
+
+    cache = tmp_path / "cache"
+    rng = np.random.default_rng(3)
+    for pkg, member in ROLES["select"]:
+        path = local_path(pkg, member, cache)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(path, quality=95)
+    monkeypatch.setenv("VQSERVE_DATA_DIR", str(cache))
+    assert main(["export", "--role", "select", "--out", str(tmp_path / "sel")]) == 0
+    assert "photos:select: 4 images" in capsys.readouterr().out
+    spec, folder = open_source("photos:select"), open_source(str(tmp_path / "sel"))
+    assert len(folder.images) == len(spec.images) == 4
+    for a, b in zip(spec.images, folder.images, strict=True):
+        assert np.array_equal(a, b)
+    # a folder that holds anything is refused, and left as it was
+    before = sorted(p.name for p in (tmp_path / "sel").iterdir())
+    assert main(["export", "--role", "select", "--out", str(tmp_path / "sel")]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "sel").iterdir()) == before
+    with pytest.raises(SystemExit):
+        main(["export", "--role", "test", "--out", str(tmp_path / "t")])   # held-out: no such choice

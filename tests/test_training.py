@@ -503,3 +503,31 @@ def test_train_on_budget_sets_the_schedule_from_the_measured_rate(image_dir, tmp
                           "--seconds", "4", "--set", "steps", "--out", str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "expected KEY=VALUE" in bad.stderr
+
+
+def test_train_candidates_runs_recipes_side_by_side_and_packs_each(image_dir, tmp_path):
+    """scripts/train_candidates.sh (the v6 default's eight candidates on a lent GPU): two tiny
+    candidates side by side on CPU, each packed as NAME.tar holding a loadable tokenizer whose
+    meta carries its own override."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    root = Path(__file__).resolve().parents[1]
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps({**tiny_config(image_dir, tmp_path / "unused").to_dict(), "steps": 10_000}))
+    env = {**os.environ, "PY": sys.executable, "COMMON": "val_every=0"}
+    res = subprocess.run(["bash", str(root / "scripts" / "train_candidates.sh"), "4", str(tmp_path / "out"),
+                          str(config), "A seed=1", "B seed=2 block_chroma_weight=1.0"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name, seed in (("A", 1), ("B", 2)):
+        with tarfile.open(tmp_path / "out" / f"{name}.tar") as tar:
+            tar.extractall(tmp_path / name, filter="data")
+        assert json.loads((tmp_path / name / "final" / "config.json").read_text())["meta"]["seed"] == seed
+        load_tokenizer(tmp_path / name / "final")
+    bad = subprocess.run(["bash", str(root / "scripts" / "train_candidates.sh"), "4", str(tmp_path / "o2"),
+                          str(config), "no/slash seed=1"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "letters, digits" in bad.stderr
