@@ -36,6 +36,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from vqserve.model.quantizers import FSQ
 from vqserve.model.tokenizer import Tokenizer
 
 MODEL_KEYS = {f.name for f in dataclasses.fields(TokenizerConfig)}
+PREFETCH = 3  # batches cut ahead in threads while an accelerator trains (Trainer._host_batch)
 
 
 @dataclass
@@ -251,6 +253,8 @@ class Trainer:
             raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False")
         if cfg.threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.threads)
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # every step has the same shapes
         self.policy: PrecisionPolicy = policy(cfg.precision)
         torch.manual_seed(cfg.seed)
         self.tokenizer = Tokenizer(cfg.tokenizer_config()).to(self.device)
@@ -285,9 +289,29 @@ class Trainer:
                 self.val_tiles = torch.from_numpy(
                     tile_crops(val.images, cfg.val_crop_size, cfg.val_tiles_per_image or None))
         self.skipped = list(self.train_source.skipped)
+        self.prefetch = 0 if self.device.type == "cpu" else PREFETCH
+        self._ahead: dict[int, Future] = {}
+        self._crop_pool: ThreadPoolExecutor | None = None
+
+    def _host_batch(self, step: int) -> torch.Tensor:
+        """Batch ``step`` on the host. On an accelerator the next ``prefetch`` batches are cut
+        in threads while it trains on this one: on an H200 the crops and smooth patches took as
+        long as the step itself. A batch is a pure function of (seed, step), so only the time
+        changes. On CPU (``prefetch`` 0) the threads would take the cores the step needs."""
+        if not self.prefetch:
+            return self.crops.batch(step)
+        if self._crop_pool is None:
+            self._crop_pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="vqserve-crops")
+        for ahead in range(step, step + self.prefetch + 1):
+            if ahead not in self._ahead:
+                self._ahead[ahead] = self._crop_pool.submit(self.crops.batch, ahead)
+        x = self._ahead.pop(step).result()
+        for stale in [s for s in self._ahead if not step < s <= step + self.prefetch]:
+            del self._ahead[stale]   # left behind by a jump (a resume, a rewind)
+        return x.pin_memory() if self.device.type == "cuda" else x
 
     def _batch(self, step: int) -> torch.Tensor:
-        x = self.crops.batch(step).to(self.device)
+        x = self._host_batch(step).to(self.device, non_blocking=True)
         if self.cfg.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
@@ -404,7 +428,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         final = self.out / "last"
         with atomic_directory(final) as staged:
-            save_tokenizer(self.tokenizer, staged / "tokenizer", extra=self._meta())
+            save_tokenizer(self.tokenizer, staged / "tokenizer", extra=self.meta())
             tensors, opt_json = self._optimizer_tensors()
             save_file(tensors, str(staged / "optimizer.safetensors"), metadata={"format": "pt"})
             state = {"step": self.step, "elapsed_seconds": self.elapsed, "optimizer": opt_json,
@@ -412,7 +436,8 @@ class Trainer:
             (staged / "state.json").write_text(json.dumps(state) + "\n")
         return final
 
-    def _meta(self) -> dict:
+    def meta(self) -> dict:
+        """What the saved tokenizer's config.json records of this run (``meta``)."""
         last_val = next((h for h in reversed(self.history) if "val_psnr" in h), {})
         return {"step": self.step, "precision": self.cfg.precision, "seed": self.cfg.seed,
                 "data": self.cfg.data, "crop_size": self.cfg.crop_size,
@@ -537,9 +562,9 @@ class Trainer:
                 self.save_checkpoint()
                 last_ckpt = time.monotonic()
         bar.close()
-        final = save_tokenizer(self.tokenizer, self.out / "final", extra=self._meta())
+        final = save_tokenizer(self.tokenizer, self.out / "final", extra=self.meta())
         summary = {"step": self.step, "train_seconds": round(self.elapsed, 1), "final": str(final),
-                   **{k: v for k, v in self._meta().items() if k.startswith("val_")}}
+                   **{k: v for k, v in self.meta().items() if k.startswith("val_")}}
         if cfg.plots:
             try:
                 plot_curves(self.history, self.out / "curves.png")

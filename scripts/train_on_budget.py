@@ -3,11 +3,12 @@
 ``vqserve train`` runs a fixed number of steps. A borrowed accelerator comes with minutes,
 not steps, and several candidates share it side by side, so their speed is only known once
 they all run. This driver trains ``--probe`` steps, measures the rate, sets ``steps`` so the
-cosine schedule ends inside the budget, and trains on; if the machine turns out slower than
+cosine schedule ends inside the budget, and trains on (on a GPU the Trainer cuts the next
+batches' crops in threads meanwhile); if the machine turns out slower than
 measured, a hard deadline stops early and saves what there is (said in the tokenizer's
 ``meta``). The config's own ``steps`` is an upper bound.
 
-    python scripts/train_on_budget.py --config configs/default-v6-gpu.yaml --seconds 420 \
+    python scripts/train_on_budget.py --config configs/default-v6-decoder.yaml --seconds 420 \
         --set device=cuda --set data=DIR --set init_from=runs/v4 --out runs/v6
 
 Writes ``OUT/final`` (config.json + model.safetensors, networks stored fp16 as the shipped
@@ -28,35 +29,6 @@ import yaml
 def parse_value(text: str):
     """``--set key=value``: the value read as YAML (numbers, booleans, lists)."""
     return yaml.safe_load(text)
-
-
-def prefetch_batches(trainer, ahead: int = 3) -> None:
-    """Cut the next batches' crops in threads while the accelerator trains on this one.
-
-    A batch is a pure function of (seed, step), so computing it early changes nothing; on a
-    GPU the crops and smooth patches would otherwise cost as much time as the step itself.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    import torch
-
-    pool = ThreadPoolExecutor(ahead)
-    pending: dict = {}
-
-    def batch(step: int):
-        for s in range(step, step + ahead + 1):
-            if s not in pending:
-                pending[s] = pool.submit(trainer.crops.batch, s)
-        x = pending.pop(step).result()
-        for s in [s for s in pending if s < step]:
-            pending.pop(s)
-        if trainer.device.type == "cuda":
-            x = x.pin_memory().to(trainer.device, non_blocking=True)
-        if trainer.cfg.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x
-
-    trainer._batch = batch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     data.update(out=args.out, progress=False, plots=False)
     cfg = TrainConfig.from_dict(data)
     cap = cfg.steps
-    if cfg.device.startswith("cuda"):
-        torch.backends.cudnn.benchmark = True
     trainer = Trainer(cfg)
-    prefetch_batches(trainer)
     deadline = t_start + args.seconds
     warm = min(20, args.probe // 3)
     trainer.run(stop_at=warm)
@@ -106,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             stopped_early = True
             break
         trainer.run(stop_at=min(cfg.steps, trainer.step + 250))
-    meta = {**trainer._meta(), "planned_steps": cfg.steps, "steps_per_second": round(rate, 2),
+    meta = {**trainer.meta(), "planned_steps": cfg.steps, "steps_per_second": round(rate, 2),
             "device": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"}
     if stopped_early:
         meta["stopped_early"] = "the budget ran out before the schedule ended"

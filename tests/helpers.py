@@ -95,6 +95,33 @@ def folder_bytes(out) -> dict[str, bytes]:
             if p.is_file() and not p.name.startswith(".")}
 
 
+def write_case_photos(cases, case_names, folder, indices_key: str) -> dict:
+    """Each fixture case's images as PNGs ``<case><i>.png`` in a new ``folder``; returns the
+    expected token grid per tokenize key (``indices_key`` is formatted with ``case``)."""
+    from PIL import Image
+
+    folder.mkdir()
+    expected = {}
+    for case in case_names:
+        for i, image in enumerate(cases[f"{case}_images"].numpy()):
+            Image.fromarray(image).save(folder / f"{case}{i}.png")
+            expected[f"{case}{i}"] = cases[indices_key.format(case=case)][i].numpy()
+    return expected
+
+
+def tokenize_grids(model: str, folder, out, *flags: str) -> dict:
+    """`vqserve tokenize` (the real command, in-process, no workers) -> {key: token grid}."""
+    import json
+
+    from vqserve.cli import main
+    from vqserve.offline import shards
+
+    assert main(["tokenize", str(folder), "--out", str(out), "--model", str(model), *flags, "--workers", "0",
+                 "--no-progress"]) == 0
+    manifest = json.loads((out / "__vqserve__" / "manifest.json").read_text())
+    return {r["key"]: r["tokens"] for s in manifest["shards"] for r in shards.read_rows(out / s["name"])}
+
+
 class ServeProcess:
     """A real ``vqserve serve`` process on an ephemeral loopback port, for what only a
     separate process shows: its own peak memory (``VmHWM`` in /proc), signals, exit codes.

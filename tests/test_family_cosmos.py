@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from tests.helpers import tokenize_grids, write_case_photos
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -350,23 +350,11 @@ def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tm
             np.testing.assert_array_equal(indices, cases[f"f8_{case}_indices"].numpy())
             np.testing.assert_array_equal(client.decode(indices), cases[f"f8_{case}_decoded_uint8"].numpy())
 
-    photos = tmp_path / "photos"
-    photos.mkdir()
-    expected = {}
-    for case in CASES:
-        for i, image in enumerate(cases[f"{case}_images"].numpy()):
-            Image.fromarray(image).save(photos / f"{case}{i}.png")
-            expected[f"{case}{i}"] = cases[f"f8_{case}_indices"][i].numpy()
-    out = tmp_path / "shards"
-    assert cli_main(["tokenize", str(photos), "--out", str(out), "--keep-size", "--model", imported,
-                     "--workers", "0", "--no-progress"]) == 0
-    import pyarrow.parquet as pq
-
-    rows = [r for shard in sorted(out.glob("*.parquet")) for r in pq.read_table(shard).to_pylist()]
-    assert sorted(r["key"] for r in rows) == sorted(expected)
-    for r in rows:
-        grid = np.asarray(r["tokens"]).reshape(r["grid_height"], r["grid_width"])
-        np.testing.assert_array_equal(grid, expected[r["key"]])
+    expected = write_case_photos(cases, CASES, tmp_path / "photos", "f8_{case}_indices")
+    grids = tokenize_grids(imported, tmp_path / "photos", tmp_path / "shards", "--keep-size")
+    assert sorted(grids) == sorted(expected)
+    for key, grid in grids.items():
+        np.testing.assert_array_equal(grid, expected[key])
 
 
 # ---- bf16: the original cast to bf16 vs vqserve ---------------------------------------------

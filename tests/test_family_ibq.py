@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import tokenize_grids, write_case_photos
 from tests.test_family_magvit2 import CodePayload, LossConfig, lightning_checkpoint
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
@@ -211,8 +212,6 @@ def test_cli_import(checkpoint, tmp_path, capsys):
 
 # ---- a real server and `vqserve tokenize` ---------------------------------------------------
 def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
-    import pandas as pd
-    from PIL import Image
 
     from vqserve.serve.client import TokenizerClient
     from vqserve.serve.server import ServerConfig, ServerThread
@@ -226,21 +225,11 @@ def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tm
             indices = client.encode(cases[f"{case}_images"].numpy())
             np.testing.assert_array_equal(indices, cases[f"{case}_indices"].numpy())
             np.testing.assert_array_equal(client.decode(indices), cases[f"{case}_decoded1_uint8"].numpy())
-    photos = tmp_path / "photos"
-    photos.mkdir()
-    expected = {}
-    for case in ("square", "rect"):
-        for i, image in enumerate(cases[f"{case}_images"].numpy()):
-            Image.fromarray(image).save(photos / f"{case}{i}.png")
-            expected[f"{case}{i}"] = cases[f"{case}_indices"][i].numpy()
-    out = tmp_path / "tokens"
-    assert cli_main(["tokenize", str(photos), "--out", str(out), "--model", imported, "--workers", "0",
-                     "--no-progress"]) == 0
-    rows = pd.read_parquet(out)
-    assert len(rows) == len(expected)
-    for row in rows.itertuples():
-        grid = np.asarray(row.tokens).reshape(row.grid_height, row.grid_width)
-        np.testing.assert_array_equal(grid, expected[Path(row.key).stem])
+    expected = write_case_photos(cases, ("square", "rect"), tmp_path / "photos", "{case}_indices")
+    grids = tokenize_grids(imported, tmp_path / "photos", tmp_path / "tokens")
+    assert len(grids) == len(expected)
+    for key, grid in grids.items():
+        np.testing.assert_array_equal(grid, expected[Path(key).stem])
 
 
 # ---- exports ----------------------------------------------------------------------------------

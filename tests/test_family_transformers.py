@@ -31,6 +31,7 @@ from tests.fixtures.transformers.models import (
     random_model,
     save_model,
 )
+from tests.helpers import tokenize_grids
 from vqserve.model import load_tokenizer
 from vqserve.model.families import family_for
 from vqserve.model.families.transformers_quantizer import SquaredDistanceVQ
@@ -346,20 +347,9 @@ def photo_folder(photos, tmp_path_factory):
     return folder
 
 
-def _tokenize(model: str, folder, out) -> dict[str, np.ndarray]:
-    """`vqserve tokenize` (the real command, in-process) -> {key: token grid}."""
-    from vqserve.cli import main
-    from vqserve.offline import shards
-
-    assert main(["tokenize", str(folder), "--out", str(out), "--model", model, "--workers", "0",
-                 "--no-progress"]) == 0
-    manifest = json.loads((out / "__vqserve__" / "manifest.json").read_text())
-    return {r["key"]: r["tokens"] for s in manifest["shards"] for r in shards.read_rows(out / s["name"])}
-
-
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_tokenize_gives_the_class_tokens(saved, oracles, photos, photo_folder, tmp_path, model_type):
-    rows = _tokenize(str(saved[model_type]), photo_folder, tmp_path / "tok")
+    rows = tokenize_grids(str(saved[model_type]), photo_folder, tmp_path / "tok")
     expected = oracle_indices(oracles[model_type], model_type, photos)
     for i in range(len(photos)):
         np.testing.assert_array_equal(rows[f"p{i}"], expected[i])
@@ -372,7 +362,7 @@ def test_verify_and_eval_on_the_encode_only_model(saved, photo_folder, tmp_path,
 
     model = str(saved["chameleon_vqgan"])
     out = tmp_path / "tok"
-    _tokenize(model, photo_folder, out)
+    tokenize_grids(model, photo_folder, out)
     capsys.readouterr()
     assert main(["verify", str(out), "--json", "--sample", "4"]) == 0
     report = json.loads(capsys.readouterr().out)

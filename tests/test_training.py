@@ -531,3 +531,15 @@ def test_train_candidates_runs_recipes_side_by_side_and_packs_each(image_dir, tm
                           str(config), "no/slash seed=1"], cwd=root, env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "letters, digits" in bad.stderr
+
+
+def test_batches_cut_ahead_in_threads_are_the_batches_of_their_steps(image_dir, tmp_path):
+    """On an accelerator the trainer cuts the next batches in threads (Trainer._host_batch);
+    forced on here on CPU: in order, after a jump (a resume) and backwards, every batch is
+    exactly the one its step gives without threads."""
+    trainer = Trainer(tiny_config(image_dir, tmp_path / "run", smooth_fraction=0.5))
+    assert trainer.prefetch == 0       # on CPU the threads would take the step's cores
+    trainer.prefetch = 3
+    for step in (0, 1, 2, 3, 10, 11, 5):
+        assert torch.equal(trainer._batch(step), trainer.crops.batch(step)), step
+    assert set(trainer._ahead) <= set(range(5, 9))

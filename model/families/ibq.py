@@ -57,15 +57,9 @@ class IbqEncoder(LlamaGenEncoder):
 class IbqDecoder(LlamaGenDecoder):
     """The taming decoder (``LlamaGenDecoder``) with IBQ's uint8 rule (``custom_to_pil``)."""
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        # contiguous NCHW, as IBQ's get_codebook_entry returns its codes
-        codes = cast_to(codes, module_dtype(self.post_quant_conv)).contiguous()
-        h = self.conv_in(self.post_quant_conv(codes))
-        for block in self.mid:
-            h = block(h)
-        for level in self.conv_blocks:
-            h = level(h)
-        y = self.conv_out(swish(self.norm_out(h))).to(torch.float32)
+    @staticmethod
+    def to_pixels(y: torch.Tensor) -> torch.Tensor:
+        # IBQ's custom_to_pil, floored; the network itself is LlamaGen's, contiguous NCHW codes in
         return torch.floor(((torch.clamp(y, -1.0, 1.0) + 1.0) / 2.0) * 255.0)
 
 

@@ -26,12 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vqserve.model.families.llamagen_quantizer import in_graph_capture
 from vqserve.model.precision import Fp32StateModule, fp32_island
 from vqserve.model.quantizers.common import check_indices, check_last_dim, to_fp32
-
-
-def _in_graph_capture() -> bool:
-    return torch.jit.is_tracing() or torch.compiler.is_compiling()
 
 
 def softmax_max_index(z_nchw: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -68,7 +65,7 @@ class SoftmaxMaxVQ(Fp32StateModule):
             codebook = to_fp32(self.embedding)
             # back to the original's NCHW view (a permuted view of NCHW latents is their own layout)
             z_nchw = to_fp32(z).permute(0, 3, 1, 2)
-            if _in_graph_capture():
+            if in_graph_capture():
                 indices = softmax_max_index(z_nchw, codebook)
             else:
                 indices = torch.cat([softmax_max_index(one, codebook) for one in z_nchw.split(1)])

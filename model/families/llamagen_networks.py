@@ -215,5 +215,10 @@ class LlamaGenDecoder(nn.Module):
             h = block(h)
         for level in self.conv_blocks:
             h = level(h)
-        y = self.conv_out(swish(self.norm_out(h))).to(torch.float32)
-        return torch.floor(torch.clamp(127.5 * y + 128.0, 0.0, 255.0))  # LlamaGen's uint8 rule
+        return self.to_pixels(self.conv_out(swish(self.norm_out(h))).to(torch.float32))
+
+    @staticmethod
+    def to_pixels(y: torch.Tensor) -> torch.Tensor:
+        """The network's fp32 output -> pixel values [0, 255], floored: LlamaGen's uint8 rule
+        (a family with another rule overrides only this)."""
+        return torch.floor(torch.clamp(127.5 * y + 128.0, 0.0, 255.0))

@@ -30,8 +30,25 @@ from vqserve.model.quantizers.common import check_indices, check_last_dim, to_fp
 CHUNK_DISTANCES = 2**20  # distances per eager chunk (4 MB of fp32)
 
 
-def _in_graph_capture() -> bool:
+def in_graph_capture() -> bool:
+    """Inside torch.jit.trace or torch.compile/export: one product, no Python loop to unroll."""
     return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
+def first_argmin_in_chunks(flat: torch.Tensor, codebook_size: int, argmin, *tables: torch.Tensor) -> torch.Tensor:
+    """``argmin(rows, *tables)`` (a nearest-code search) for every row of ``flat``, in eager
+    mode over fixed chunks of about ``CHUNK_DISTANCES`` distances, in traced / exported graphs
+    in one product; every product has at least two rows (the module docstring says why).
+    Shared by the imported families' searches, which differ only in their distance expression."""
+    n = flat.shape[0]
+    padded = torch.cat([flat, flat[:1]])
+    if in_graph_capture():
+        return argmin(padded, *tables)[:n]
+    rows = max(2, CHUNK_DISTANCES // codebook_size)
+    chunks = list(padded.split(rows))
+    if chunks[-1].shape[0] == 1:  # keep every product at >= 2 rows
+        chunks[-2:] = [torch.cat(chunks[-2:])]
+    return torch.cat([argmin(c, *tables) for c in chunks])[:n]
 
 
 class L2NearestCode(Fp32StateModule):
@@ -61,17 +78,8 @@ class L2NearestCode(Fp32StateModule):
 
     def nearest(self, flat: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
         """First index of the minimum of ``(|z|^2 + |e|^2) - 2 z.e`` per row of ``flat`` (fp32)."""
-        code_norms = codebook.pow(2).sum(dim=1)
-        codebook_t = codebook.t()
-        n = flat.shape[0]
-        padded = torch.cat([flat, flat[:1]])  # >= 2 rows: see the module docstring
-        if _in_graph_capture():
-            return self._argmin(padded, code_norms, codebook_t)[:n]
-        rows = max(2, CHUNK_DISTANCES // self.codebook_size)
-        chunks = list(padded.split(rows))
-        if chunks[-1].shape[0] == 1:  # keep every product at >= 2 rows
-            chunks[-2:] = [torch.cat(chunks[-2:])]
-        return torch.cat([self._argmin(c, code_norms, codebook_t) for c in chunks])[:n]
+        return first_argmin_in_chunks(flat, self.codebook_size, self._argmin, codebook.pow(2).sum(dim=1),
+                                      codebook.t())
 
     @staticmethod
     def _argmin(flat: torch.Tensor, code_norms: torch.Tensor, codebook_t: torch.Tensor) -> torch.Tensor:

@@ -33,15 +33,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vqserve.model.families.llamagen_quantizer import first_argmin_in_chunks
 from vqserve.model.precision import Fp32StateModule, fp32_island
 from vqserve.model.quantizers.common import check_indices, check_last_dim, to_fp32
 
-CHUNK_DISTANCES = 2**20  # distances per eager chunk (4 MB of fp32)
 PRODUCTS = ("einsum", "matmul")
-
-
-def _in_graph_capture() -> bool:
-    return torch.jit.is_tracing() or torch.compiler.is_compiling()
 
 
 class SquaredDistanceVQ(Fp32StateModule):
@@ -79,17 +75,8 @@ class SquaredDistanceVQ(Fp32StateModule):
     def nearest(self, flat: torch.Tensor) -> torch.Tensor:
         """First index of the minimal squared distance for each row of ``flat`` (fp32)."""
         codebook = to_fp32(self.embedding)
-        code_sq = torch.sum(codebook**2, dim=1)
-        codebook_t = codebook.transpose(0, 1)
-        n = flat.shape[0]
-        padded = torch.cat([flat, flat[:1]])  # >= 2 rows: see the module docstring
-        if _in_graph_capture():
-            return self._argmin(padded, code_sq, codebook_t)[:n]
-        rows = max(2, CHUNK_DISTANCES // self.codebook_size)
-        chunks = list(padded.split(rows))
-        if chunks[-1].shape[0] == 1:  # keep every product at >= 2 rows
-            chunks[-2:] = [torch.cat(chunks[-2:])]
-        return torch.cat([self._argmin(c, code_sq, codebook_t) for c in chunks])[:n]
+        return first_argmin_in_chunks(flat, self.codebook_size, self._argmin, torch.sum(codebook**2, dim=1),
+                                      codebook.transpose(0, 1))
 
     def forward(self, z: torch.Tensor, return_aux: bool = False):
         """channel-last ``z[..., dim]`` -> (codes in z's dtype, int64 indices ``z.shape[:-1]``[, {}])."""

@@ -80,9 +80,7 @@ def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
     magvit2.add_argument("--config", choices=["imagenet-256", "imagenet-128", "pretrain-262144", "pretrain-16384"],
                          default=None, help="check the weights against this published architecture; default: "
                                             "inferred from the tensor shapes")
-    magvit2.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
-                         help="auto (default): the EMA weights when the checkpoint has them, as Open-MAGVIT2's "
-                              "evaluation and reconstruction scripts use them (ema_scope); raw: the trained weights")
+    _add_lightning_weights(magvit2, "Open-MAGVIT2")
     _add_force_quiet_debug(magvit2, "magvit2")
     magvit2.set_defaults(_import=_run_magvit2)
     _add_ibq(families, parser)
@@ -113,9 +111,7 @@ def _add_ibq(families, parser: argparse.ArgumentParser) -> None:
                               "pretrain-16384", "pretrain-262144"],
                      help="check the weights against this published configuration (imagenet-1024, -8192, -16384, "
                           "-262144, pretrain-16384, -262144); default: inferred from the tensor shapes")
-    ibq.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
-                     help="auto (default): the EMA weights when the checkpoint has them, as IBQ's evaluation "
-                          "and reconstruction scripts use them (ema_scope); raw: the trained weights")
+    _add_lightning_weights(ibq, "IBQ")
     _add_force_quiet_debug(ibq, "ibq")
     ibq.set_defaults(_import=_run_ibq)
 
@@ -171,6 +167,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _add_out(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--out", required=True, metavar="DIR", help="model directory to create; it must not exist yet")
+
+
+def _add_lightning_weights(sub: argparse.ArgumentParser, project: str) -> None:
+    """``--weights`` of the SEED-Voken Lightning checkpoints (Open-MAGVIT2, IBQ), which hold
+    both the trained and the EMA weights."""
+    sub.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                     help=f"auto (default): the EMA weights when the checkpoint has them, as {project}'s "
+                          "evaluation and reconstruction scripts use them (ema_scope); raw: the trained weights")
 
 
 def _add_force_quiet_debug(sub: argparse.ArgumentParser, family: str, note: str = "") -> None:
