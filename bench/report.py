@@ -469,8 +469,8 @@ def render(result: dict) -> str:
         f"{s['max_delay_ms']:g}`; TorchServe `batch_size={s['max_batch_size']}`, "
         f"`max_batch_delay={int(round(s['max_delay_ms']))}` (ms), 1 worker; batching off is "
         "`--max-batch-size 1 --max-delay-ms 0`.",
-        f"- Windows: the calls each client starts within {s['duration']:g} s (after {s['warmup']:g} s of "
-        "warm-up calls), throughput = the sum over clients of calls / the time they took; each "
+        f"- Windows: the calls each client starts within {s['duration']:g} s, at least one (after "
+        f"{s['warmup']:g} s of warm-up calls), throughput = the sum over clients of calls / the time they took; each "
         f"server primed for {s['prime']:g} s after it starts; {s['rounds']} interleaved round(s) with "
         "the mode order rotated each round, each point keeping its best round (all rounds are in "
         "the JSON). Runtimes: "

@@ -298,8 +298,8 @@ def bench_capacity(pool: CapacityPool, expected: np.ndarray, clients: int, durat
     """``clients`` closed-loop clients over ``pool``, counted exactly as ``bench_served``
     counts its clients: client ``i`` sends image ``i % N``, one request in flight; its first
     answer is kept for ``agreement``, calls before ``warmup`` s are not timed, the calls that
-    start within the next ``duration`` s are. One loop plays every client: it sends a
-    client's next request as soon as its answer is back."""
+    start within the next ``duration`` s are, and at least one per client. One loop plays
+    every client: it sends a client's next request as soon as its answer is back."""
     lat: list[float] = []
     n, began, ended = [0] * clients, [0.0] * clients, [0.0] * clients
     sent, timed = [0.0] * clients, [False] * clients
@@ -319,7 +319,7 @@ def bench_capacity(pool: CapacityPool, expected: np.ndarray, clients: int, durat
             lat.append(now - sent[c])
             n[c] += 1
             ended[c] = now
-        if now >= stop_at:
+        if now >= stop_at and n[c]:
             active -= 1
             continue
         if now >= start_at and not timed[c]:
@@ -575,15 +575,16 @@ def _torchserve_call(channel, method: str) -> Call:
 
 async def _client_loop(protocol: str, target: str, method: str, item: np.ndarray,
                        start_at: float, stop_at: float, lat: list[float]) -> tuple[int, float, np.ndarray]:
-    """Send ``item`` back to back; time the calls that start inside the window. Returns
-    (calls, seconds from the first one's start to the last one's end, first answer)."""
+    """Send ``item`` back to back; time the calls that start inside the window, and at least
+    one (a warm-up answered after the window ends would otherwise leave nothing measured).
+    Returns (calls, seconds from the first one's start to the last one's end, first answer)."""
     n, began, ended = 0, 0.0, 0.0
     async with connect(protocol, target, method) as call:
         first = await call(item)  # connect + warm-up; kept to check the answer
         while time.perf_counter() < start_at:
             await call(item)
         began = time.perf_counter()
-        while time.perf_counter() < stop_at:
+        while n == 0 or time.perf_counter() < stop_at:
             t = time.perf_counter()
             await call(item)
             ended = time.perf_counter()

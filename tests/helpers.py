@@ -2,7 +2,38 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def count_torch_ops(fn, *args) -> int:
+    """How many ATen operations ``fn(*args)`` dispatches: shows that a search is a few tensor
+    products rather than a Python loop over codes, with no timing (tests must pass at load 5)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        fn(*args)
+    return Counter.calls
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` imported as a module (scripts are not a package), so tests call
+    its functions and ``main(argv)`` in-process."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class CountingRuntime:

@@ -17,6 +17,7 @@ import pytest
 
 from vqserve.bench import serving as bench
 from vqserve.export.runtime import load_runtime
+from vqserve.serve.server import ServerConfig, ServerThread
 
 SIZE = 32
 
@@ -48,8 +49,10 @@ def test_capacity_pool_runs_one_thread_per_process_and_returns_the_runtimes_toke
         answers = dict(pool.answer() for _ in images)
         for c in range(len(images)):
             np.testing.assert_array_equal(answers[c], expected[c])
-        for level in (1, 5):  # 5 clients over 4 images: client 4 sends image 0 again
-            row = bench.bench_capacity(pool, expected, level, duration=0.5, warmup=0.1)
+        # 5 clients over 4 images: client 4 sends image 0 again; a window that is over
+        # before the warm-up answers come back (duration 0) still times one call per client
+        for level, duration, warmup in ((1, 0.5, 0.1), (5, 0.5, 0.1), (3, 0.0, 0.0)):
+            row = bench.bench_capacity(pool, expected, level, duration=duration, warmup=warmup)
             assert row["mode"] == "in-process-capacity" and row["level"] == level
             assert row["requests"] >= level and row["throughput"] > 0
             assert 0 < row["p50_ms"] <= row["p99_ms"]
@@ -112,6 +115,19 @@ def test_bench_serve_compares_the_server_with_the_capacity_pool(tiny_checkpoint,
     assert result["plans"]["vqserve"]["source"] == "default"
     assert result["plans"]["vqserve"]["plan"]["backend"] == "eager"
     assert len(result["memory"]["in-process-capacity"]["processes"]) >= 2
+
+
+def test_every_served_client_times_a_call_even_when_its_warm_up_outlasts_the_window(
+        tiny_checkpoint, images, expected, one_thread):
+    """A measurement window over before the clients' first (warm-up) answers arrive - a
+    loaded machine, a slow server - still times one call per client instead of reporting
+    none (TorchServe-best on a busy 2-core machine answered its warm-up after a 0.7 s
+    window, and the row said 0 requests)."""
+    config = ServerConfig(model=tiny_checkpoint, backend="eager", device="cpu", host="127.0.0.1", port=0,
+                          metrics_port=-1, max_batch_size=8, max_delay_ms=5, grace_s=5)
+    with ServerThread(config) as srv:
+        row = bench.bench_served("v1", srv.target, "encode", images, expected, 3, 0.0, 0.0, "served-v1")
+    assert row["requests"] >= 3 and row["throughput"] > 0 and row["agreement"] == 1.0
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import load_script
 from vqserve.model import default_tokenizer_available, load_tokenizer
 from vqserve.model.evaluation import (
     code_counts,
@@ -279,14 +280,7 @@ def test_heldout_pip_photographs_load_for_evaluation():
 
 
 def _flat_colours_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "flat_colours.py"
-    spec = importlib.util.spec_from_file_location("flat_colours", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("flat_colours")
 
 
 def test_flat_colour_palette_is_each_codes_decoded_flat_colour_and_nearest_is_nearest(tiny_checkpoint):

@@ -58,10 +58,16 @@ class DecodeSpy:
 
     def __init__(self, monkeypatch):
         self.count = 0
+        self.on_event_loop = 0  # decodes that ran on a thread with a running asyncio loop
         real = decoding._decode_one
 
         def counted(*args):
             self.count += 1
+            try:
+                asyncio.get_running_loop()
+                self.on_event_loop += 1
+            except RuntimeError:
+                pass
             return real(*args)
 
         monkeypatch.setattr(decoding, "_decode_one", counted)
@@ -103,13 +109,11 @@ def test_400_tiny_big_pngs_are_refused_from_the_count_without_decoding(served, f
     spy = DecodeSpy(monkeypatch)
     blobs = [flat_png] * 400  # ~1.2 MB on the wire, 1.2 GB if decoded
     assert sum(map(len, blobs)) < 2 << 20
-    t = time.perf_counter()
     with pytest.raises(grpc.RpcError) as err:
         encode_pngs(channel, blobs)
-    assert time.perf_counter() - t < 2.0
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "400 images, more than max-batch-size 32" in err.value.details()
-    assert spy.count == 0
+    assert spy.count == 0  # nothing decoded: refused from the count (not timed: load 5 must pass)
     assert srv.server.state.engine.decoder.budget.in_use == 0
 
 
@@ -148,9 +152,12 @@ def test_a_decompression_bomb_header_is_refused_from_the_header(served, monkeypa
     assert spy.count == 0
 
 
-def test_health_answers_promptly_while_a_full_request_decodes(served, flat_png):
-    """32 big images (the most a request may hold) decode off the event loop."""
+def test_health_answers_promptly_while_a_full_request_decodes(served, flat_png, monkeypatch):
+    """Big images decode off the event loop (on a thread with no running loop), so health
+    checks keep being answered meanwhile. Shown by where the decodes ran, not by a latency
+    limit: tests must pass on a machine at load 5."""
     srv, _, channel = served
+    spy = DecodeSpy(monkeypatch)
     rng = np.random.default_rng(0)
     noisy = png(rng.integers(0, 256, (BIG, BIG, 3), dtype=np.uint8))  # slow to decode
     stop = threading.Event()
@@ -165,8 +172,8 @@ def test_health_answers_promptly_while_a_full_request_decodes(served, flat_png):
         stop.set()
         pinger.join()
     assert list(reply.indices.shape) == [8, BIG // 8, BIG // 8]
-    assert len(result["lat"]) > 5
-    assert max(result["lat"]) < 1.0, max(result["lat"])
+    assert spy.count == 8 and spy.on_event_loop == 0
+    assert len(result["lat"]) > 5  # answered while the request was in the server
 
 
 def test_the_decoded_bytes_budget_makes_a_request_wait_and_its_deadline_applies(tiny_checkpoint):

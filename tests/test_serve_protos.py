@@ -3,11 +3,12 @@ and our OIP v2 proto matches the public protocol (as tritonclient ships it) fiel
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = ROOT / "serve" / "_proto"
@@ -16,10 +17,7 @@ VERSION_LINES = re.compile(r"^(# Protobuf Python Version:.*|GRPC_GENERATED_VERSI
 
 
 def _load_generator():
-    spec = importlib.util.spec_from_file_location("gen_protos", ROOT / "scripts" / "gen_protos.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gen_protos")
 
 
 def test_committed_stubs_are_fresh(tmp_path):
