@@ -16,6 +16,9 @@ bounded pre-rounding latent of every channel is pushed at least ``margin`` away 
 rounding boundaries (the half-integers), so the small drift a bf16/fp16 encoder adds does
 not flip a token. ``quant_noise`` additionally perturbs the bounded latent with uniform
 noise before rounding in training (straight-through), so the decoder tolerates it.
+``latent_tv_weight`` (FSQ) is a rate proxy: L1 between neighbouring bounded latents, in
+levels. Neighbours whose latents agree round to the same code, so a busy region spreads over
+fewer codes and a prior predicts its tokens more cheaply (issue 28's bits/token).
 
 Run directory (``out``)::
 
@@ -91,6 +94,7 @@ class TrainConfig:
     margin_start: float = 0.0        # fraction of training before the margin term switches on
     margin_ramp: float = 0.0         # fraction of training over which its weight ramps up linearly
     quant_noise: float = 0.0         # robustness: uniform noise half-width before rounding (train only)
+    latent_tv_weight: float = 0.0    # rate proxy (FSQ): L1 between neighbouring bounded latents
     # model (TokenizerConfig fields)
     model: dict = field(default_factory=lambda: {"quantizer": "fsq", "levels": [8, 8, 8, 6, 5],
                                                  "channels": [64, 128, 128], "num_res_blocks": 1})
@@ -129,9 +133,14 @@ class TrainConfig:
         if self.freeze_encoder and not self.init_from:
             raise ValueError("freeze_encoder keeps the encoder's weights, so it needs init_from (the "
                              "tokenizer whose tokens to keep)")
-        if self.freeze_encoder and (self.margin_weight > 0 or self.quant_noise > 0):
-            raise ValueError("freeze_encoder trains only the decoder; margin_weight and quant_noise act "
-                             "on the encoder's latents: set them to 0")
+        if self.freeze_encoder and (self.margin_weight > 0 or self.quant_noise > 0 or self.latent_tv_weight > 0):
+            raise ValueError("freeze_encoder trains only the decoder; margin_weight, quant_noise and "
+                             "latent_tv_weight act on the encoder's latents: set them to 0")
+        if self.latent_tv_weight < 0:
+            raise ValueError(f"latent_tv_weight must be >= 0, got {self.latent_tv_weight}")
+        if self.latent_tv_weight > 0 and self.tokenizer_config().quantizer != "fsq":
+            raise ValueError("latent_tv_weight acts on FSQ's bounded latents; the model's quantizer is "
+                             f"{self.tokenizer_config().quantizer!r}")
         f = self.tokenizer_config().factor
         for name in ("crop_size", "val_crop_size"):
             if getattr(self, name) % f:
@@ -210,6 +219,15 @@ def margin_weight_at(cfg: TrainConfig, step: int) -> float:
 def boundary_distance(bounded: torch.Tensor) -> torch.Tensor:
     """Distance of each bounded FSQ latent to its nearest rounding boundary (in [0, 0.5])."""
     return 0.5 - (bounded - bounded.round()).abs()
+
+
+def latent_tv(bounded: torch.Tensor) -> torch.Tensor:
+    """Mean L1 between horizontally and vertically neighbouring bounded latents
+    ``[B, h, w, d]``, in levels: a differentiable stand-in for how often neighbouring tokens
+    differ, which is what a left/up context model pays for."""
+    dx = (bounded[:, :, 1:] - bounded[:, :, :-1]).abs().mean()
+    dy = (bounded[:, 1:] - bounded[:, :-1]).abs().mean()
+    return (dx + dy) / 2
 
 
 def margin_loss(bounded: torch.Tensor, margin: float) -> torch.Tensor:
@@ -322,9 +340,9 @@ class Trainer:
         with self.policy.autocast(self.device.type):
             latents = tok.encode_latents(x)
             fsq = isinstance(tok.quantizer, FSQ)
-            robust = fsq and (cfg.margin_weight > 0 or cfg.quant_noise > 0)
+            robust = fsq and (cfg.margin_weight > 0 or cfg.quant_noise > 0 or cfg.latent_tv_weight > 0)
             if robust:
-                # FSQ in two halves, so the bounded latent is at hand for the margin and noise
+                # FSQ in two halves, so the bounded latent is at hand for the margin, noise and TV
                 with fp32_island(self.device.type):
                     z = latents.permute(0, 2, 3, 1).to(torch.float32)
                     bounded = tok.quantizer.bound(z)
@@ -364,6 +382,10 @@ class Trainer:
                 loss = loss + weight * m
             parts["margin"] = m.item()
             parts["margin_weight"] = weight
+        if bounded is not None and cfg.latent_tv_weight > 0:
+            tv = latent_tv(bounded)
+            loss = loss + cfg.latent_tv_weight * tv
+            parts["latent_tv"] = tv.item()
         return loss, parts, recon32.detach(), indices
 
     def train_step(self, step: int) -> dict:

@@ -23,6 +23,7 @@ from vqserve.model.training import (
     TrainConfig,
     Trainer,
     boundary_distance,
+    latent_tv,
     load_config_file,
     lr_at,
     margin_loss,
@@ -261,6 +262,54 @@ def test_robust_quantize_path_matches_fsq_exactly_when_inactive(image_dir, tmp_p
         assert torch.equal(p.grad, q.grad)
 
 
+# -- issue 28: a rate proxy for FSQ tokens ----------------------------------------------
+def test_latent_tv_is_the_mean_neighbour_difference_in_levels():
+    flat = torch.full((2, 3, 4, 6), 1.7)
+    assert float(latent_tv(flat)) == 0.0
+    ramp = torch.arange(4.0).view(1, 1, 4, 1).expand(1, 3, 4, 2)  # +1 level per column, rows equal
+    assert float(latent_tv(ramp)) == pytest.approx(0.5)            # (1 across + 0 down) / 2
+    x = torch.tensor([[[[0.0], [2.0]]]], requires_grad=True)
+    latent_tv(x).backward()
+    assert x.grad[0, 0, 0, 0] < 0 < x.grad[0, 0, 1, 0]  # descent pulls the neighbours together
+
+
+def _neighbour_code_changes(trainer, x) -> float:
+    with torch.no_grad():
+        idx = trainer.tokenizer.quantize(trainer.tokenizer.encode_latents(x))[1]
+    return float(((idx[:, :, 1:] != idx[:, :, :-1]).float().mean() + (idx[:, 1:] != idx[:, :-1]).float().mean()) / 2)
+
+
+def test_latent_tv_weight_trains_neighbouring_tokens_to_agree(image_dir, tmp_path):
+    """The same start, data and steps with and without the rate proxy: with it, the encoder's
+    neighbouring latents move together, and fewer neighbouring tokens differ."""
+    runs = {}
+    for name, weight in (("plain", 0.0), ("tv", 5.0)):
+        cfg = tiny_config(image_dir, tmp_path / name, val_every=0, steps=30, latent_tv_weight=weight)
+        trainer = Trainer(cfg)
+        rows = [trainer.train_step(step) for step in range(cfg.steps)]
+        runs[name] = (trainer, rows)
+    assert "latent_tv" not in runs["plain"][1][-1] and runs["tv"][1][-1]["latent_tv"] >= 0
+    x = runs["plain"][0].crops.batch(0)
+    bounded = {name: t.tokenizer.quantizer.bound(t.tokenizer.encode_latents(x).permute(0, 2, 3, 1)).detach()
+               for name, (t, _) in runs.items()}
+    assert float(latent_tv(bounded["tv"])) < 0.5 * float(latent_tv(bounded["plain"]))
+    assert _neighbour_code_changes(runs["tv"][0], x) < _neighbour_code_changes(runs["plain"][0], x)
+
+
+def test_latent_tv_weight_is_refused_where_it_cannot_act(tmp_path):
+    with pytest.raises(ValueError, match="latent_tv_weight must be >= 0"):
+        TrainConfig(latent_tv_weight=-1)
+    with pytest.raises(ValueError, match="FSQ's bounded latents"):
+        TrainConfig(latent_tv_weight=1, model={"quantizer": "vq", "channels": [8, 8, 8], "num_res_blocks": 1})
+    with pytest.raises(ValueError, match="latent_tv_weight act on the encoder"):
+        TrainConfig(latent_tv_weight=1, freeze_encoder=True, init_from=str(tmp_path))
+    from vqserve.cli import build_parser
+    from vqserve.commands.train import build_config
+
+    args = build_parser().parse_args(["train", "--latent-tv-weight", "0.3", "--out", str(tmp_path / "r")])
+    assert build_config(args).latent_tv_weight == 0.3
+
+
 # -- issue 17: size-independent normalisation, block-mean loss -------------------------
 
 
@@ -407,7 +456,7 @@ def test_freeze_encoder_trains_only_the_decoder_so_every_token_stays(image_dir, 
     assert torch.equal(after.encode(x), before.encode(x))
     with pytest.raises(ValueError, match="needs init_from"):
         tiny_config(image_dir, tmp_path / "x", freeze_encoder=True)
-    with pytest.raises(ValueError, match="margin_weight and quant_noise"):
+    with pytest.raises(ValueError, match="margin_weight, quant_noise and latent_tv_weight"):
         tiny_config(image_dir, tmp_path / "x", freeze_encoder=True, init_from=str(saved), margin=0.1,
                     margin_weight=0.1)
 

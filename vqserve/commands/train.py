@@ -86,6 +86,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                    help="fraction of training before the margin term switches on (e.g. 0.5)")
     g.add_argument("--margin-ramp", type=float, help="fraction of training to ramp its weight up")
     g.add_argument("--quant-noise", type=float, help="uniform noise half-width before rounding")
+    g.add_argument("--latent-tv-weight", type=float,
+                   help="rate proxy: weight of the L1 between neighbouring bounded latents, so "
+                        "neighbouring tokens agree more often and cost a prior fewer bits (0 = off)")
     g = parser.add_argument_group("runtime")
     g.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                    help="training precision (autocast; the quantizer always runs in fp32)")
@@ -105,7 +108,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 _FLAT = ["data", "val_data", "crop_size", "sampling", "smooth_fraction", "batch_size", "steps", "lr", "lr_schedule", "warmup_steps",
          "init_from", "freeze_encoder", "change_dither", "block_mean_weight", "block_chroma_weight",
-         "margin", "margin_weight", "margin_start", "margin_ramp", "quant_noise", "precision", "device", "threads", "seed", "out",
+         "margin", "margin_weight", "margin_start", "margin_ramp", "quant_noise", "latent_tv_weight", "precision", "device", "threads", "seed", "out",
          "val_every", "ckpt_every", "ckpt_minutes", "log_every"]
 _MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size", "norm", "dither"]
 
