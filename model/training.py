@@ -129,7 +129,7 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be cosine, constant or linear, got {self.lr_schedule!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        self.tokenizer_config()  # validates the model section
+        tok_config = self.tokenizer_config()  # validates the model section
         if self.freeze_encoder and not self.init_from:
             raise ValueError("freeze_encoder keeps the encoder's weights, so it needs init_from (the "
                              "tokenizer whose tokens to keep)")
@@ -138,10 +138,10 @@ class TrainConfig:
                              "latent_tv_weight act on the encoder's latents: set them to 0")
         if self.latent_tv_weight < 0:
             raise ValueError(f"latent_tv_weight must be >= 0, got {self.latent_tv_weight}")
-        if self.latent_tv_weight > 0 and self.tokenizer_config().quantizer != "fsq":
+        if self.latent_tv_weight > 0 and tok_config.quantizer != "fsq":
             raise ValueError("latent_tv_weight acts on FSQ's bounded latents; the model's quantizer is "
-                             f"{self.tokenizer_config().quantizer!r}")
-        f = self.tokenizer_config().factor
+                             f"{tok_config.quantizer!r}")
+        f = tok_config.factor
         for name in ("crop_size", "val_crop_size"):
             if getattr(self, name) % f:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of the factor {f}")
@@ -340,8 +340,8 @@ class Trainer:
         with self.policy.autocast(self.device.type):
             latents = tok.encode_latents(x)
             fsq = isinstance(tok.quantizer, FSQ)
-            robust = fsq and (cfg.margin_weight > 0 or cfg.quant_noise > 0 or cfg.latent_tv_weight > 0)
-            if robust:
+            needs_bounded = fsq and (cfg.margin_weight > 0 or cfg.quant_noise > 0 or cfg.latent_tv_weight > 0)
+            if needs_bounded:
                 # FSQ in two halves, so the bounded latent is at hand for the margin, noise and TV
                 with fp32_island(self.device.type):
                     z = latents.permute(0, 2, 3, 1).to(torch.float32)

@@ -9,8 +9,11 @@ encoder whose grey path winds through the grid. More levels also make tokens har
 predict. This script keeps the model's encoder as it is, rounds its latents on other level
 layouts, and prints per layout:
 
-* **grey ramp codes** — distinct codes of the 256 flat greys (a 48x48 uniform image each,
-  the centre token), beside the monotone-path bound; more codes = finer brightness steps;
+* **grey codes** — distinct codes of the 256 flat greys (a 48x48 uniform image each, the
+  centre token): the flat greys a decoder can tell apart; more = finer brightness steps;
+* **grey steps** — codes visited in turn along the ramp (a code left and entered again counts
+  again), beside the monotone-path bound it cannot pass while the path is monotone; steps
+  above the codes mean the path wiggles back to a code it had left;
 * **held-out bits/token** — `vqserve eval`'s learnability figure (left/up smoothed bigram,
   leave-one-photo-out, ``vqserve.model.learnability``) over the photographs of ``--images``,
   and the unigram's bits.
@@ -76,8 +79,8 @@ def grey_latents(tokenizer) -> torch.Tensor:
 
 
 def price(levels: Sequence[int], dither: str, latents: Sequence[torch.Tensor], greys: torch.Tensor) -> dict:
-    """Grey ramp codes and held-out bits/token of ``latents`` rounded on ``levels``."""
-    from vqserve.model.learnability import held_out_bits
+    """Grey codes and steps, and held-out bits/token, of ``latents`` rounded on ``levels``."""
+    from vqserve.model.learnability import held_out_bits, summarise
     from vqserve.model.quantizers.fsq import FSQ
 
     quantizer = FSQ(levels, dither=dither)
@@ -85,14 +88,9 @@ def price(levels: Sequence[int], dither: str, latents: Sequence[torch.Tensor], g
         grids = [quantizer(lat)[1].numpy() for lat in latents]
         ramp = quantizer(greys)[1].reshape(-1).numpy()
     row = {"levels": list(levels), "codes": quantizer.codebook_size,
-           "grey_ramp_codes": 1 + int((ramp[1:] != ramp[:-1]).sum()),
+           "grey_codes": len(np.unique(ramp)), "grey_steps": 1 + int((ramp[1:] != ramp[:-1]).sum()),
            "monotone_path_bound": monotone_path_bound(levels), "grids": grids}
-    rows = held_out_bits(grids, quantizer.codebook_size)
-    if rows:
-        n = sum(r["tokens"] for r in rows)
-        row["bits_per_token"] = sum(r["bits_per_token"] * r["tokens"] for r in rows) / n
-        row["unigram_bits_per_token"] = sum(r["unigram_bits_per_token"] * r["tokens"] for r in rows) / n
-    return row
+    return {**row, **summarise(held_out_bits(grids, quantizer.codebook_size) or [])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     latents, greys = fsq_latents(tokenizer, source.images), grey_latents(tokenizer)
     print(f"{args.model}: encoder as trained, latents rounded on each layout; bits/token over "
           f"{len(source.images)} photographs of {args.images}, leave-one-photo-out")
-    print(f"{'levels':24s} {'codes':>9s} {'grey ramp codes':>16s} {'monotone bound':>15s} {'bits/token':>11s} {'unigram':>8s}")
+    print(f"{'levels':24s} {'codes':>9s} {'grey codes':>11s} {'grey steps':>11s} {'monotone bound':>15s} "
+          f"{'bits/token':>11s} {'unigram':>8s}")
     for levels in [own.levels, *args.levels]:
         row = price(levels, own.dither, latents, greys)
-        print(f"{','.join(map(str, levels)):24s} {row['codes']:9,d} {row['grey_ramp_codes']:16d} "
+        print(f"{','.join(map(str, levels)):24s} {row['codes']:9,d} {row['grey_codes']:11d} {row['grey_steps']:11d} "
               f"{row['monotone_path_bound']:15d} {row['bits_per_token']:11.2f} {row['unigram_bits_per_token']:8.2f}",
               flush=True)
     return 0

@@ -50,20 +50,34 @@ def test_the_models_own_layout_gives_the_tokens_it_writes_and_the_grey_ramp_it_e
                                   tok.encode(torch.from_numpy(photos[1][:40, :56].copy())[None])[0].numpy())
     greys = torch.arange(256, dtype=torch.uint8)[:, None, None, None].expand(256, 48, 48, 3).contiguous()
     ramp = tok.encode(greys)[:, 3, 3].numpy()
-    assert row["grey_ramp_codes"] == 1 + int((ramp[1:] != ramp[:-1]).sum())
+    assert row["grey_steps"] == 1 + int((ramp[1:] != ramp[:-1]).sum())
+    assert row["grey_codes"] == len(np.unique(ramp))
     assert row["codes"] == tok.codebook_size and row["monotone_path_bound"] == 1 + 7 + 4 + 4 + 4
     assert row["bits_per_token"] > 0 and row["unigram_bits_per_token"] > 0
 
 
 def test_a_finer_layout_of_the_same_latents_never_visits_fewer_grey_codes(tiny_checkpoint, photos):
-    """Doubling every odd level count (5 -> 9) refines the same grid: each old cell splits, so
-    the grey ramp can only gain codes."""
+    """Tripling an odd axis's half-width (5 -> 13 levels) refines the same grid: its rounding
+    boundaries include the old ones, so each old cell splits into three and the grey ramp can
+    only gain codes and steps. (5 -> 9 does not nest: 9's cells straddle 5's boundaries.)"""
     tok = load_tokenizer(tiny_checkpoint).eval()
     latents, greys = grid_price.fsq_latents(tok, list(photos[:2])), grid_price.grey_latents(tok)
     own = grid_price.price([8, 5, 5, 5], "none", latents, greys)
-    finer = grid_price.price([8, 9, 9, 9], "none", latents, greys)
-    assert finer["grey_ramp_codes"] >= own["grey_ramp_codes"]
-    assert finer["codes"] == 8 * 9 ** 3
+    finer = grid_price.price([8, 13, 13, 13], "none", latents, greys)
+    assert finer["grey_steps"] >= own["grey_steps"]
+    assert finer["grey_codes"] >= own["grey_codes"]
+    assert finer["codes"] == 8 * 13 ** 3
+
+
+def test_a_ramp_that_returns_to_a_code_counts_it_once_as_a_code_and_twice_as_a_step():
+    """Grey codes are the flat greys a decoder can tell apart; steps follow the path. A ramp
+    that leaves code 0 for code 1 and comes back has 2 codes in 3 steps."""
+    z = torch.tensor([0.0] * 100 + [0.55] * 56 + [0.0] * 100)  # 2 tanh(z): level 0, 1, 0
+    greys = z.view(256, 1, 1, 1)
+    photos = [torch.randn(4, 4, 1), torch.randn(4, 4, 1)]
+    row = grid_price.price([5], "none", photos, greys)
+    assert (row["grey_codes"], row["grey_steps"]) == (2, 3)
+    assert row["bits_per_token"] > 0
 
 
 def _folder(tmp_path, photos, n: int) -> str:
