@@ -39,7 +39,11 @@ from vqserve.machine import available_cores
 
 
 def default_model_workers(device: str) -> int:
-    """One call per core on CPU (each single-threaded); one stream of calls on a GPU."""
+    """One call per core on CPU (each single-threaded); one stream of calls on a GPU; two
+    on the simulated device (``synthetic:N``), so one call's host work overlaps the other's
+    device time."""
+    if device.startswith("synthetic"):
+        return 2
     return 1 if device.startswith("cuda") else available_cores()
 
 
@@ -124,6 +128,8 @@ def default_plan(device: str) -> ExecutionPlan:
     (kernel choice depends on the batch shape there, so the shape never changes)."""
     if device.startswith("cuda"):
         return ExecutionPlan(micro_batch=8, workers=1, intra_op_threads=1)
+    if device.startswith("synthetic"):  # a stand-in GPU: fixed calls of 8, as on CUDA
+        return ExecutionPlan(micro_batch=8, workers=default_model_workers(device), intra_op_threads=1)
     return ExecutionPlan(micro_batch=1, workers=default_model_workers(device), intra_op_threads=1)
 
 

@@ -771,7 +771,9 @@ def find_plan(plan: str, model, device: str, backend: str = "auto", dtype: str |
     (checked against the model), the plan cached for this hardware and model (``auto``), or
     None - the safe plan (``default``, or ``auto`` with nothing cached yet). The server and
     ``vqserve tokenize`` both decide this way."""
-    if plan == "default":
+    from vqserve.export.synthetic import is_synthetic
+
+    if plan == "default" or (plan == "auto" and is_synthetic(model)):  # nothing to measure on a stand-in
         return None
     if plan != "auto":
         return PlanChoice.from_file(plan, model, device, dtype)

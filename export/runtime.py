@@ -222,6 +222,14 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
     """
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
+    from vqserve.export.synthetic import SyntheticRuntime, is_synthetic
+
+    if is_synthetic(model_or_artifact_dir):  # the stand-in accelerator (export/synthetic.py)
+        if dtype not in (None, "fp32", "auto"):
+            raise ValueError(f"{model_or_artifact_dir} runs in fp32 only (its tokens are exact); drop --dtype {dtype}")
+        runtime = SyntheticRuntime(model_or_artifact_dir, device=device)
+        check_expected_hash(expect_hash, runtime.info.model_hash, model_or_artifact_dir)
+        return runtime
     path = Path(str(model_or_artifact_dir))
     is_artifact = (path / "manifest.json").is_file()
     if not is_artifact:
@@ -249,6 +257,10 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
 def model_hash_of(model_or_artifact_dir: str | os.PathLike = "default") -> str:
     """The ``model_hash`` a runtime of this model would report, from its files alone
     (nothing is loaded): for a command to refuse a wrong model before it binds or writes."""
+    from vqserve.export.synthetic import is_synthetic, parse_synthetic, synthetic_hash
+
+    if is_synthetic(model_or_artifact_dir):
+        return synthetic_hash(parse_synthetic(model_or_artifact_dir))
     path = Path(str(model_or_artifact_dir))
     if (path / "manifest.json").is_file():
         from vqserve.export.manifest import artifact_hash, read_manifest, verify_files

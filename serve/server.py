@@ -824,7 +824,9 @@ class TokenizerServer:
         chosen = find_plan(cfg.plan, cfg.model, device, cfg.backend, cfg.dtype, cfg.min_agreement,
                            cfg.plan_cache, cfg.expect_hash)
         if chosen is None:
-            return None, cfg.plan == "auto"
+            from vqserve.export.synthetic import is_synthetic
+
+            return None, cfg.plan == "auto" and not is_synthetic(cfg.model)
         _log_plan(chosen)
         return chosen, False
 

@@ -83,19 +83,36 @@ def is_packaged_name(model: str) -> bool:
     return model in PACKAGED_MODEL_NAMES
 
 
+def is_synthetic_name(model: str) -> bool:
+    """``synthetic:N``: the stand-in accelerator (vqserve.export.synthetic), checked here
+    without importing it, so parsing a command line never imports torch."""
+    if not model.startswith("synthetic:"):
+        return False
+    try:
+        micros = float(model[len("synthetic:"):])
+    except ValueError:
+        micros = -1.0
+    if not 0 <= micros <= 1e6:
+        raise UsageError(f"--model {model}: synthetic:N needs N, the simulated device microseconds per "
+                         "256x256 image, from 0 to 1000000 (e.g. synthetic:200 = 5,000 img/s)")
+    return True
+
+
 def check_model_exists(model: str | None, env: str | None = None) -> None:
     """Refuse a ``--model`` path that is not there before any port is bound or file written,
     so the user gets one line instead of a failed background load."""
-    if model is None or is_packaged_name(model) or Path(model).expanduser().exists():
+    if (model is None or is_packaged_name(model) or is_synthetic_name(model)
+            or Path(model).expanduser().exists()):
         return
     via = f" (or {env})" if env else ""
     raise UsageError(f"--model {model}: no such file or directory; pass `default` (the shipped "
-                     f"tokenizer), `dithered`, a checkpoint directory or an exported artifact directory{via}")
+                     f"tokenizer), `dithered`, a checkpoint directory, an exported artifact directory "
+                     f"or synthetic:N (a simulated accelerator){via}")
 
 
 def model_ref(model: str) -> str:
     """How a model is recorded in output manifests: a shipped name or an absolute path."""
-    return model if is_packaged_name(model) else str(Path(model).resolve())
+    return model if is_packaged_name(model) or is_synthetic_name(model) else str(Path(model).resolve())
 
 
 # ---- settings from VQSERVE_* environment variables (containers) --------------------------------

@@ -1,0 +1,168 @@
+"""Closed-loop load from client *processes*, and what the server spent on it.
+
+A served figure measured with clients inside the benchmark's own process measures that
+process's GIL as much as the server. Here every client process runs ``threads`` blocking
+callers, each with one request in flight, over its own channel; the request is serialised
+once and sent as bytes (gRPC's generic unary call with identity serialisers), so a client
+costs little more than the transport and the CPU left to the server is what it would have
+on a node whose clients live elsewhere.
+
+What a run reports, per (protocol, payload, images per call):
+- images/s and p50/p99 latency of the calls made inside the window;
+- the server's CPU seconds per image over the window (user + system of every process in
+  its tree, from /proc), so a change that moves work between processes is still counted;
+- where the server runs ``synthetic:N`` (a device of known capacity), served / capacity.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vqserve.bench.serving import process_tree
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """user + system CPU seconds of ``root`` and every process below it (those alive now)."""
+    total = 0
+    for pid in [root, *process_tree(root)]:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / CLOCK_TICKS
+
+
+@dataclass(frozen=True)
+class LoadCase:
+    protocol: str        # v1 | oip
+    payload: str         # raw | jpeg
+    images: int          # per call
+
+    @property
+    def label(self) -> str:
+        return f"{self.protocol} {self.payload} x{self.images}"
+
+
+def jpeg_bytes(image: np.ndarray, quality: int = 90) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
+
+def request_bytes(case: LoadCase, images: np.ndarray) -> tuple[str, bytes]:
+    """(gRPC method path, serialised request) for ``case`` over ``images[:case.images]``."""
+    batch = np.ascontiguousarray(images[: case.images])
+    if case.protocol == "v1":
+        from vqserve.serve._proto import tokenizer_pb2 as pb
+
+        if case.payload == "raw":
+            msg = pb.EncodeRequest(images=pb.Tensor(shape=list(batch.shape), dtype="uint8", data=batch.tobytes()))
+        else:
+            msg = pb.EncodeRequest(encoded=pb.EncodedImages(images=[jpeg_bytes(x) for x in batch]))
+        return "/vqserve.v1.Tokenizer/Encode", msg.SerializeToString()
+    from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
+
+    if case.payload == "raw":
+        tensor = oip.ModelInferRequest.InferInputTensor(name="images", datatype="UINT8", shape=list(batch.shape))
+        msg = oip.ModelInferRequest(model_name="vqserve-encode", inputs=[tensor], raw_input_contents=[batch.tobytes()])
+    else:
+        blobs = [jpeg_bytes(x) for x in batch]
+        tensor = oip.ModelInferRequest.InferInputTensor(name="images", datatype="BYTES", shape=[len(blobs)])
+        msg = oip.ModelInferRequest(model_name="vqserve-encode", inputs=[tensor], raw_input_contents=[
+            b"".join(len(b).to_bytes(4, "little") + b for b in blobs)])
+    return "/inference.GRPCInferenceService/ModelInfer", msg.SerializeToString()
+
+
+def _client_process(target: str, method: str, request: bytes, threads: int, start_at: float,
+                    stop_at: float, out) -> None:
+    """``threads`` blocking callers; sends (calls, latencies in the window, first reply, error)."""
+    import grpc
+
+    lats: list[list[float]] = [[] for _ in range(threads)]
+    first: list[bytes] = []
+    errors: list[str] = []
+
+    def caller(k: int) -> None:
+        channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20),
+                                                         ("grpc.max_send_message_length", 256 << 20)])
+        call = channel.unary_unary(method)  # bytes in, bytes out
+        try:
+            reply = call(request, timeout=60)
+            if k == 0:
+                first.append(reply)
+            while time.time() < start_at:
+                call(request, timeout=60)
+            while time.time() < stop_at:
+                t = time.perf_counter()
+                call(request, timeout=60)
+                lats[k].append(time.perf_counter() - t)
+        except grpc.RpcError as exc:
+            errors.append(f"{exc.code().name}: {exc.details()}")
+        finally:
+            channel.close()
+
+    workers = [threading.Thread(target=caller, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    out.send(([x for lat in lats for x in lat], first[0] if first else b"", errors[:3]))
+    out.close()
+
+
+def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, threads: int,
+             duration: float, warmup: float, server_pid: int | None = None) -> dict:
+    """One closed-loop measurement: ``procs`` x ``threads`` callers for ``duration`` s
+    after ``warmup`` s; the server's tree CPU is read at the window's edges."""
+    method, request = request_bytes(case, images)
+    ctx = mp.get_context("spawn")  # no inherited gRPC state
+    start_at = time.time() + warmup + 1.0  # spawn takes a moment
+    stop_at = start_at + duration
+    pipes, children = [], []
+    for _ in range(procs):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_client_process, args=(target, method, request, threads, start_at, stop_at, send),
+                        daemon=True)
+        p.start()
+        send.close()  # the child holds the only sending end: its death ends recv() with EOFError
+        pipes.append(recv)
+        children.append(p)
+    cpu0 = cpu1 = 0.0
+    if server_pid:
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0 = tree_cpu_seconds(server_pid)
+        time.sleep(max(0.0, stop_at - time.time()))
+        cpu1 = tree_cpu_seconds(server_pid)
+    lats: list[float] = []
+    first = b""
+    errors: list[str] = []
+    for recv, p in zip(pipes, children):
+        try:
+            got, reply, errs = recv.recv()
+        except EOFError:
+            got, reply, errs = [], b"", [f"client process ended with exit code {p.exitcode}"]
+        lats += got
+        first = first or reply
+        errors += errs
+        p.join(30)
+    calls = len(lats)
+    imgs = calls * case.images
+    lat = np.array(lats) if lats else np.array([0.0])
+    return {"case": case.label, "protocol": case.protocol, "payload": case.payload, "images": case.images,
+            "procs": procs, "threads": threads, "calls": calls, "throughput": imgs / duration,
+            "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "server_cpu_us_per_image": (cpu1 - cpu0) / imgs * 1e6 if imgs and server_pid else None,
+            "first_reply": first, "errors": errors}
