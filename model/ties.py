@@ -171,6 +171,19 @@ def shares(counts: dict) -> dict:
     return {**counts, "share_below": {k: v / n for k, v in counts["below"].items()}}
 
 
+@torch.no_grad()
+def fp32_latents(tokenizer, images) -> torch.Tensor:
+    """Channel-last fp32 latents of uint8 ``[B,H,W,3]`` images, as ``tokenizer.encode``
+    computes them before its quantizer (for the margins of the tokens it gives)."""
+    from vqserve.model.tokenizer import pixels_to_float
+
+    if isinstance(images, np.ndarray):
+        images = np.array(images)
+    pixels = tokenizer.check_images(images).to(tokenizer.device)
+    z = tokenizer.encode_latents(pixels_to_float(pixels, tokenizer.pixel_range))
+    return z.permute(0, 2, 3, 1).to(torch.float32)
+
+
 # ---- the fp64 reference and ties ----------------------------------------------------------------
 @torch.no_grad()
 def fp64_latents(tokenizer, images) -> torch.Tensor:

@@ -302,3 +302,36 @@ def test_fp64_latents_are_the_fp32_latents_to_fp32_noise():
         z32 = tok.encode_latents(pixels_to_float(torch.from_numpy(image))).permute(0, 2, 3, 1)
     diff = (tok.quantizer.bound(z32).double() - tok.quantizer.bound(z64)).abs().max()
     assert z64.dtype == torch.float64 and 0 < float(diff) < 1e-4
+
+
+def test_eval_reports_the_share_of_tokens_near_a_boundary(tie_dataset, tmp_path, capsys):
+    """`vqserve eval` counts the fp32 margins of the very latents it encodes: the constructed
+    model's boundary latent is below both thresholds."""
+    src, _, _ = tie_dataset
+    manifest = json.loads((src / "__vqserve__" / "manifest.json").read_text())
+    images = Path(manifest["identity"]["inputs"][0])
+    capsys.readouterr()
+    assert main(["eval", "--model", manifest["model"]["ref"], "--images", str(images), "--json",
+                 "--precisions", "", "--tile", "0", "--no-learnability"]) == 0
+    margins = json.loads(capsys.readouterr().out)["margins"]
+    assert margins["tokens"] == 16 and margins["delta"] == ties.DELTA
+    assert margins["below"]["1e-05"] >= 1 and margins["share_below"]["1e-05"] == margins["below"]["1e-05"] / 16
+    assert margins["min"] < 1e-5
+    assert main(["eval", "--model", manifest["model"]["ref"], "--images", str(images),
+                 "--precisions", "", "--tile", "0", "--no-learnability"]) == 0
+    assert "tokens near a boundary" in capsys.readouterr().out
+
+
+def test_the_determinism_certificate_reports_the_share_near_a_boundary(tiny_checkpoint):
+    from vqserve.export.determinism import check_invariance, synthetic_images
+    from vqserve.export.execution import ExecutionPlan
+    from vqserve.export.runtime import load_runtime
+
+    runtime = load_runtime(tiny_checkpoint)
+    images = synthetic_images(3, 32)
+    cert = check_invariance(runtime, ExecutionPlan(2, 1), images, "synthetic", batch_sizes=(1, 2), compositions=1)
+    m = cert.margins
+    assert m["tokens"] == 3 * 4 * 4 and set(m["below"]) == {"0.0001", "1e-05"} and m["delta"] == ties.DELTA
+    want = ties.margins(runtime.tokenizer.quantizer, ties.fp32_latents(runtime.tokenizer, images))
+    assert m["min"] == pytest.approx(float(want.min()))
+    assert "of 48 tokens" in cert.summary() and cert.to_dict()["margins"] == m
