@@ -335,3 +335,32 @@ def test_the_determinism_certificate_reports_the_share_near_a_boundary(tiny_chec
     want = ties.margins(runtime.tokenizer.quantizer, ties.fp32_latents(runtime.tokenizer, images))
     assert m["min"] == pytest.approx(float(want.min()))
     assert "of 48 tokens" in cert.summary() and cert.to_dict()["margins"] == m
+
+
+def test_the_shipped_default_model_has_a_natural_tie_on_a_photograph():
+    """A real one, no construction: on the first 256-px tile of scikit-image's rocket, the
+    default tokenizer's token at (25, 30) has a float64 margin of 1.5e-6 levels (channel 0,
+    bounded latent -2.4999985). Whichever side this machine's fp32 rounds it to, the code
+    across the boundary is a tie, and a code two levels away is not."""
+    from vqserve.model import load_tokenizer
+    from vqserve.model.photos import load_builtin_photo, tile_grid
+
+    tok = load_tokenizer("default")
+    tile = tile_grid(load_builtin_photo("rocket"), 256)[0][None]
+    q = tok.quantizer
+    z64 = ties.fp64_latents(tok, tile)
+    margin = ties.margins(q, z64)[0]
+    assert float(margin[25, 30]) == pytest.approx(1.53e-6, rel=0.01) and float(margin.min()) == float(margin[25, 30])
+    fresh = tok.encode(tile).numpy()
+    digits = q.indices_to_level_indices(torch.tensor(int(fresh[0, 25, 30]))).tolist()
+    bounded = float(q.bound(z64)[0, 25, 30, 0])
+    step = 1 if bounded > digits[0] - q.levels[0] // 2 else -1  # towards the boundary
+    digits[0] += step
+    recorded = fresh.copy()
+    recorded[0, 25, 30] = int(q.level_indices_to_indices(torch.tensor(digits)))
+    found, others = ties.classify(q, z64, recorded, fresh)
+    assert len(found) == 1 and others == [] and found[0]["margin"] < ties.MIN_DELTA
+    digits[0] += step  # one level further: two boundaries away
+    recorded[0, 25, 30] = int(q.level_indices_to_indices(torch.tensor(digits)))
+    found, others = ties.classify(q, z64, recorded, fresh)
+    assert found == [] and len(others) == 1 and others[0]["margin"] is None
