@@ -57,6 +57,10 @@ class Certificate:
     backend: str = ""
     dtype: str = ""
     notes: list[str] = field(default_factory=list)
+    # the share of these images' tokens whose fp32 decision margin is below 1e-4 / 1e-5
+    # (vqserve.model.ties): tokens another correct fp32 machine may round otherwise; {} when
+    # not measured (no fp32 eager model at hand)
+    margins: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,13 +75,21 @@ class Certificate:
         what = (f"{self.images} images {self.image_size[0]}x{self.image_size[1]} ({self.source}), "
                 f"batch sizes {self.batch_sizes} x {self.compositions} shuffles, workers {self.workers}")
         if self.invariant:
-            return f"batch-invariant: tokens and decoded pixels identical across {what}"
+            return f"batch-invariant: tokens and decoded pixels identical across {what}" + self._margin_note()
         parts = []
         if not self.batch_invariant:
             parts.append(f"tokens changed with the batch ({self.token_mismatch_fraction:.4%} of positions)")
         if not self.decode_batch_invariant:
             parts.append(f"decoded pixels changed with the batch ({self.pixel_mismatch_fraction:.4%})")
-        return "NOT batch-invariant: " + "; ".join(parts) + f" across {what}"
+        return "NOT batch-invariant: " + "; ".join(parts) + f" across {what}" + self._margin_note()
+
+    def _margin_note(self) -> str:
+        if not self.margins:
+            return ""
+        m = self.margins
+        below = m["below"].get("0.0001", 0)
+        return (f"; {below} of {m['tokens']} tokens ({m['share_below'].get('0.0001', 0.0):.1e}) lie within "
+                "1e-4 of a rounding boundary (fp32 ties another machine may round otherwise)")
 
 
 def _batched(fn, items: np.ndarray, order: np.ndarray, size: int) -> np.ndarray:
@@ -93,9 +105,11 @@ def _batched(fn, items: np.ndarray, order: np.ndarray, size: int) -> np.ndarray:
 
 def check_invariance(runtime, plan: ExecutionPlan, images: np.ndarray, source: str,
                      batch_sizes: tuple[int, ...] = BATCH_SIZES, compositions: int = 2,
-                     seed: int = 0) -> Certificate:
+                     seed: int = 0, tokenizer=None) -> Certificate:
     """``runtime``: an unwrapped Runtime; it is run by ``plan`` and by ``plan`` with one
-    worker, so the check covers what the server and ``vqserve tokenize`` both do."""
+    worker, so the check covers what the server and ``vqserve tokenize`` both do.
+    ``tokenizer``: the fp32 eager model whose decision margins on ``images`` the certificate
+    reports (default: the runtime's own when it is eager fp32; none for an export)."""
     rng = np.random.default_rng(seed)
     n = len(images)
     single = PlannedRuntime(runtime, dataclasses.replace(plan, workers=1))
@@ -123,6 +137,8 @@ def check_invariance(runtime, plan: ExecutionPlan, images: np.ndarray, source: s
         for r in runners.values():
             r.close()
     info = runtime.info
+    if tokenizer is None and info.backend == "eager" and info.dtype == "fp32":
+        tokenizer = getattr(runtime, "tokenizer", None)
     return Certificate(
         batch_invariant=bad_tokens == 0, decode_batch_invariant=bad_pixels == 0, images=n,
         image_size=[int(images.shape[1]), int(images.shape[2])], source=source,
@@ -130,7 +146,22 @@ def check_invariance(runtime, plan: ExecutionPlan, images: np.ndarray, source: s
         plan=plan.to_dict(), token_mismatch_fraction=bad_tokens / (runs * ref_tokens.size),
         pixel_mismatch_fraction=bad_pixels / (runs * ref_pixels.size), device=info.device,
         backend=info.backend, dtype=info.dtype,
-        notes=[] if decodes else ["encode-only model: no decoder, decoded pixels not checked"])
+        notes=[] if decodes else ["encode-only model: no decoder, decoded pixels not checked"],
+        margins=image_margins(tokenizer, images) if tokenizer is not None else {})
+
+
+def image_margins(tokenizer, images: np.ndarray) -> dict:
+    """``vqserve.model.ties.shares`` of the fp32 margins of ``images``' tokens, one image at a
+    time; {} for a quantizer with no defined margin."""
+    from vqserve.model import ties
+
+    if ties.decision(tokenizer.quantizer) is None:
+        return {}
+    total = None
+    for image in images:
+        z = ties.fp32_latents(tokenizer, image[None])
+        total = ties.merge_counts(total, ties.low_margin_counts(ties.margins(tokenizer.quantizer, z)))
+    return {**ties.shares(total), "delta": ties.DELTA}
 
 
 def start_up_check(runtime, plan: ExecutionPlan) -> Certificate:

@@ -296,13 +296,30 @@ class _TokenFigures:
         self.timings = {"fp32": 0.0, **{key: 0.0 for key, _, _ in self.runs}}
         self.counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
         self.grids: list[np.ndarray] = []
+        self.margins: dict | None = None  # vqserve.model.ties.low_margin_counts, summed
 
     def encode(self, batch: torch.Tensor) -> torch.Tensor:
-        """The reference: plain fp32 eager, default memory format - exactly ``tok.encode``."""
-        t0 = time.perf_counter()
-        idx = self.tokenizer.encode(batch).cpu()
-        self.timings["fp32"] += time.perf_counter() - t0
+        """The reference: plain fp32 eager, default memory format - exactly ``tok.encode``.
+        The quantizer's input is caught on the way (a pre-hook) for the decision margins:
+        how many tokens lie so near a rounding boundary that another correct fp32 machine
+        may round them otherwise (``vqserve.model.ties``)."""
+        from vqserve.model import ties
+
+        caught = []
+        hook = None
+        if ties.decision(self.tokenizer.quantizer) is not None:
+            hook = self.tokenizer.quantizer.register_forward_pre_hook(lambda _m, args: caught.append(args[0]))
+        try:
+            t0 = time.perf_counter()
+            idx = self.tokenizer.encode(batch).cpu()
+            self.timings["fp32"] += time.perf_counter() - t0
+        finally:
+            if hook is not None:
+                hook.remove()
         self.counts += code_counts(idx, self.tokenizer.codebook_size)
+        if caught:
+            margin = ties.margins(self.tokenizer.quantizer, caught[0].float())
+            self.margins = ties.merge_counts(self.margins, ties.low_margin_counts(margin))
         return idx
 
     def learn(self, row: dict, img: np.ndarray, idx: torch.Tensor, recon: torch.Tensor | None) -> None:
@@ -351,6 +368,10 @@ class _TokenFigures:
             "encode_seconds": self.timings,
             "per_image": per_image,
         }
+        if self.margins is not None:
+            from vqserve.model.ties import DELTA, shares
+
+            result["margins"] = {**shares(self.margins), "delta": DELTA}
         if self.learnability:
             from vqserve.model import learnability as learn
 

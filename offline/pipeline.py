@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve import __version__, images
-from vqserve.machine import available_cores
+from vqserve.machine import available_cores, machine_record, same_arithmetic
 from vqserve.offline import shards, sources
 
 
@@ -150,6 +150,38 @@ def token_identity(info: dict) -> dict:
         return {"source_hash": info.get("source_hash") or info["model_hash"], "dtype": "fp32", "exact": True,
                 "device": device}
     return {"hash": info["model_hash"], "backend": info["backend"], "dtype": info["dtype"], "device": device}
+
+
+def runtime_machine(info: dict) -> dict:
+    """The machine record (``vqserve.machine.machine_record``) of this process running the
+    runtime ``info`` describes (``RuntimeInfo.to_dict()``): which torch, CUDA, cuDNN and ONNX
+    Runtime, which GPU, and whether TF32 was allowed - what decides how a latent at a
+    rounding boundary rounds."""
+    import torch
+
+    device = str(info.get("device", "cpu"))
+    versions = {"torch": torch.__version__}
+    gpu, extra = "", {}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(torch.device(device))
+        versions["cuda"] = str(torch.version.cuda)
+        versions["cudnn"] = str(torch.backends.cudnn.version())
+        extra["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+    if info.get("backend") == "onnx":
+        try:
+            import onnxruntime
+
+            versions["onnxruntime"] = onnxruntime.__version__
+        except ImportError:  # the runtime that ran it is gone; the record says what is known
+            pass
+    return machine_record(device, str(info.get("backend", "")), str(info.get("dtype", "")), versions,
+                          gpu=gpu, extra=extra)
+
+
+def _machines(old: list, new: dict) -> list:
+    """The machines that wrote a folder's shards, in order of first appearance."""
+    old = [m for m in old if isinstance(m, dict)]
+    return old if any(same_arithmetic(m, new) for m in old) else [*old, new]
 
 
 # ---- the job ----------------------------------------------------------------------------------
@@ -311,6 +343,13 @@ class Job:
         _write_atomic(self.errors_path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors))
         return self._write_manifest(complete=True, shards_list=listed, totals=totals)
 
+    def _recorded_machines(self) -> list:
+        try:
+            machines = json.loads(self.manifest_path.read_text()).get("machines", [])
+        except (OSError, ValueError, AttributeError):
+            return []
+        return machines if isinstance(machines, list) else []
+
     def _write_manifest(self, complete: bool, shards_list=None, totals=None) -> dict:
         info = self.runtime_info
         manifest = {
@@ -328,6 +367,9 @@ class Job:
             "preprocess": self.settings.preprocess.to_dict(),
             "shards": shards_list or [],
             "totals": totals or {},
+            # every machine that wrote shards here (a resumed run may add one): what made the
+            # tokens, for `vqserve verify` to show beside its own when they differ
+            "machines": _machines(self._recorded_machines(), runtime_machine(info)),
         }
         if shards_list and self.layout is not shards.LAYOUT_1:  # layout 1's stays as it was
             manifest["shard_pattern"] = shards.shard_pattern(len(shards_list or []),

@@ -14,8 +14,16 @@ cheapest first:
   size, every grid ``height // factor x width // factor`` and holding that many tokens;
 * **reencode** — a deterministic, seed-based sample of rows spread over the shards is
   re-read from its ``source``, preprocessed with the recorded settings and encoded with the
-  recorded model; the tokens must be equal, bit for bit. A source that cannot be read any
-  more is *skipped*, not failed: datasets outlive their raw images.
+  recorded model; the tokens must be equal, bit for bit, or differ only by fp32 *ties*.
+  A source that cannot be read any more is *skipped*, not failed: datasets outlive their
+  raw images.
+
+A tie: two correct fp32 machines (CPUs, GPUs, runtimes) may round a latent that lies within
+about 1e-6 of a level of a rounding boundary differently. For a row whose re-encoded tokens
+differ, the image's latents are recomputed in float64 on the CPU (``vqserve.model.ties``):
+a differing token whose two codes are adjacent (one boundary between them) with an fp64
+margin below ``delta`` is a tie, reported (count, rate, keys, margins) but not failed;
+anything else fails as before. Only rows with a differing token pay for the fp64 pass.
 
 Each check counts passed / failed / skipped units (shards or rows) and keeps the first few
 problems with their file and key. Only :func:`verify_dataset` loads a model, and only
@@ -67,6 +75,8 @@ class Report:
     problem_count: int = 0
     notes: list[str] = field(default_factory=list)
     sample: dict = field(default_factory=dict)
+    ties: dict = field(default_factory=dict)
+    machines: dict = field(default_factory=dict)
 
     def ok(self, check: str, n: int = 1) -> None:
         self.checks[check].passed += n
@@ -88,7 +98,7 @@ class Report:
         return {"dir": self.out_dir, "ok": self.passed,
                 "checks": {k: dataclasses.asdict(v) for k, v in self.checks.items()},
                 "problem_count": self.problem_count, "problems": self.problems,
-                "sample": self.sample, "notes": self.notes}
+                "sample": self.sample, "ties": self.ties, "machines": self.machines, "notes": self.notes}
 
 
 def format_summary(report: dict) -> str:
@@ -105,8 +115,10 @@ def format_summary(report: dict) -> str:
     s = report["sample"]
     if s:
         lines.append(f"  sample: {s['selected']} of {s['rows']} rows (seed {s['seed']}): "
-                     f"{s['matched']} re-encoded identically, {s['mismatched']} differ, "
-                     f"{s['skipped']} skipped (source unavailable)")
+                     f"{s['matched']} re-encoded identically, {s.get('tied', 0)} identical but for fp32 ties, "
+                     f"{s['mismatched']} differ, {s['skipped']} skipped (source unavailable)")
+    lines += _ties_lines(report.get("ties") or {})
+    lines += _machine_lines(report.get("machines") or {})
     lines += [f"  note: {n}" for n in report["notes"]]
     if report["problems"]:
         shown = len(report["problems"])
@@ -116,6 +128,32 @@ def format_summary(report: dict) -> str:
                                          else None) if x)
             lines.append(f"  [{p['check']}] {where + ': ' if where else ''}{p['message']}")
     return "\n".join(lines)
+
+
+def _ties_lines(ties: dict) -> list[str]:
+    """The ties, one line each after a total: fp32 rounding noise, not corruption."""
+    if not ties.get("count"):
+        return []
+    lines = [f"  ties: {ties['count']} of {ties['tokens']} re-encoded tokens ({ties['rate']:.2e}) differ "
+             f"only where the fp64 latent lies within {ties['delta']:g} of the rounding boundary "
+             "between the two codes (fp32 noise of two machines, not corruption)"]
+    for t in ties["list"]:
+        lines.append(f"    tie {t['file']}:key={t['key']!r} at {tuple(t['at'])}: recorded {t['recorded']}, "
+                     f"re-encoded {t['fresh']}, fp64 margin {t['margin']:.2e}")
+    if ties["count"] > len(ties["list"]):
+        lines.append(f"    ... and {ties['count'] - len(ties['list'])} more")
+    return lines
+
+
+def _machine_lines(machines: dict) -> list[str]:
+    """Both machines when the tokens were made on another one than re-encodes them here."""
+    from vqserve.machine import machine_summary, same_arithmetic
+
+    here, recorded = machines.get("here"), machines.get("recorded") or []
+    if not here or not recorded or all(same_arithmetic(m, here) for m in recorded):
+        return []
+    return ([f"  tokens made on: {machine_summary(m)}" for m in recorded]
+            + [f"  re-encoded on:  {machine_summary(here)}"])
 
 
 # ---- manifest ----------------------------------------------------------------------------------
@@ -424,14 +462,16 @@ def _preprocess(manifest: dict) -> images.Preprocess:
 
 
 def _reencode_sample(ctx: _Ctx, n: int, seed: int, runtime, model: str | None,
-                     device: str | None) -> None:
+                     device: str | None, delta: float) -> None:
     """Re-encode the sampled rows; the model is loaded at the first readable source, so a
     dataset whose raw images are gone verifies without one."""
     rep, order = ctx.report, list(ctx.rows_per_shard.items())
     total = sum(c for _, c in order)
     picks = sample_positions(total, n, seed)
     rep.sample = {"rows": total, "requested": n, "selected": len(picks), "seed": seed,
-                  "matched": 0, "mismatched": 0, "skipped": 0}
+                  "matched": 0, "tied": 0, "mismatched": 0, "skipped": 0}
+    rep.ties = {"delta": delta, "tokens": 0, "count": 0, "rate": 0.0, "rows": 0, "list": []}
+    reference = _Reference(ctx.manifest, model)
     pre = _preprocess(ctx.manifest)
     column = ctx.manifest.get("identity", {}).get("image_column", "image")
     start, p = 0, 0
@@ -456,13 +496,78 @@ def _reencode_sample(ctx: _Ctx, n: int, seed: int, runtime, model: str | None,
                 continue
             if runtime is None:
                 runtime = _open_runtime(ctx.manifest, model, device, rep)
-            problem = _compare(runtime, prepared, row, table.tokens(i))
+                rep.machines = _machines(ctx.manifest, runtime)
+            problem, ties = _compare(runtime, prepared, row, table.tokens(i), reference, delta)
+            rep.ties["tokens"] += int(table.tokens(i).size)
             if problem:
                 rep.fail("reencode", problem, name, row["key"])
                 rep.sample["mismatched"] += 1
             else:
                 rep.ok("reencode")
-                rep.sample["matched"] += 1
+                rep.sample["tied" if ties else "matched"] += 1
+            _add_ties(rep, ties, name, row["key"])
+    rep.ties["rate"] = rep.ties["count"] / max(rep.ties["tokens"], 1)
+    if reference.unavailable:
+        rep.notes.append(reference.unavailable)
+
+
+def _add_ties(rep: Report, ties: list[dict], name: str, key: str) -> None:
+    if not ties:
+        return
+    rep.ties["count"] += len(ties)
+    rep.ties["rows"] += 1
+    room = rep.max_problems - len(rep.ties["list"])
+    rep.ties["list"] += [{"file": name, "key": key, **t} for t in ties[:max(room, 0)]]
+
+
+def _machines(manifest: dict, runtime) -> dict:
+    """The machines that made the tokens (the manifest's record) and this one."""
+    from vqserve.offline.pipeline import runtime_machine
+
+    return {"recorded": [m for m in manifest.get("machines") or [] if isinstance(m, dict)],
+            "here": runtime_machine(runtime.info.to_dict())}
+
+
+class _Reference:
+    """The fp32 eager tokenizer whose float64 copy judges ties, loaded at the first row
+    whose tokens differ. Ties are judged only for fp32 tokens (bf16/fp16 tokens differ
+    from fp64 by design, at their measured agreement) and only with the checkpoint the
+    tokens are the exact tokens of; without one, every differing token is a mismatch."""
+
+    def __init__(self, manifest: dict, model: str | None):
+        self.manifest, self.model = manifest, model
+        self.tokenizer = None
+        self.unavailable = ""
+        self._tried = False
+
+    def get(self, runtime):
+        if not self._tried:
+            self._tried = True
+            self.tokenizer = self._load(runtime)
+        return self.tokenizer
+
+    def _load(self, runtime):
+        m = self.manifest["model"]
+        if m.get("dtype", "fp32") != "fp32":
+            self.unavailable = (f"tokens were made in {m.get('dtype')}: no fp32 ties are recognised, "
+                                "every differing token is a mismatch")
+            return None
+        tokenizer = getattr(runtime, "tokenizer", None)
+        if tokenizer is not None and runtime.info.dtype == "fp32":
+            return tokenizer
+        ref = self.model or m["ref"]
+        try:
+            from vqserve.export.runtime import model_hash_of
+            from vqserve.model import load_tokenizer
+
+            if model_hash_of(ref) == m.get("source_hash", m["model_hash"]):
+                return load_tokenizer(ref).eval()
+        except (OSError, ValueError, RuntimeError):
+            pass
+        self.unavailable = (f"{ref!r} is not the checkpoint the tokens were made from, so fp64 latents "
+                            "cannot be recomputed: every differing token counts as a mismatch (pass "
+                            "--model with the checkpoint to recognise fp32 ties)")
+        return None
 
 
 class _Unavailable(Exception):
@@ -479,40 +584,73 @@ def _read_source(source: str, column: str, pre: images.Preprocess) -> images.Pre
         raise _Unavailable(f"{type(exc).__name__}: {str(exc)[:160]}") from None
 
 
-def _compare(runtime, prepared: images.Prepared, row: dict, stored: np.ndarray) -> str | None:
+def _compare(runtime, prepared: images.Prepared, row: dict, stored: np.ndarray, reference: _Reference,
+             delta: float) -> tuple[str | None, list[dict]]:
+    """(the problem or None, the ties): tokens equal, or differing only by ties, pass."""
     then = (row["orig_height"], row["orig_width"],
             (row["crop_top"], row["crop_left"], row["crop_height"], row["crop_width"]),
             (row["height"], row["width"]))
     now = (prepared.orig_height, prepared.orig_width, tuple(prepared.crop), prepared.pixels.shape[:2])
     if now != then:
         return (f"the source changed since it was tokenized (size/crop/pixels now {now}, "
-                f"recorded {then})")
+                f"recorded {then})"), []
     fresh = np.asarray(runtime.encode(prepared.pixels[None]))[0]
     flat = fresh.reshape(-1).astype(np.int64)
     old = stored.astype(np.int64)
     if flat.shape != old.shape:
-        return f"re-encoded {flat.size} tokens, the shard holds {old.size}"
+        return f"re-encoded {flat.size} tokens, the shard holds {old.size}", []
     diff = np.flatnonzero(flat != old)
     if not diff.size:
-        return None
-    at = tuple(int(x) for x in np.unravel_index(diff[0], fresh.shape))
-    return (f"re-encoded tokens differ at {diff.size} of {old.size} positions (first at {at}: "
-            f"stored {old[diff[0]]}, model gives {flat[diff[0]]})")
+        return None, []
+    ties, others = _ties(reference, runtime, prepared.pixels, old.reshape(fresh.shape), fresh, delta)
+    if ties is None:
+        ties, others = [], [{"at": tuple(int(x) for x in np.unravel_index(d, fresh.shape)),
+                             "recorded": int(old[d]), "fresh": int(flat[d]), "margin": None} for d in diff[:1]]
+    if not others:
+        return None, ties
+    first = others[0]
+    why = ("codes not adjacent" if first["margin"] is None else f"fp64 margin {first['margin']:.2e} >= {delta:g}")
+    tied = f", {len(ties)} fp32 ties" if ties else ""
+    return (f"re-encoded tokens differ at {diff.size} of {old.size} positions{tied} (first at {first['at']}: "
+            f"stored {first['recorded']}, model gives {first['fresh']}, {why})"), ties
+
+
+def _ties(reference: _Reference, runtime, pixels: np.ndarray, stored: np.ndarray, fresh: np.ndarray,
+          delta: float):
+    """(ties, others) of one image's differing tokens on fp64 latents; (None, None) when no
+    reference can judge them (the caller then reports a plain mismatch)."""
+    tokenizer = reference.get(runtime)
+    if tokenizer is None or fresh.ndim != 2:  # residual (several codes per position): no ties
+        return None, None
+    from vqserve.model import ties
+
+    if ties.decision(tokenizer.quantizer) is None:
+        return None, None
+    z64 = ties.fp64_latents(tokenizer, pixels[None])
+    found, others = ties.classify(tokenizer.quantizer, z64, stored[None], fresh[None], delta)
+    def in_image(t: dict) -> dict:  # the image's own (y, x), without the batch index
+        return {**t, "at": t["at"][1:]}
+
+    return [in_image(t) for t in found], [in_image(t) for t in others]
 
 
 # ---- entry point ----------------------------------------------------------------------------------
 def verify_dataset(out_dir: str | Path, sample: int = 32, runtime=None, seed: int = 0,
                    model: str | None = None, device: str | None = None,
-                   max_problems: int = 10) -> dict:
+                   max_problems: int = 10, tie_delta: float | None = None) -> dict:
     """Run every check on a tokenize output folder; returns :meth:`Report.to_dict`.
 
     ``runtime``: an already loaded runtime (its hash is still checked); ``None`` loads
     ``model`` (default: the manifest's ``model.ref``) on the recorded backend and dtype,
     on ``device`` (default: the recorded one), only if a sampled source can be read.
+    ``tie_delta``: the fp64 margin below which a differing token is an fp32 tie (default
+    ``vqserve.model.ties.DELTA``, at least ``MIN_DELTA``).
     Raises :class:`NotADataset` / :class:`ModelMismatch` (usage errors, both ValueError).
     """
     if sample < 0:
         raise ValueError(f"--sample must be >= 0, got {sample}")
+    # resolved (importing torch) only when a sample is re-encoded or a threshold was given
+    delta = _tie_delta(tie_delta) if sample or tie_delta is not None else None
     out = Path(out_dir)
     rep = Report(str(out), max_problems=max_problems)
     manifest = read_manifest(out)
@@ -537,5 +675,14 @@ def verify_dataset(out_dir: str | Path, sample: int = 32, runtime=None, seed: in
         rep.fail("rows", f"totals.rows {manifest['totals']['rows']} != the shards' sum {listed_rows}",
                  manifest_name)
     if sample and ctx.rows_per_shard:
-        _reencode_sample(ctx, sample, seed, runtime, model, device)
+        _reencode_sample(ctx, sample, seed, runtime, model, device, delta)
     return rep.to_dict()
+
+
+def _tie_delta(value: float | None) -> float:
+    from vqserve.model.ties import DELTA, check_delta
+
+    try:
+        return check_delta(DELTA if value is None else value)
+    except ValueError as exc:
+        raise ValueError(f"--tie-delta: {exc}") from None

@@ -89,7 +89,7 @@ def test_verify_passes_on_a_fresh_output(dataset, capsys):
     for name in ("keys", "tokens", "grid", "reencode"):
         assert checks[name] == {"passed": 5, "failed": 0, "skipped": 0}, name
     assert report["sample"] == {"rows": 5, "requested": 100, "selected": 5, "seed": 0,
-                                "matched": 5, "mismatched": 0, "skipped": 0}
+                                "matched": 5, "tied": 0, "mismatched": 0, "skipped": 0}
     assert main(["verify", str(dataset), "--sample", "0"]) == 0
     text = capsys.readouterr().out
     assert f"verify {dataset}: OK" in text and "reencode  -     not checked" in text

@@ -43,3 +43,41 @@ def available_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+# ISA flags that change which kernels (and so which fp32 rounding) a CPU runs: vector width,
+# fused multiply-add, half/bfloat16 and matrix units. The rest of /proc/cpuinfo's flags
+# (hundreds) say nothing about tokens.
+ARITHMETIC_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                    "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+                    "asimd", "asimdhp", "sve", "sve2", "bf16", "i8mm")
+
+
+def machine_record(device: str, backend: str, dtype: str, versions: dict[str, str],
+                   gpu: str = "", extra: dict | None = None) -> dict:
+    """What made a set of tokens: CPU model and arithmetic ISA flags (or the GPU), usable
+    cores, backend, dtype and the runtime versions. Two correct fp32 machines may round a
+    latent at a boundary differently (docs/TOKENIZE.md, "Exact, stated precisely"), so a
+    tokenize manifest keeps this record and ``vqserve verify`` shows both when they differ.
+    The caller passes the versions and GPU name (this module imports no torch)."""
+    import platform
+
+    model, flags = cpu_info()
+    return {"cpu": model or platform.processor() or platform.machine(), "arch": platform.machine(),
+            "isa": [f for f in ARITHMETIC_FLAGS if f in flags], "cores": available_cores(),
+            "gpu": gpu, "device": device, "backend": backend, "dtype": dtype,
+            "versions": dict(sorted(versions.items())), **(extra or {})}
+
+
+def machine_summary(record: dict) -> str:
+    """One line for a machine record: ``cpu [isa] | gpu, backend dtype, versions``."""
+    where = record.get("gpu") or f"{record.get('cpu', '?')} [{' '.join(record.get('isa', []))}]"
+    versions = " ".join(f"{k} {v}" for k, v in (record.get("versions") or {}).items())
+    extra = ", TF32 on" if record.get("tf32") else ""
+    return f"{where}, {record.get('backend', '?')} {record.get('dtype', '?')} on {record.get('device', '?')}{extra}, {versions}"
+
+
+def same_arithmetic(a: dict, b: dict) -> bool:
+    """Whether two machine records run the same arithmetic (the cores count aside)."""
+    keys = ("cpu", "arch", "isa", "gpu", "device", "backend", "dtype", "versions", "tf32")
+    return all(a.get(k) == b.get(k) for k in keys)

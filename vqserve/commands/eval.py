@@ -8,6 +8,10 @@ encoder under autocast, as training runs it. Agreement is the fraction of tokens
 to the fp32 ones. The baseline is area-downsample x factor then bicubic upsample of the
 same images.
 
+The decision margins (vqserve.model.ties: for FSQ the bounded latent's distance to the
+nearest rounding boundary in levels, relative score gaps otherwise) give the share of tokens
+below 1e-4 and 1e-5: tokens two correct fp32 machines may round differently.
+
 Each image is also encoded as independent 128-pixel tiles (`--tile`): a tokenizer whose
 output depends on the image size scores differently whole and tiled. The mean colour error
 per channel (mean of reconstruction minus mean of original, in levels) shows a colour cast
@@ -190,6 +194,12 @@ def _print_table(r: dict, precisions: list[str], out) -> None:
         a = r["agreement_autocast"][p]
         rows.append((f"{p} autocast vs fp32", f"{a:.3%} ({_flips(a, cb['positions'])} tokens differ; "
                                              "whole encoder under autocast, as in training)"))
+    if "margins" in r:
+        m = r["margins"]
+        rows.append(("tokens near a boundary", ", ".join(
+            f"{m['below'][k]} ({m['share_below'][k]:.2e}) below {k}" for k in m["below"])
+            + f" of {m['tokens']}; smallest margin {m['min']:.1e} (fp32 ties: another machine may "
+              "round these otherwise)"))
     rows += _learnability_rows(r.get("learnability") or {})
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

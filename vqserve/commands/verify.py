@@ -5,8 +5,14 @@ its sha256; no unlisted shard-* files; each shard opens, has tokenize's schema a
 recorded row count; no key appears twice; every index is below the codebook size; every
 token grid is height/width // factor. Then a deterministic sample of rows (spread over
 the shards, --seed) is re-read from its source, preprocessed with the recorded settings
-and encoded again with the recorded model: the tokens must be identical. Rows whose source
-is gone are skipped (counted), not failed. The model's hash must equal the manifest's.
+and encoded again with the recorded model: the tokens must be identical, or differ only by
+fp32 ties. A tie: where a re-encoded token differs, the image's latents are recomputed in
+float64 on the CPU; when the two codes are adjacent and the fp64 latent lies within
+--tie-delta of the boundary between them, two correct fp32 machines simply rounded a
+boundary latent differently. Ties are reported (count, rate, keys, margins), not failed;
+anything else is a mismatch. When the tokens were made on another machine, both machines
+are printed. Rows whose source is gone are skipped (counted), not failed. The model's hash
+must equal the manifest's.
 
 Exit status: 0 all checks pass, 1 a mismatch or damaged file, 2 usage (not a tokenize
 output folder, model cannot be loaded or is not the recorded one).
@@ -36,6 +42,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="cpu | cuda | cuda:N (default: the device the tokens were made on)")
     parser.add_argument("--max-problems", type=int, default=10,
                         help="problems listed in the report (all are counted; default 10)")
+    parser.add_argument("--tie-delta", type=float, default=None,
+                        help="a re-encoded token that differs is an fp32 tie, not a mismatch, when its "
+                             "two codes are adjacent and the float64 latent lies within this margin of "
+                             "the boundary between them (levels for FSQ, relative otherwise; default "
+                             "1e-4, at least 1e-5)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
 
 
@@ -43,6 +54,6 @@ def run(args: argparse.Namespace) -> int:
     from vqserve.offline.verify import format_summary, verify_dataset
 
     report = verify_dataset(args.dir, sample=args.sample, seed=args.seed, model=args.model,
-                            device=args.device, max_problems=args.max_problems)
+                            device=args.device, max_problems=args.max_problems, tie_delta=args.tie_delta)
     print(json.dumps(report, indent=2) if args.json else format_summary(report))
     return 0 if report["ok"] else 1
