@@ -149,7 +149,7 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, thread
     lats: list[float] = []
     first = b""
     errors: list[str] = []
-    for recv, p in zip(pipes, children):
+    for recv, p in zip(pipes, children, strict=True):
         try:
             got, reply, errs = recv.recv()
         except EOFError:
