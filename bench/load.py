@@ -33,7 +33,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 def tree_cpu_seconds(root: int) -> float:
     """user + system CPU seconds of ``root`` and every process below it (those alive now)."""
     total = 0
-    for pid in [root, *process_tree(root)]:
+    for pid in process_tree(root):  # root included
         try:
             with open(f"/proc/{pid}/stat") as fh:
                 fields = fh.read().rsplit(")", 1)[1].split()

@@ -58,12 +58,15 @@ class Engine:
     def __init__(self, runtime, metrics, max_batch_size: int = 32, max_delay_s: float = 0.005,
                  max_queue: int = 1024, max_message_bytes: int | None = None,
                  max_batch_pixels: int | None = None, max_decoded_bytes: int | None = None,
-                 decode_threads: int | None = None, max_pixels: int | None = None):
+                 decode_threads: int | None = None, max_pixels: int | None = None, batcher=None):
         """``max_message_bytes``: the gRPC send limit; None or <= 0 checks no reply size.
         ``max_batch_pixels``: pixels per model call (None: no limit; images for encode,
         output pixels for decode). ``max_decoded_bytes``: memory for decoded PNG/JPEG
         images in flight (None: :func:`default_decoded_bytes`). ``max_pixels``: per image,
-        replacing the runtime's own limit (both APIs and GetModelInfo read ``self.info``)."""
+        replacing the runtime's own limit (both APIs and GetModelInfo read ``self.info``).
+        ``batcher``: where checked requests go instead of a local :class:`Batcher` over
+        ``runtime`` (a front-end process: the executor's, through ``serve/frontend.py``);
+        ``runtime`` then only needs its ``info``."""
         self.runtime = runtime
         self.info = runtime.info if not max_pixels else dataclasses.replace(runtime.info, max_pixels=max_pixels)
         self.identity = self.info.identity()  # which tokens it serves; every OIP answer carries it
@@ -73,7 +76,10 @@ class Engine:
         self.max_message_bytes = max_message_bytes if max_message_bytes and max_message_bytes > 0 else None
         self.max_batch_pixels = max_batch_pixels
         self._batching = {"max_batch_size": max_batch_size, "max_delay_s": max_delay_s, "max_queue": max_queue}
-        self.batcher = self._batcher_for(runtime)
+        self.batcher = batcher if batcher is not None else self._batcher_for(runtime)
+        # a local model may write to its input (torch warns on read-only buffers); a remote
+        # batcher copies the request into shared memory anyway, so a second copy would be waste
+        self._requirements = ["C"] if batcher is not None else ["C", "W"]
         self.determinism = None  # the start-up batch-invariance Certificate, set by the server
         self.decoder = ImageDecoder(
             max_decoded_bytes or default_decoded_bytes(max_batch_size, self.info.max_pixels),
@@ -189,7 +195,7 @@ class Engine:
                      field: str = "images", reply_overhead: int = 0) -> np.ndarray:
         """``reply_overhead``: bytes the caller's response adds beyond the indices (an echoed
         request id), counted against the message limit before the model runs."""
-        images = np.require(self.check_images(images, field), requirements=["C", "W"])
+        images = np.require(self.check_images(images, field), requirements=self._requirements)
         self.check_encode_reply(images, reply_overhead)
         out = await self.batcher.submit("encode", images, deadline)
         out = np.asarray(out).astype(self.index_dtype, copy=False)
@@ -212,7 +218,7 @@ class Engine:
         model refuses in one line (INVALID_ARGUMENT) before anything is checked or queued."""
         if not self.info.decodes:
             raise decode_unsupported(self.info.extra.get("family", "this model"))
-        indices = np.require(self.check_indices(indices, field), requirements=["C", "W"])
+        indices = np.require(self.check_indices(indices, field), requirements=self._requirements)
         if reply_overhead is not None:
             self.check_decode_reply(indices, reply_overhead)
         self.metrics.record_codes("decode", indices)

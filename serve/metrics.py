@@ -113,53 +113,99 @@ class CodebookCollector(Collector):
             yield family
 
 
+class _Unrecorded:
+    """A metric this process does not own (see :class:`Metrics`' ``role``): every update is
+    a no-op, so the code that records it needs no branch."""
+
+    def __getattr__(self, name):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+
+ROLES = ("all", "frontend", "executor")
+
+
 class Metrics:
-    def __init__(self, codebook_size: int | None = None, window: int = 1 << 20):
+    """The service's metrics in one registry.
+
+    ``role``: ``all`` (one process serves everything); with front-end processes, each front-end
+    records the request metrics (latency, codes, in-flight, streams) in prometheus-client's
+    multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, set for it by the executor), and the
+    executor records the model metrics (queue wait, batches, inference, identity, plan, codebook
+    use) and serves ``/metrics`` with both: its own registry plus the front-ends' files summed
+    (``multiproc_dir``). Each metric is owned by exactly one process, so none is counted twice
+    and none is missing."""
+
+    def __init__(self, codebook_size: int | None = None, window: int = 1 << 20, role: str = "all",
+                 multiproc_dir: str | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.role = role
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.request_latency = Histogram(
+        if multiproc_dir:
+            from prometheus_client import multiprocess
+
+            multiprocess.MultiProcessCollector(r, path=multiproc_dir)
+        self._define(r, {"frontend": self.MODEL_METRICS, "executor": self.REQUEST_METRICS}.get(role, ()))
+        self.usage: dict[str, CodebookUsage] = {}
+        if codebook_size:
+            self.set_codebook(codebook_size, window)
+
+    REQUEST_METRICS = ("request_latency", "in_flight", "requests", "errors", "streams_open")
+    MODEL_METRICS = ("queue_wait", "inference", "batch_size", "items", "queue_depth", "model_info",
+                     "batch_invariant", "plan_info")
+
+    def _define(self, r: CollectorRegistry, skip: tuple[str, ...]) -> None:
+        def make(name: str, factory) -> None:  # a metric another process owns is never created here:
+            setattr(self, name, _Unrecorded() if name in skip else factory())  # (its file would count it twice)
+
+        make("request_latency", lambda: Histogram(
             "vqserve_request_latency_seconds", "Request latency, receipt to response, by RPC method.",
-            ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram(
+            ["method"], buckets=LATENCY_BUCKETS, registry=r))
+        make("queue_wait", lambda: Histogram(
             "vqserve_queue_wait_seconds", "Time a request waited in the batcher queue.",
-            ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.inference = Histogram(
+            ["method"], buckets=LATENCY_BUCKETS, registry=r))
+        make("inference", lambda: Histogram(
             "vqserve_inference_seconds", "Model time per batch.",
-            ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram(
+            ["method"], buckets=LATENCY_BUCKETS, registry=r))
+        make("batch_size", lambda: Histogram(
             "vqserve_batch_size", "Items (images) per model call.",
-            ["method"], buckets=BATCH_BUCKETS, registry=r)
-        self.in_flight = Gauge("vqserve_requests_in_flight", "Requests being served now.", registry=r)
-        self.requests = Counter("vqserve_requests", "Requests by RPC method and status code.",
-                                ["method", "code"], registry=r)
-        self.errors = Counter("vqserve_errors", "Failed requests by RPC method and status code.",
-                              ["method", "code"], registry=r)
-        self.items = Counter("vqserve_items", "Images encoded or decoded.", ["method"], registry=r)
-        self.queue_depth = Gauge("vqserve_queue_items", "Items waiting in the batcher queue.", registry=r)
-        self.streams_open = Gauge("vqserve_streams_open", "Open streaming calls, by gRPC service "
-                                  "(at most --max-streams each).", ["service"], registry=r)
-        self.model_info = Gauge("vqserve_model_info", "1 for the model being served; its identity "
+            ["method"], buckets=BATCH_BUCKETS, registry=r))
+        make("in_flight", lambda: Gauge("vqserve_requests_in_flight", "Requests being served now.", registry=r,
+                               multiprocess_mode="livesum"))
+        make("requests", lambda: Counter("vqserve_requests", "Requests by RPC method and status code.",
+                                ["method", "code"], registry=r))
+        make("errors", lambda: Counter("vqserve_errors", "Failed requests by RPC method and status code.",
+                              ["method", "code"], registry=r))
+        make("items", lambda: Counter("vqserve_items", "Images encoded or decoded.", ["method"], registry=r))
+        make("queue_depth", lambda: Gauge("vqserve_queue_items", "Items waiting in the batcher queue.", registry=r))
+        make("streams_open", lambda: Gauge("vqserve_streams_open", "Open streaming calls, by gRPC service "
+                                  "(at most --max-streams each).", ["service"], registry=r,
+                                  multiprocess_mode="livesum"))
+        make("model_info", lambda: Gauge("vqserve_model_info", "1 for the model being served; its identity "
                                 "is in the labels (model_hash: sha256 over every file loaded; source_hash: "
                                 "the checkpoint whose tokens these are; exact: true when they are that "
                                 "checkpoint's fp32 eager tokens).",
-                                ["model_hash", "source_hash", "backend", "dtype", "device", "exact"], registry=r)
-        self.batch_invariant = Gauge("vqserve_batch_invariant", "1 when the start-up check found "
+                                ["model_hash", "source_hash", "backend", "dtype", "device", "exact"], registry=r))
+        make("batch_invariant", lambda: Gauge("vqserve_batch_invariant", "1 when the start-up check found "
                                      "tokens (what=tokens) or decoded pixels (what=pixels) "
                                      "independent of the batch; 0 when not; -1 not checked.",
-                                     ["what"], registry=r)
-        self.plan_info = Gauge("vqserve_execution_plan", "1 for the execution plan every model call "
+                                     ["what"], registry=r))
+        make("plan_info", lambda: Gauge("vqserve_execution_plan", "1 for the execution plan every model call "
                                "runs by; the plan is in the labels (micro_batch: per image side when "
                                "measured, e.g. '64:8 256:1'; source: safe (serving before or without a "
                                "measurement), measuring (safe, a measurement running in the background), "
                                "measured, cache, file (--plan FILE) or default (--plan default); "
                                "'+flags' when flags overrode part of it).",
                                ["backend", "dtype", "micro_batch", "workers", "intra_op_threads", "source"],
-                               registry=r)
-        self.usage: dict[str, CodebookUsage] = {}
-        if codebook_size:
-            self.set_codebook(codebook_size, window)
+                               registry=r))
 
     def set_codebook(self, codebook_size: int, window: int = 1 << 20) -> None:
+        if self.role == "frontend":  # the executor sees every token: it keeps the window
+            return
         self.usage = {m: CodebookUsage(codebook_size, window) for m in ("encode", "decode")}
         self.registry.register(CodebookCollector(self.usage))
 

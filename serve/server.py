@@ -19,10 +19,13 @@ import hmac
 import inspect
 import json
 import logging
+import os
+import shutil
 import signal
 import socket
 import ssl
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -83,6 +86,11 @@ class ServerConfig:
     plan_cache: str | None = None    # where measured plans are kept; None: export.planner.cache_dir()
     min_agreement: float = 0.995     # --dtype auto: least token agreement with fp32 for a lower dtype
     plan_budget_s: float = DEFAULT_PLAN_BUDGET_S  # --plan auto: the background measurement stops after this
+    frontends: int | None = 0        # gRPC front-end processes (serve/frontend.py) before one device
+    #                                  executor; 0: one process does everything; None: by the device
+    #                                  (serve/executor.py default_frontends). `vqserve serve`: auto.
+    executor_socket: str | None = None  # set in a front-end process: the executor it forwards to
+    arena_mb: int = 0                # a front-end's shared pixel memory; 0: default_arena_bytes
 
 
 class PortInUseError(OSError):
@@ -617,7 +625,13 @@ class TokenizerServer:
         worker thread while health says NOT_SERVING), or None to ``load_runtime`` from config."""
         self.config = config
         self._runtime = runtime
-        self.metrics = Metrics()
+        # one process serves it all, or this is a front-end, or the executor behind front-ends
+        self.role = "frontend" if config.executor_socket else "executor" if config.frontends else "all"
+        self._metrics_dir = tempfile.mkdtemp(prefix="vqserve-metrics-") if self.role == "executor" else None
+        self.metrics = Metrics(role=self.role, multiproc_dir=self._metrics_dir)
+        self.executor = None   # ExecutorService, when front-ends serve
+        self.pool = None       # FrontendPool
+        self._reservation: socket.socket | None = None
         self.state = ServerState(self.metrics)
         self.health = DrainingHealthServicer()
         self.gate = StreamGate(config.max_streams, self.metrics,
@@ -637,7 +651,8 @@ class TokenizerServer:
         A port in use raises :class:`PortInUseError` and leaves nothing running, so the
         event loop can close without a half-started gRPC server to clean up after."""
         cfg = self.config
-        check_port_free("gRPC", cfg.host, cfg.port)
+        if self.role != "frontend":  # a front-end shares the port its executor reserved
+            check_port_free("gRPC", cfg.host, cfg.port)
         if cfg.metrics_port > 0:
             check_port_free("metrics", cfg.metrics_host, cfg.metrics_port)
         try:
@@ -647,7 +662,14 @@ class TokenizerServer:
             raise
 
     async def _abort_start(self) -> None:
-        """Undo a partial :meth:`_start`: stop gRPC and the metrics endpoint if they are up."""
+        """Undo a partial :meth:`_start`: stop gRPC, the front-ends, the executor's socket and
+        the metrics endpoint if they are up."""
+        if self.pool is not None:
+            self.pool.stop(0)
+        if self.executor is not None:
+            await self.executor.close()
+        if self._reservation is not None:
+            self._reservation.close()
         if self.server is not None:
             await self.server.stop(None)
             self.server = None
@@ -657,6 +679,8 @@ class TokenizerServer:
             self._metrics_http = None
 
     async def _start(self) -> int:
+        if self.role == "executor":
+            return await self._start_executor()
         cfg = self.config
         limit = cfg.max_message_mb * 1024 * 1024
         interceptors = []
@@ -667,7 +691,7 @@ class TokenizerServer:
             interceptors=interceptors,
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", limit),
-                     ("grpc.so_reuseport", 0)],
+                     ("grpc.so_reuseport", int(self.role == "frontend"))],
         )
         service_v1.add_to_server(service_v1.TokenizerService(self.state), self.server)
         service_oip.add_to_server(service_oip.InferenceService(self.state), self.server)
@@ -685,6 +709,40 @@ class TokenizerServer:
         else:
             self.port = self._bind(lambda: self.server.add_insecure_port(address))
         await self.server.start()
+        self._start_metrics()
+        _event("listening" if self.role == "all" else "frontend_listening",
+               f"gRPC listening on {cfg.host}:{self.port}", port=self.port,
+               metrics_port=self.metrics_port, tls=bool(cfg.tls_cert), auth=bool(cfg.auth_token),
+               metrics_tls=cfg.metrics_tls, metrics_auth=cfg.metrics_auth,
+               max_streams=cfg.max_streams, version=__version__)
+        self._load_task = asyncio.get_running_loop().create_task(self._load())
+        return self.port
+
+    async def _start_executor(self) -> int:
+        """The device executor behind ``frontends`` front-end processes (serve/executor.py):
+        reserve the port, listen for the front-ends, start them and ``/metrics``, load."""
+        from vqserve.serve.executor import ExecutorService, FrontendPool, reserve_port
+
+        cfg = self.config
+        if cfg.tls_cert or cfg.tls_key:  # read here, so a bad pair is one line before any process starts
+            if not (cfg.tls_cert and cfg.tls_key):
+                raise ValueError("TLS needs both --tls-cert and --tls-key")
+            grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+        self._reservation, self.port = reserve_port(cfg.host, cfg.port)
+        self.executor = ExecutorService(self.state)
+        await self.executor.start()
+        self._start_metrics()
+        self.pool = FrontendPool(cfg, cfg.frontends, self.port, self.executor.path, self._metrics_dir)
+        self.pool.start()
+        _event("listening", f"gRPC listening on {cfg.host}:{self.port} ({cfg.frontends} front-end processes, "
+               "one device executor)", port=self.port, metrics_port=self.metrics_port, frontends=cfg.frontends,
+               tls=bool(cfg.tls_cert), auth=bool(cfg.auth_token), metrics_tls=cfg.metrics_tls,
+               metrics_auth=cfg.metrics_auth, max_streams=cfg.max_streams, version=__version__)
+        self._load_task = asyncio.get_running_loop().create_task(self._load())
+        return self.port
+
+    def _start_metrics(self) -> None:
+        cfg = self.config
         if cfg.metrics_port >= 0:
             if cfg.metrics_auth and not cfg.auth_token:
                 raise ValueError("--metrics-auth needs --auth-token-file: /metrics asks for the gRPC token")
@@ -700,12 +758,6 @@ class TokenizerServer:
                 detail = (PortInUseError.IN_USE if exc.errno == errno.EADDRINUSE
                           else f"could not be bound ({exc.strerror or exc})")
                 raise PortInUseError("metrics", cfg.metrics_host, cfg.metrics_port, detail) from None
-        _event("listening", f"gRPC listening on {cfg.host}:{self.port}", port=self.port,
-               metrics_port=self.metrics_port, tls=bool(cfg.tls_cert), auth=bool(cfg.auth_token),
-               metrics_tls=cfg.metrics_tls, metrics_auth=cfg.metrics_auth,
-               max_streams=cfg.max_streams, version=__version__)
-        self._load_task = asyncio.get_running_loop().create_task(self._load())
-        return self.port
 
     def _bind(self, add_port) -> int:
         """Run gRPC's ``add_*_port``, which returns 0 or raises RuntimeError on failure."""
@@ -723,6 +775,8 @@ class TokenizerServer:
         """Load the model and serve it at once: by the plan from the cache or a plan file, else
         by the safe plan while the fast one is measured in the background (serve/planning.py)."""
         cfg = self.config
+        if self.role == "frontend":
+            return await self._load_frontend()
         t0 = time.perf_counter()
         runtime = self._runtime
         chosen, measure_later, device = None, False, cfg.device
@@ -769,6 +823,9 @@ class TokenizerServer:
         self.metrics.queue_depth.set_function(lambda: engine.batcher.queued)
         for name in ("", *self.SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.executor is not None:  # the front-ends serve once they have the identity
+            self.executor.publish()
+            await self.executor.wait_ready(self.pool.count, self.pool.failed_at_start)
         info = runtime.info
         tokens = "exact: the model's fp32 tokens" if info.exact else f"NOT exact: {info.dtype}, asked for"
         _event("serving", f"serving {info.backend}/{info.dtype} on {info.device} at port {self.port} ({tokens})",
@@ -778,6 +835,7 @@ class TokenizerServer:
                max_batch_size=cfg.max_batch_size, max_delay_ms=cfg.max_delay_ms, max_queue=cfg.max_queue,
                max_pixels=engine.info.max_pixels, max_batch_pixels=engine.max_batch_pixels,
                max_decoded_bytes=engine.decoder.budget.limit, plan=plan.to_dict(), plan_source=source,
+               frontends=self.pool.count if self.pool else 0,
                determinism=certificate.summary() if certificate else "not checked (--no-self-check)")
         if measure_later and not self._stopped:
             self._plan_task = asyncio.get_running_loop().create_task(self._switch_to_measured(device))
@@ -794,8 +852,24 @@ class TokenizerServer:
             certificate = await run_in_daemon(lambda: start_up_check(runtime, plan), "vqserve-check")
         return PlannedRuntime(runtime, plan, source), plan, certificate
 
+    async def _load_frontend(self) -> None:
+        """A front-end's engine: the executor's identity and limits, its batcher remote."""
+        from vqserve.serve.frontend import connect_engine
+
+        engine = await connect_engine(self.config, self.metrics)
+        self.state.engine = engine
+        self.state.ready = True
+        for name in ("", *self.SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        engine.batcher.ready()
+        _event("frontend_serving", f"front-end {os.getpid()} serving on port {self.port}", port=self.port,
+               pid=os.getpid())
+
     def _publish(self, runtime: PlannedRuntime, certificate) -> None:
-        """The identity, plan and start-up check of what serves now, in the metrics and logs."""
+        """The identity, plan and start-up check of what serves now, in the metrics and logs
+        (and, behind front-ends, to each of them)."""
+        if self.executor is not None:
+            self.executor.publish()
         info = runtime.info
         self.metrics.set_model(info)
         self.metrics.set_plan(info.backend, info.dtype, runtime.plan, runtime.source)
@@ -930,11 +1004,19 @@ class TokenizerServer:
         t0 = time.perf_counter()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.pool is not None:  # the front-ends drain first, while the model still answers them
+            await asyncio.get_running_loop().run_in_executor(None, self.pool.stop, grace)
         if self.state.engine is not None:
             await self.state.engine.close()
+        if self.executor is not None:
+            await self.executor.close()
+        if self._reservation is not None:
+            self._reservation.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        if self._metrics_dir is not None:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
         _event("stopped", "stopped", drain_s=round(time.perf_counter() - t0, 3))
 
 

@@ -6,6 +6,8 @@
   vqserve bench runtimes     eager / TorchScript / ONNX Runtime / torch.export, per dtype
   vqserve bench serve        gRPC serving (v1, OIP) vs in-process; batching on vs off; TorchServe
   vqserve bench tokenize     `vqserve tokenize` end-to-end vs the raw runtime on the same images
+  vqserve bench gpu          every GPU figure in one run (tokens vs CPU, in-process, served with
+                             clients in several processes, tokenize, TFLOP/s): docs/BENCHMARKS.md
   vqserve bench plan         the batch-invariant execution plan vs torch's default threading:
                              speed and tokens changed by batching
 
@@ -24,6 +26,7 @@ TARGETS = {
     "serve": "vqserve.bench.serving",
     "tokenize": "vqserve.bench.offline",
     "plan": "vqserve.export.plan_bench",
+    "gpu": "vqserve.bench.gpu",
 }
 
 

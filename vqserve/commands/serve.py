@@ -57,7 +57,7 @@ ENV_VARS = {
     "micro_batch": "VQSERVE_MICRO_BATCH", "model_workers": "VQSERVE_MODEL_WORKERS",
     "no_self_check": "VQSERVE_NO_SELF_CHECK", "plan": "VQSERVE_PLAN", "plan_cache": "VQSERVE_PLAN_CACHE",
     "min_agreement": "VQSERVE_MIN_AGREEMENT", "threads": "VQSERVE_THREADS",
-    "plan_budget_s": "VQSERVE_PLAN_BUDGET_S",
+    "plan_budget_s": "VQSERVE_PLAN_BUDGET_S", "frontends": "VQSERVE_FRONTENDS",
 }
 # The flag that moves each port, for the one-line "port in use" error.
 PORT_FLAGS = {"gRPC": "port", "metrics": "metrics_port"}
@@ -165,6 +165,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                    help="longest a free model slot waits for a fuller call (default 0: a padded "
                         "micro-batch costs what a full one does, so waiting only adds latency; "
                         "under load calls fill because every slot is busy)")
+    b.add_argument("--frontends", type=frontend_count, default="auto", metavar="N|auto",
+                   help="gRPC front-end processes on the port, before one device executor that "
+                        "batches across them (pixels through shared memory): request handling "
+                        "then never waits for the model's GIL. 0 = one process does everything. "
+                        "auto (default): 0 on a CPU, where the model needs the cores; on a GPU "
+                        "(or synthetic:N) half the cores, 1 to 8")
     b.add_argument("--max-queue", type=int, default=1024,
                    help="queued images before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain on SIGTERM")
@@ -172,6 +178,34 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="log threshold (JSON lines on stderr)")
     add_env_fallbacks(parser, ENV_VARS)
     parser.set_defaults(_actions=parser._actions)  # noqa: SLF001 - for resolve_env_fallbacks
+
+
+def frontend_count(text: str) -> str | int:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes or auto, got {text!r}") from None
+    if not 0 <= value <= 256:
+        raise argparse.ArgumentTypeError(f"front-end processes must be 0..256, got {value}")
+    return value
+
+
+def resolve_frontends(value, model: str, device: str) -> int:
+    """``auto``: by the device the model will run on (serve/executor.py default_frontends)."""
+    if value != "auto":
+        return int(value)
+    from vqserve.machine import available_cores
+    from vqserve.serve.executor import default_frontends
+
+    if model.startswith("synthetic:"):
+        device = "synthetic"
+    elif device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return default_frontends(device, available_cores())
 
 
 def config_from_args(args: argparse.Namespace):
@@ -210,6 +244,7 @@ def config_from_args(args: argparse.Namespace):
         model_workers=args.model_workers or None, self_check=not args.no_self_check,
         threads=args.threads or None, plan=args.plan, plan_cache=args.plan_cache,
         min_agreement=min_agreement_for(args.dtype, args.min_agreement), plan_budget_s=args.plan_budget_s,
+        frontends=resolve_frontends(args.frontends, args.model, args.device),
     )
 
 

@@ -1,0 +1,280 @@
+"""``vqserve bench gpu``: every GPU figure the project reports, from one command.
+
+GPU time is scarce, so one run measures, side by side on the same device:
+
+1. **tokens** of whole photographs on the GPU in fp32 (TF32 off), with TF32, in bf16 and fp16,
+   each against CPU fp32; and whether each dtype's tokens are batch-invariant (every image
+   alone vs in one call of all);
+2. **in-process** images/s per dtype and batch: the runtime alone, the ceiling;
+3. **served** images/s of ``vqserve serve --device cuda`` with clients in several processes
+   (``bench/load.py``): v1 and OIP, raw and JPEG (q90), 1 and 16 images per call, for the
+   single-process server (``--frontends 0``) and the front-end/executor layout
+   (``--frontends auto``), each dtype served at its best in-process batch;
+4. **tokenize** end to end vs the raw runtime (``vqserve bench tokenize``), when time is left;
+5. achieved **TFLOP/s** (the encoder's FLOPs per image, counted once, times images/s).
+
+It prints one table and writes ``--json``. Runs on any CUDA machine; ``--device cpu`` or
+``--model synthetic:N`` exercise the same code without one (that is how it is tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from vqserve.bench.load import LoadCase, run_load
+from vqserve.bench.serving import bench_photos, start_server
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def load(model: str, dtype: str, device: str, tf32: bool = False):
+    from vqserve.export.runtime import load_runtime
+
+    runtime = load_runtime(model, dtype=dtype, device=device)
+    if tf32 and device.startswith("cuda"):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return runtime
+
+
+def reset_tf32(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def token_rows(model: str, device: str, photos: np.ndarray, dtypes: list[str]) -> list[dict]:
+    """Agreement with CPU fp32, and batch invariance, per precision on ``device``."""
+    reference = load(model, "fp32", "cpu").encode(photos)
+    rows = []
+    for label, dtype, tf32 in [("fp32", "fp32", False), *([("tf32", "fp32", True)] if device.startswith("cuda") else []),
+                               *[(d, d, False) for d in dtypes if d != "fp32"]]:
+        try:
+            runtime = load(model, dtype, device, tf32)
+        except (ValueError, RuntimeError) as exc:
+            rows.append({"precision": label, "error": str(exc)})
+            continue
+        together = runtime.encode(photos)
+        alone = np.concatenate([runtime.encode(photos[i:i + 1]) for i in range(len(photos))])
+        rows.append({"precision": label, "agree_cpu_fp32": float(np.mean(together == reference)),
+                     "photos_identical": int(sum(np.array_equal(t, r) for t, r in zip(together, reference, strict=True))),
+                     "photos": len(photos), "batch_invariant": bool(np.array_equal(together, alone))})
+        reset_tf32(device)
+        del runtime
+    return rows
+
+
+def throughput(runtime, photos: np.ndarray, batch: int, seconds: float) -> float:
+    x = np.ascontiguousarray(np.resize(photos, (batch, *photos.shape[1:])))
+    runtime.encode(x)  # warm-up: kernels chosen, memory allocated
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        runtime.encode(x)
+        n += batch
+    return n / (time.perf_counter() - t0)
+
+
+def encoder_gflop(model: str, device: str, size: int) -> float | None:
+    """GFLOP per image of the encoder at ``size``, counted by torch (None if it cannot)."""
+    try:
+        import torch
+        from torch.utils.flop_counter import FlopCounterMode
+
+        runtime = load(model, "fp32", device)
+        tokenizer = getattr(runtime, "tokenizer", None)
+        if tokenizer is None:
+            return None
+        x = torch.zeros(1, size, size, 3, dtype=torch.uint8, device=device)
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            tokenizer.encode(x)
+        return counter.get_total_flops() / 1e9
+    except Exception:  # noqa: BLE001 - a figure we can do without
+        return None
+
+
+def served_rows(model: str, device: str, dtype: str, micro: int, photos: np.ndarray, layouts: dict,
+                cases: list[LoadCase], procs: int, threads: int, seconds: float) -> list[dict]:
+    rows = []
+    args = argparse.Namespace(backend="auto", dtype=dtype, device=device)
+    for name, flags in layouts.items():
+        extra = ["--plan", "default", "--micro-batch", str(micro), *flags]
+        try:
+            proc, port = start_server(model, args, 32, None, extra=extra)
+        except RuntimeError as exc:
+            rows.append({"layout": name, "dtype": dtype, "error": str(exc)[-500:]})
+            continue
+        try:
+            for case in cases:
+                row = run_load(f"127.0.0.1:{port}", case, photos, procs, threads, seconds, 1.0, proc.pid)
+                row.pop("first_reply", None)
+                row.update(layout=name, dtype=dtype, micro_batch=micro)
+                rows.append(row)
+                _log(f"  served {dtype} {name:<10} {case.label:<14} {row['throughput']:8.0f} img/s  "
+                     f"p99 {row['p99_ms']:6.1f} ms  server CPU {row['server_cpu_us_per_image'] or 0:6.0f} µs/img"
+                     + (f"  errors {row['errors'][:1]}" if row["errors"] else ""))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return rows
+
+
+def tokenize_row(model: str, device: str, dtype: str, timeout: float) -> dict:
+    """``vqserve bench tokenize`` in a child, within ``timeout`` seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tokenize.json"
+        cmd = [sys.executable, "-m", "vqserve", "bench", "tokenize", "--model", model, "--device", device,
+               "--dtype", dtype, "--rounds", "1", "--count", "256", "--loader-rows", "1000", "--json", str(out)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"dtype": dtype, "error": f"did not finish in {timeout:.0f} s"}
+        if out.is_file():
+            return {"dtype": dtype, **json.loads(out.read_text())}
+        if done.returncode == 0 and "{" in done.stdout:  # an older bench tokenize prints its JSON
+            try:
+                return {"dtype": dtype, **json.loads(done.stdout[done.stdout.index("{"):])}
+            except ValueError:
+                pass
+        return {"dtype": dtype, "error": (done.stdout + done.stderr)[-800:]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vqserve bench gpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtypes", default="fp32,bf16", help="served and timed precisions (tokens: also fp16, tf32)")
+    p.add_argument("--size", type=int, default=256)
+    p.add_argument("--batches", default="8,32,64", help="in-process batch sizes")
+    p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    p.add_argument("--procs", type=int, default=8, help="client processes")
+    p.add_argument("--threads", type=int, default=8, help="callers per client process")
+    p.add_argument("--cases", default="v1:raw:1,v1:raw:16,oip:raw:16,v1:jpeg:16",
+                   help="protocol:payload:images per call, comma-separated")
+    p.add_argument("--layouts", default="single=--frontends 0;split=--frontends auto;"
+                                         "split-2workers=--frontends auto --model-workers 2",
+                   help="server layouts: NAME=serve flags, ';'-separated (single: today's one process)")
+    p.add_argument("--tokenize-seconds", type=float, default=120.0, help="0 skips tokenize")
+    p.add_argument("--json", help="write every figure to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    started = time.perf_counter()
+    device = args.device
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    synthetic = args.model.startswith("synthetic:")
+    photos = bench_photos(args.size)
+    result: dict = {"model": args.model, "device": device, "size": args.size}
+    if device.startswith("cuda"):
+        import torch
+
+        result["gpu"] = torch.cuda.get_device_name(0)
+        result["torch"] = torch.__version__
+    result["cpu_cores"] = os.cpu_count()
+    _log(f"vqserve bench gpu: {args.model} on {result.get('gpu', device)}, {args.size}x{args.size}, "
+         f"{os.cpu_count()} CPUs")
+
+    if not synthetic:
+        _log("1. tokens against CPU fp32")
+        result["tokens"] = token_rows(args.model, device, photos, [*dtypes, "fp16"])
+        for row in result["tokens"]:
+            _log(f"  {row}")
+    gflop = None if synthetic else encoder_gflop(args.model, device, args.size)
+    result["encoder_gflop_per_image"] = gflop
+
+    _log("2. in-process images/s")
+    best: dict[str, tuple[int, float]] = {}
+    result["in_process"] = []
+    for dtype in dtypes if not synthetic else ["fp32"]:
+        runtime = load(args.model, dtype, device)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            rate = throughput(runtime, photos, batch, args.seconds)
+            result["in_process"].append({"dtype": dtype, "batch": batch, "throughput": rate,
+                                         "tflops": rate * gflop / 1e3 if gflop else None})
+            _log(f"  {dtype} batch {batch}: {rate:.0f} img/s" + (f" ({rate * gflop / 1e3:.1f} TFLOP/s)" if gflop else ""))
+            if dtype not in best or rate > best[dtype][1]:
+                best[dtype] = (batch, rate)
+        del runtime
+
+    _log("3. served, clients in several processes")
+    cases = []
+    for spec in args.cases.split(","):
+        protocol, payload, images = spec.split(":")
+        cases.append(LoadCase(protocol, payload, int(images)))
+    layouts = {}
+    for spec in args.layouts.split(";"):
+        name, _, flags = spec.partition("=")
+        if name.strip():
+            layouts[name.strip()] = flags.split()
+    result["served"] = []
+    for dtype, (batch, _rate) in best.items():
+        result["served"] += served_rows(args.model, device, dtype, min(batch, 64), photos, layouts, cases,
+                                        args.procs, args.threads, args.seconds)
+
+    if args.tokenize_seconds > 0:
+        _log("4. tokenize end to end vs raw")
+        result["tokenize"] = [tokenize_row(args.model, device, dtype, args.tokenize_seconds)
+                              for dtype in dtypes[:1]]
+        _log(f"  {result['tokenize']}")
+
+    result["seconds"] = time.perf_counter() - started
+    print(report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def report(result: dict) -> str:
+    """One table: served / in-process at the dtype's best batch, per layout and case."""
+    lines = [f"\n== vqserve bench gpu: {result['model']} on {result.get('gpu', result['device'])}, "
+             f"{result['size']}², {result['cpu_cores']} CPUs, {result['seconds']:.0f} s =="]
+    for row in result.get("tokens", []):
+        if "error" in row:
+            lines.append(f"tokens {row['precision']:<5} error: {row['error']}")
+            continue
+        lines.append(f"tokens {row['precision']:<5} {100 * row['agree_cpu_fp32']:8.3f} % equal to CPU fp32, "
+                     f"{row['photos_identical']}/{row['photos']} photos identical, batch-invariant "
+                     f"{'yes' if row['batch_invariant'] else 'NO'}")
+    best = {}
+    for row in result.get("in_process", []):
+        if row["dtype"] not in best or row["throughput"] > best[row["dtype"]]["throughput"]:
+            best[row["dtype"]] = row
+    for dtype, row in best.items():
+        tf = f", {row['tflops']:.1f} TFLOP/s" if row.get("tflops") else ""
+        lines.append(f"in-process {dtype}: best {row['throughput']:.0f} img/s at batch {row['batch']}{tf}")
+    lines.append(f"{'served':<8}{'layout':<16}{'case':<16}{'img/s':>9}{'/in-proc':>10}{'p99 ms':>9}{'CPU µs/img':>12}")
+    for row in result.get("served", []):
+        if "error" in row:
+            lines.append(f"{row['dtype']:<8}{row['layout']:<16}error: {row['error'][-200:]}")
+            continue
+        ratio = row["throughput"] / best[row["dtype"]]["throughput"] if row["dtype"] in best else float("nan")
+        lines.append(f"{row['dtype']:<8}{row['layout']:<16}{row['case']:<16}{row['throughput']:9.0f}{ratio:10.2f}"
+                     f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}")
+    for row in result.get("tokenize", []):
+        lines.append(f"tokenize {row}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

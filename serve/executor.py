@@ -1,0 +1,300 @@
+"""The device executor: the one process that owns the model when front-ends serve gRPC.
+
+``vqserve serve --frontends N`` splits the server the way vLLM splits its API servers from
+its engine core: N front-end processes (``serve/frontend.py``) take the requests on one
+port, and this process, which loaded the model by its plan, runs every model call. Its
+event loop does little per request: read a header, view the pixels in the sender's shared
+arena, hand them to the same :class:`~vqserve.serve.engine.Engine` and batcher a
+single-process server uses (so batching across all front-ends, deadlines, expiry, the
+plan, its start-up certificate, the background plan switch and the codebook metrics are
+that code, not a copy), write the answer back into the arena and a header onto the socket.
+
+:class:`FrontendPool` starts the front-ends (same settings, ``SO_REUSEPORT`` on the port
+this process reserved), restarts one that dies, stops them first on SIGTERM (they drain
+while this process still answers them), and they end with this process whatever kills it
+(``PR_SET_PDEATHSIG``). ``/metrics`` is served here: the model metrics of this process and
+the front-ends' request metrics from prometheus-client's multiprocess files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from vqserve.serve import wire
+from vqserve.serve.batcher import BatcherClosed
+from vqserve.shm import Arena
+
+log = logging.getLogger("vqserve.serve")
+
+
+def default_frontends(device: str, cores: int) -> int:
+    """Front-end processes for ``--frontends auto``: none on a CPU (the model needs the
+    cores, and one process serves at the model's speed there); on an accelerator half the
+    cores, at least one and at most 8, so request handling never waits for one GIL."""
+    if not (device.startswith("cuda") or device.startswith("synthetic")):
+        return 0
+    return max(1, min(8, cores // 2))
+
+
+def identity_payload(engine) -> dict:
+    """What a front-end needs to answer GetModelInfo and check requests like this process."""
+    info = dataclasses.asdict(engine.runtime.info)
+    certificate = engine.determinism
+    return {"info": info, "determinism": certificate.to_dict() if certificate is not None else None,
+            "max_batch_pixels": engine.max_batch_pixels}
+
+
+class ExecutorService:
+    """Answers front-ends on a Unix socket in a private directory (mode 0700)."""
+
+    def __init__(self, state):
+        self.state = state  # the server's ServerState: engine is None until loaded
+        self.directory = tempfile.mkdtemp(prefix="vqserve-executor-")
+        os.chmod(self.directory, 0o700)
+        self.path = os.path.join(self.directory, "executor.sock")
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[asyncio.Task] = set()
+        self.ready_frontends = 0
+        self._ready_changed: asyncio.Event | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ready_changed = asyncio.Event()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen(64)
+        threading.Thread(target=self._accept, name="vqserve-executor-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        """Accept and take each front-end's arena (a descriptor over the socket: blocking
+        calls, so in this thread), then serve the connection on the event loop."""
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                conn.settimeout(10)
+                header, fd = Arena.receive(conn)
+                hello = json.loads(header)
+                arena = Arena.attach(fd, int(hello["arena_bytes"]))
+                conn.settimeout(None)
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("a front-end's handshake failed: %s", exc)
+                conn.close()
+                continue
+            asyncio.run_coroutine_threadsafe(self._track(conn, arena, hello), self._loop)
+
+    async def _track(self, conn: socket.socket, arena: Arena, hello: dict) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
+        try:
+            await self._serve(conn, arena, hello)
+        finally:
+            self._connections.discard(task)
+
+    async def _serve(self, conn: socket.socket, arena: Arena, hello: dict) -> None:
+        reader, writer = await asyncio.open_unix_connection(sock=conn)
+        self._writers.add(writer)
+        tasks: dict[int, asyncio.Task] = {}
+        was_ready = False
+        try:
+            if self.state.ready and self.state.engine is not None:
+                writer.write(wire.info_message(identity_payload(self.state.engine)))
+            while True:
+                try:
+                    request = wire.unpack_request(await reader.readexactly(wire.REQUEST.size))
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                kind = request["kind"]
+                if kind == wire.CANCEL:
+                    task = tasks.get(request["id"])
+                    if task is not None:
+                        task.cancel()
+                elif kind == wire.READY:
+                    was_ready = True
+                    self.ready_frontends += 1
+                    self._ready_changed.set()
+                else:
+                    task = asyncio.ensure_future(self._answer(request, arena, writer))
+                    tasks[request["id"]] = task
+                    task.add_done_callback(lambda _t, i=request["id"]: tasks.pop(i, None))
+        finally:
+            self._writers.discard(writer)
+            if was_ready:
+                self.ready_frontends -= 1
+            for task in list(tasks.values()):  # the front-end is gone: nobody waits for these
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+            writer.close()
+            arena.close()
+
+    async def _answer(self, request: dict, arena: Arena, writer: asyncio.StreamWriter) -> None:
+        req_id = request["id"]
+        try:
+            engine = self.state.engine
+            if engine is None or self._closed:
+                raise BatcherClosed("the model is not loaded or the server is stopping")
+            if request["dtype"] is None:
+                raise ValueError("unknown dtype code")
+            array = arena.view(request["offset"], request["shape"], request["dtype"])
+            if request["kind"] == wire.ENCODE:
+                out = await engine.encode(array, request["deadline"])
+            elif request["kind"] == wire.DECODE:
+                out = await engine.decode(array, request["deadline"], reply_overhead=None)
+            else:
+                raise ValueError(f"unknown request kind {request['kind']}")
+            if out.nbytes > request["capacity"]:
+                raise RuntimeError(f"the answer ({out.nbytes} bytes) is larger than its block "
+                                   f"({request['capacity']} bytes)")
+            arena.put(request["answer_offset"], out)
+            reply = wire.pack_reply(req_id, wire.OK, out)
+        except asyncio.CancelledError:
+            reply = wire.pack_reply(req_id, wire.CANCELLED)
+        except Exception as exc:  # noqa: BLE001 - every request gets one reply
+            status, message = wire.status_of(exc)
+            if status == wire.FAILED:
+                log.exception("executor: a request failed")
+            reply = wire.pack_reply(req_id, status, message=message)
+        if not writer.is_closing():
+            writer.write(reply)
+
+    def publish(self) -> None:
+        """Send the served identity to every front-end (after loading, and after a switch)."""
+        engine = self.state.engine
+        if engine is None:
+            return
+        message = wire.info_message(identity_payload(engine))
+        for writer in list(self._writers):
+            if not writer.is_closing():
+                writer.write(message)
+
+    async def wait_ready(self, count: int, failed) -> None:
+        """Until ``count`` front-ends serve; ``failed()`` raises if one could not start."""
+        while self.ready_frontends < count:
+            failed()
+            self._ready_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ready_changed.wait(), 0.2)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        for writer in list(self._writers):
+            writer.close()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
+    """Bind (not listen) ``host:port`` with SO_REUSEPORT, so the front-ends can bind the same
+    port and ``port`` 0 becomes one fixed port for all of them. The socket receives no
+    connection (only listening sockets do) and is held until the server stops."""
+    from vqserve.serve.server import PortInUseError
+
+    bare = host.strip("[]") or None
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise PortInUseError("gRPC", host, port, f"cannot be bound ({exc})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        detail = PortInUseError.IN_USE if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+        raise PortInUseError("gRPC", host, port, detail) from None
+    return sock, sock.getsockname()[1]
+
+
+class FrontendPool:
+    """N ``python -m vqserve.serve.frontend`` processes with this server's settings."""
+
+    def __init__(self, config, count: int, port: int, socket_path: str, metrics_dir: str):
+        settings = dataclasses.asdict(config)
+        settings.update(port=port, metrics_port=-1, frontends=0, executor_socket=socket_path,
+                        log_level=logging.getLevelName(logging.getLogger("vqserve").level).lower())
+        self.settings = json.dumps(settings)
+        self.count = count
+        self.metrics_dir = metrics_dir
+        self.procs: list[subprocess.Popen] = []
+        self.restarts = 0
+        self._stopping = False
+        self._watch: threading.Thread | None = None
+
+    def _spawn(self) -> subprocess.Popen:
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir, "VQSERVE_FRONTEND": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "vqserve.serve.frontend"], stdin=subprocess.PIPE,
+                                env=env, text=True)
+        proc.stdin.write(self.settings)
+        proc.stdin.close()
+        return proc
+
+    def start(self) -> None:
+        self.procs = [self._spawn() for _ in range(self.count)]
+        self._watch = threading.Thread(target=self._watch_loop, name="vqserve-frontends", daemon=True)
+        self._watch.start()
+
+    def failed_at_start(self) -> None:
+        """Raise if a front-end ended before serving (its own error line is in the log)."""
+        for proc in self.procs:
+            if proc.poll() is not None:
+                raise ChildProcessError(f"a front-end process ended with status {proc.returncode} before "
+                                        "serving (its error is logged above)")
+
+    def _watch_loop(self) -> None:
+        """Restart a front-end that dies while serving (its connections fail; new ones land
+        on the others meanwhile); its metric files stop counting as live."""
+        from prometheus_client import multiprocess
+
+        while not self._stopping:
+            time.sleep(0.2)
+            for i, proc in enumerate(self.procs):
+                if proc.poll() is None or self._stopping:
+                    continue
+                multiprocess.mark_process_dead(proc.pid, self.metrics_dir)
+                if proc.returncode in (0, -signal.SIGTERM):
+                    continue  # stopped on purpose
+                log.warning("front-end process %d ended with status %s; starting another",
+                            proc.pid, proc.returncode, extra={"fields": {"event": "frontend_restart"}})
+                self.restarts += 1
+                self.procs[i] = self._spawn()
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every front-end (each drains within ``grace``), wait, then SIGKILL."""
+        self._stopping = True
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace + 10
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,103 @@
+"""The front-end <-> executor messages: fixed binary headers over a Unix socket.
+
+Pixels and answers never travel on the socket; they lie in the front-end's shared arena
+(:mod:`vqserve.shm`), so a message is a few dozen bytes whatever the batch: which block,
+what shape, by when. Every request gets exactly one reply (an answer, an error, or
+"cancelled"), and only then does the front-end free its block: the executor never reads or
+writes a block that has been given back.
+
+Errors cross as a status and a one-line message and are raised again in the front-end as
+the exception the single-process server would have raised, so clients see the same gRPC
+codes and messages either way.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+
+from vqserve.serve.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from vqserve.serve.codec import BadInput
+from vqserve.serve.errors import ReplyTooLarge
+
+# request: id, kind, dtype, ndim, deadline (monotonic; 0 = none), block offset, answer offset,
+# answer capacity (bytes), shape
+REQUEST = struct.Struct("<QBBBxd3Q4Q")
+# reply: id, status, dtype, ndim, answer shape, message length (bytes that follow)
+REPLY = struct.Struct("<QBBBx4QI")
+
+ENCODE, DECODE, CANCEL, READY = 1, 2, 3, 4  # READY: a front-end now serves
+KINDS = {"encode": ENCODE, "decode": DECODE}
+METHODS = {v: k for k, v in KINDS.items()}
+
+OK, BAD_INPUT, QUEUE_FULL, DEADLINE, CLOSED, TOO_LARGE, CANCELLED, FAILED, VALUE_ERROR = range(9)
+INFO = 255  # executor -> front-end, unsolicited: the served model's identity (JSON follows)
+
+DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")
+DTYPE_CODE = {np.dtype(n): i for i, n in enumerate(DTYPES)}
+
+
+def dtype_code(dtype) -> int:
+    try:
+        return DTYPE_CODE[np.dtype(dtype)]
+    except KeyError:
+        raise BadInput("dtype", f"{np.dtype(dtype).name} cannot cross to the executor") from None
+
+
+def pack_request(req_id: int, kind: int, dtype, shape: tuple[int, ...], deadline: float | None,
+                 offset: int, answer_offset: int, answer_capacity: int) -> bytes:
+    dims = (*shape, 0, 0, 0, 0)[:4]
+    return REQUEST.pack(req_id, kind, dtype_code(dtype) if kind != CANCEL else 0, len(shape),
+                        deadline or 0.0, offset, answer_offset, answer_capacity, *dims)
+
+
+def unpack_request(data: bytes) -> dict:
+    req_id, kind, code, ndim, deadline, offset, answer_offset, capacity, *dims = REQUEST.unpack(data)
+    return {"id": req_id, "kind": kind, "dtype": DTYPES[code] if code < len(DTYPES) else None,
+            "shape": tuple(dims[:ndim]), "deadline": deadline or None, "offset": offset,
+            "answer_offset": answer_offset, "capacity": capacity}
+
+
+def pack_reply(req_id: int, status: int, array: np.ndarray | None = None, message: str = "") -> bytes:
+    body = message.encode()
+    if array is None:
+        return REPLY.pack(req_id, status, 0, 0, 0, 0, 0, 0, len(body)) + body
+    dims = (*array.shape, 0, 0, 0, 0)[:4]
+    return REPLY.pack(req_id, status, dtype_code(array.dtype), array.ndim, *dims, len(body)) + body
+
+
+def unpack_reply(header: bytes) -> tuple[int, int, str, tuple[int, ...], int]:
+    """(id, status, dtype name, shape, length of the message that follows)."""
+    req_id, status, code, ndim, *rest = REPLY.unpack(header)
+    dims, length = rest[:4], rest[4]
+    return req_id, status, DTYPES[code], tuple(dims[:ndim]), length
+
+
+def info_message(payload: dict) -> bytes:
+    """The served identity, pushed to every front-end at connect and after a plan switch."""
+    return pack_reply(0, INFO, message=json.dumps(payload))
+
+
+def status_of(exc: BaseException) -> tuple[int, str]:
+    """The wire status of an exception raised on the executor's side."""
+    if isinstance(exc, BadInput):
+        return BAD_INPUT, json.dumps([exc.field, exc.rule])
+    for kind, status in ((QueueFull, QUEUE_FULL), (DeadlineExpired, DEADLINE), (BatcherClosed, CLOSED),
+                         (ReplyTooLarge, TOO_LARGE), (ValueError, VALUE_ERROR)):
+        if isinstance(exc, kind):
+            return status, str(exc)
+    return FAILED, f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
+
+
+def error_of(status: int, message: str) -> BaseException:
+    """The exception a front-end raises for a non-OK reply (same gRPC code as in-process)."""
+    if status == BAD_INPUT:
+        field, rule = json.loads(message)
+        return BadInput(field, rule)
+    kinds = {QUEUE_FULL: QueueFull, DEADLINE: DeadlineExpired, CLOSED: BatcherClosed,
+             TOO_LARGE: ReplyTooLarge, VALUE_ERROR: ValueError}
+    if status in kinds:
+        return kinds[status](message)
+    return RuntimeError(f"the executor failed: {message}")

@@ -1,0 +1,333 @@
+"""`vqserve serve --frontends N`: gRPC in N front-end processes, one device executor.
+
+Real servers in their own processes, real clients. The model is ``synthetic:N``, the
+stand-in accelerator (export/synthetic.py): this machine has no GPU, and the layout exists
+for GPU nodes; its tokens are a known function of the pixels, so every answer is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import ServeProcess
+from vqserve.export.synthetic import SyntheticRuntime, block_tokens
+from vqserve.serve import wire
+from vqserve.serve.client import TokenizerClient
+from vqserve.shm import Arena, ArenaFull
+
+
+def _children(pid: int) -> list[int]:
+    from vqserve.bench.serving import process_tree
+
+    return [p for p in process_tree(pid) if p != pid]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_until(predicate, seconds: float = 60.0) -> bool:
+    """Poll (not a timing assertion: a generous bound so a stuck process fails the test)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def split_server():
+    with ServeProcess(["--model", "synthetic:50", "--frontends", "2", "--metrics-port", "0"]) as srv:
+        yield srv
+
+
+def _images(n: int, seed: int = 0, size: int = 64) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+
+
+def test_tokens_through_two_frontends_are_the_models(split_server):
+    """Many connections (spread over both front-ends by the kernel) get the model's tokens
+    and pixels, from pixels that crossed to the executor through shared memory."""
+    assert len(_children(split_server.proc.pid)) >= 2
+    reference = SyntheticRuntime("synthetic:0")
+    for k in range(6):  # separate channels: SO_REUSEPORT hashes connections over the front-ends
+        client = TokenizerClient(split_server.target)
+        images = _images(3 + k, seed=k)
+        tokens = client.encode(images)
+        np.testing.assert_array_equal(tokens, block_tokens(images))
+        np.testing.assert_array_equal(client.decode(tokens), reference.decode(tokens))
+        client.close()
+    info = TokenizerClient(split_server.target).model_info()
+    assert info["backend"] == "synthetic" and info["exact"] and info["codebook_size"] == 64000
+    assert "micro_batch=8" in info["execution_plan"]
+    assert info["determinism"]["batch_invariant"]
+
+
+def test_bad_input_gets_the_same_one_line_errors(split_server):
+    from vqserve.serve._proto import tokenizer_pb2 as pb
+    from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.TokenizerStub(grpc.insecure_channel(split_server.target))
+    odd = np.zeros((1, 60, 64, 3), np.uint8)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Encode(pb.EncodeRequest(images=pb.Tensor(shape=list(odd.shape), dtype="uint8", data=odd.tobytes())))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "multiples of the downsampling factor 8" in err.value.details()
+    out_of_range = np.full((1, 4, 4), 64000, np.uint32)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Decode(pb.DecodeRequest(indices=pb.Tensor(shape=[1, 4, 4], dtype="uint32",
+                                                       data=out_of_range.tobytes())))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "indices" in err.value.details()
+    # and the server keeps serving
+    images = _images(2, seed=9)
+    np.testing.assert_array_equal(TokenizerClient(split_server.target).encode(images), block_tokens(images))
+
+
+def test_oip_encode_through_frontends(split_server):
+    from vqserve.bench.load import LoadCase, request_bytes
+
+    images = _images(4, seed=3, size=256)
+    method, payload = request_bytes(LoadCase("oip", "raw", 4), images)
+    reply = grpc.insecure_channel(split_server.target).unary_unary(method)(payload, timeout=60)
+    from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
+
+    answer = oip.ModelInferResponse.FromString(reply)
+    tokens = np.frombuffer(answer.raw_output_contents[0], dtype="<u2").reshape(list(answer.outputs[0].shape))
+    np.testing.assert_array_equal(tokens, block_tokens(images))
+
+
+def test_png_requests_decode_in_the_frontends(split_server):
+    images = _images(2, seed=5)
+    import io
+
+    from PIL import Image
+
+    blobs = []
+    for x in images:
+        buf = io.BytesIO()
+        Image.fromarray(x).save(buf, format="PNG")
+        blobs.append(buf.getvalue())
+    from vqserve.serve._proto import tokenizer_pb2 as pb
+    from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.TokenizerStub(grpc.insecure_channel(split_server.target))
+    reply = stub.Encode(pb.EncodeRequest(encoded=pb.EncodedImages(images=blobs)))
+    tokens = np.frombuffer(reply.indices.data, dtype=reply.indices.dtype).reshape(list(reply.indices.shape))
+    np.testing.assert_array_equal(tokens, block_tokens(images))
+
+
+def test_metrics_sum_every_frontend_and_the_executor(split_server):
+    """Requests are counted once each, whichever front-end took them; batches once, by the
+    executor; every family appears once in the exposition."""
+    port = json.loads(next(line for line in split_server.log if '"event": "serving"' in line))["metrics_port"]
+
+    def scrape() -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+
+    def count(text: str, prefix: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+    before = scrape()
+    n = 8
+    for k in range(n):
+        client = TokenizerClient(split_server.target)
+        client.encode(_images(1, seed=100 + k))
+        client.close()
+    after = scrape()
+    ok = 'vqserve_requests_total{code="OK",method="Encode"}'
+    assert count(after, ok) - count(before, ok) == n
+    items = 'vqserve_items_total{method="encode"}'
+    assert count(after, items) - count(before, items) >= n  # padded rows are not counted; each image once
+    families = [line.split()[2] for line in after.splitlines() if line.startswith("# TYPE")]
+    assert len(families) == len(set(families)), "a metric family appears twice"
+    assert "vqserve_model_info" in after and 'backend="synthetic"' in after
+    assert count(after, "vqserve_codebook_window_tokens") > 0
+
+
+def test_deadline_passes_while_the_device_is_busy():
+    """A request whose deadline passes in the executor's queue gets DEADLINE_EXCEEDED."""
+    with ServeProcess(["--model", "synthetic:400000", "--frontends", "1", "--micro-batch", "1"]) as srv:
+        slow = TokenizerClient(srv.target, timeout=120)
+        import threading
+
+        busy = threading.Thread(target=lambda: slow.encode(_images(1, seed=1, size=256)))
+        busy.start()  # 0.4 s of device time, one call at a time
+        time.sleep(0.05)
+        from vqserve.serve._proto import tokenizer_pb2 as pb
+        from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.TokenizerStub(grpc.insecure_channel(srv.target))
+        images = _images(1, seed=2, size=256)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Encode(pb.EncodeRequest(images=pb.Tensor(shape=list(images.shape), dtype="uint8",
+                                                          data=images.tobytes())), timeout=0.1)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        busy.join()
+
+
+def test_auth_is_checked_in_every_frontend(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with ServeProcess(["--model", "synthetic:0", "--frontends", "2", "--auth-token-file", str(token)]) as srv:
+        for _ in range(4):
+            with pytest.raises(grpc.RpcError) as err:
+                TokenizerClient(srv.target).encode(_images(1))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        images = _images(2)
+        tokens = TokenizerClient(srv.target, token="s3cret").encode(images)
+        np.testing.assert_array_equal(tokens, block_tokens(images))
+
+
+def test_sigterm_drains_and_leaves_no_process():
+    srv = ServeProcess(["--model", "synthetic:200000", "--frontends", "2", "--micro-batch", "1"])
+    children = _children(srv.proc.pid)
+    assert len(children) >= 2
+    import threading
+
+    answers: list = []
+    images = _images(1, seed=7, size=256)
+    worker = threading.Thread(target=lambda: answers.append(TokenizerClient(srv.target, timeout=60).encode(images)))
+    worker.start()
+    time.sleep(0.1)  # the request is in the executor (0.2 s of device time)
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(60) == 0
+    worker.join(60)
+    assert answers and np.array_equal(answers[0], block_tokens(images)), "the in-flight request was lost"
+    assert _wait_until(lambda: not any(_alive(p) for p in children)), "a front-end outlived the server"
+
+
+def test_kill_9_of_the_server_ends_its_frontends():
+    srv = ServeProcess(["--model", "synthetic:0", "--frontends", "2"])
+    children = _children(srv.proc.pid)
+    assert children
+    srv.proc.kill()
+    srv.proc.wait(30)
+    assert _wait_until(lambda: not any(_alive(p) for p in children)), "orphaned front-ends"
+
+
+def test_a_dead_frontend_is_replaced():
+    with ServeProcess(["--model", "synthetic:0", "--frontends", "2"]) as srv:
+        first = _children(srv.proc.pid)
+        frontends = [p for p in first if "serve.frontend" in open(f"/proc/{p}/cmdline").read()]
+        os.kill(frontends[0], signal.SIGKILL)
+        assert _wait_until(lambda: any('"frontend_restart"' in line for line in srv.log))
+        assert _wait_until(lambda: sum('"frontend_serving"' in line for line in srv.log) >= 3, 180)
+        images = _images(3, seed=11)
+        for _ in range(4):
+            np.testing.assert_array_equal(TokenizerClient(srv.target).encode(images), block_tokens(images))
+
+
+def test_a_frontend_that_cannot_start_is_one_line(tmp_path):
+    """A TLS pair that does not load fails before any process starts, in one line."""
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate")
+    done = subprocess.run([sys.executable, "-m", "vqserve", "serve", "--model", "synthetic:0", "--frontends", "2",
+                           "--port", "0", "--metrics-port", "-1", "--host", "127.0.0.1",
+                           "--tls-cert", str(bad), "--tls-key", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith("vqserve serve: error:")
+
+
+# ---- the pieces ----------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40_000)), min_size=1, max_size=60))
+def test_arena_blocks_never_overlap_and_all_space_returns(ops):
+    arena = Arena(256 * 1024)
+    held: list[tuple[int, int]] = []
+    for free_one, size in ops:
+        if free_one and held:
+            offset, n = held.pop(size % len(held))
+            arena.free(offset, n)
+            continue
+        try:
+            offset = arena.alloc(size)
+        except ArenaFull:
+            continue
+        for other, m in held:
+            assert offset + size <= other or other + m <= offset
+        arena.put(offset, np.full(size, len(held) % 251, np.uint8))
+        held.append((offset, size))
+    for offset, n in held:
+        arena.free(offset, n)
+    assert arena.used == 0
+    assert arena.alloc(arena.size) == 0  # free runs merged back into one
+    arena.close()
+
+
+def test_arena_is_shared_through_its_descriptor():
+    import socket
+
+    owner = Arena(1 << 20)
+    a, b = socket.socketpair()
+    owner.send_to(a, b'{"x": 1}')
+    header, fd = Arena.receive(b)
+    peer = Arena.attach(fd, owner.size)
+    offset = owner.alloc(1000)
+    owner.put(offset, np.arange(250, dtype=np.uint32))
+    np.testing.assert_array_equal(peer.view(offset, (250,), np.uint32), np.arange(250))
+    assert header == b'{"x": 1}'
+    with pytest.raises(ValueError):
+        peer.view(owner.size - 8, (4,), np.uint32)  # outside: refused, never read
+    for x in (peer, owner):
+        x.close()
+    a.close()
+    b.close()
+
+
+def test_wire_errors_come_back_as_the_same_exceptions():
+    from vqserve.serve.batcher import DeadlineExpired, QueueFull
+    from vqserve.serve.codec import BadInput
+
+    for exc in (BadInput("images.shape", "must be [B,H,W,3]"), QueueFull("full"), DeadlineExpired("late"),
+                ValueError("bad")):
+        status, message = wire.status_of(exc)
+        again = wire.error_of(status, message)
+        assert type(again) is type(exc) and str(again) == str(exc)
+    header = wire.pack_request(7, wire.ENCODE, np.uint8, (2, 64, 64, 3), 12.5, 4096, 8192, 100)
+    request = wire.unpack_request(header)
+    assert request["shape"] == (2, 64, 64, 3) and request["deadline"] == 12.5 and request["dtype"] == "uint8"
+
+
+def test_synthetic_device_time_is_accounted_per_pixel():
+    """N µs per 256x256 image, proportional to pixels, on one clock per device name."""
+    runtime = SyntheticRuntime("synthetic:100", device="synthetic:test-accounting")
+    runtime.encode(_images(4, size=256))
+    runtime.encode(_images(2, size=128))
+    assert runtime.device.busy_s == pytest.approx(100e-6 * (4 + 2 * 0.25))
+    assert runtime.capacity == pytest.approx(10_000)
+    with pytest.raises(ValueError, match="synthetic:N"):
+        SyntheticRuntime("synthetic:fast")
+
+
+def test_bench_gpu_runs_its_whole_table_without_a_gpu(tmp_path):
+    """`vqserve bench gpu` on the stand-in device: every section runs and lands in the JSON."""
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, "-m", "vqserve", "bench", "gpu", "--model", "synthetic:20", "--device", "cpu",
+                           "--batches", "8", "--seconds", "0.5", "--procs", "1", "--threads", "2",
+                           "--cases", "v1:raw:2,v1:jpeg:2", "--layouts", "single=--frontends 0;split=--frontends 1",
+                           "--tokenize-seconds", "0", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    served = result["served"]
+    assert {r["layout"] for r in served} == {"single", "split"}
+    assert all(not r.get("errors") and r["calls"] > 0 for r in served), served
+    assert "served" in done.stdout and "/in-proc" in done.stdout
