@@ -41,8 +41,11 @@ COPY --from=wheels /wheels /opt/vqserve-src/wheels
 RUN PIP_NO_CACHE_DIR=1 /opt/vqserve-src/install.sh gpu /opt/vqserve /opt/vqserve-src/wheels \
         /opt/vqserve-src/constraints.txt \
  && rm -rf /opt/vqserve-src
+# Exact by default on GPU nodes too: fp32 with TF32 off. bf16 (about 3.6x faster on an H100,
+# 99.67 % of tokens equal to fp32) is something a deployment asks for: VQSERVE_DTYPE=bf16.
+# Request handling runs in front-end processes before one device executor (--frontends auto).
 ENV VQSERVE_DEVICE=cuda \
-    VQSERVE_DTYPE=bf16
+    VQSERVE_DTYPE=fp32
 
 # ---- CPU base ----------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS base-cpu

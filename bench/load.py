@@ -166,3 +166,118 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, thread
             "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
             "server_cpu_us_per_image": (cpu1 - cpu0) / imgs * 1e6 if imgs and server_pid else None,
             "first_reply": first, "errors": errors}
+
+
+# ---- layouts side by side -------------------------------------------------------------------
+def _echo_server_main(port_out, reply_bytes: int) -> None:
+    """A gRPC server that answers every unary call with ``reply_bytes`` bytes and does
+    nothing else: the floor gRPC Python and these clients set on this machine."""
+    import asyncio
+
+    import grpc
+
+    reply = b"\0" * reply_bytes
+
+    async def answer(request, context):
+        return reply
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
+        handler = grpc.unary_unary_rpc_method_handler(answer)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "vqserve.v1.Tokenizer", {"Encode": handler})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        port_out.send(port)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def start_echo(reply_bytes: int):
+    """(process, port) of :func:`_echo_server_main`."""
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_echo_server_main, args=(send, reply_bytes), daemon=True)
+    proc.start()
+    return proc, recv.recv()
+
+
+def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadCase], images: np.ndarray,
+                    procs: int, threads: int, seconds: float, rounds: int = 2, device: str = "auto",
+                    dtype: str | None = None, floor: bool = False, log=print) -> list[dict]:
+    """Every layout's server started at once, then each case measured on each layout in
+    interleaved rounds (the order rotates), keeping each point's best round: the ratios
+    between layouts are taken under the same conditions. ``floor``: an echo server (gRPC
+    alone, no model) measured alongside, v1 cases only."""
+    import argparse
+
+    from vqserve.bench.serving import start_server
+
+    args = argparse.Namespace(backend="auto", dtype=dtype, device=device)
+    servers: dict[str, tuple] = {}
+    echo = None
+    rows: list[dict] = []
+    try:
+        for name, flags in layouts.items():
+            proc, port = start_server(model, args, 32, None, extra=flags)
+            servers[name] = (proc, port)
+        targets = list(servers)
+        if floor:
+            f = 8  # answer as large as the model's indices would be
+            echo = start_echo(int(np.prod(images.shape[1:3])) // (f * f) * 2 * max(c.images for c in cases))
+            targets.append("grpc-floor")
+        best: dict[tuple[str, str], dict] = {}
+        for r in range(rounds):
+            for case in cases:
+                order = targets[r % len(targets):] + targets[:r % len(targets)]
+                for name in order:
+                    if name == "grpc-floor":
+                        if case.protocol != "v1":
+                            continue
+                        proc, port = echo
+                        pid = proc.pid
+                    else:
+                        proc, port = servers[name]
+                        pid = proc.pid
+                    row = run_load(f"127.0.0.1:{port}", case, images, procs, threads, seconds, 0.5, pid)
+                    row.pop("first_reply", None)
+                    row.update(layout=name, round=r + 1)
+                    key = (name, case.label)
+                    if key not in best or row["throughput"] > best[key]["throughput"]:
+                        best[key] = row
+                    log(f"  round {r + 1} {name:<14} {case.label:<14} {row['throughput']:8.0f} img/s  p99 "
+                        f"{row['p99_ms']:6.1f} ms  server CPU {row['server_cpu_us_per_image'] or 0:6.0f} µs/img"
+                        + (f"  errors {row['errors'][:1]}" if row["errors"] else ""))
+        rows = [best[(name, case.label)] for case in cases for name in targets if (name, case.label) in best]
+    finally:
+        for proc, _port in servers.values():
+            proc.terminate()
+        for proc, _port in servers.values():
+            try:
+                proc.wait(30)
+            except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+                proc.kill()
+        if echo is not None:
+            echo[0].kill()
+    return rows
+
+
+def capacity_of(model: str) -> float | None:
+    """Images/s at 256x256 a ``synthetic:N`` device can do; None for a real model."""
+    if not model.startswith("synthetic:"):
+        return None
+    micros = float(model.split(":", 1)[1])
+    return 1e6 / micros if micros else None
+
+
+def layouts_table(rows: list[dict], capacity: float | None, size: int) -> str:
+    scale = (size * size) / (256 * 256)
+    cap = capacity / scale if capacity else None
+    lines = [f"{'layout':<16}{'case':<16}{'img/s':>9}" + (f"{'/capacity':>11}" if cap else "")
+             + f"{'p50 ms':>9}{'p99 ms':>9}{'server CPU µs/img':>19}"]
+    for row in rows:
+        lines.append(f"{row['layout']:<16}{row['case']:<16}{row['throughput']:9.0f}"
+                     + (f"{row['throughput'] / cap:11.2f}" if cap else "")
+                     + f"{row['p50_ms']:9.1f}{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:19.0f}")
+    return "\n".join(lines)

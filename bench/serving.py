@@ -693,6 +693,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for the in-process runtime and every server (0 = torch default)")
     p.add_argument("--json", help="also write the results to this JSON file")
+    g = p.add_argument_group("clients in other processes (--client-procs P)")
+    g.add_argument("--client-procs", type=int, default=0,
+                   help="measure with P client processes instead (bench/load.py): each server layout "
+                        "of --layouts, interleaved; served / capacity for --model synthetic:N")
+    g.add_argument("--client-threads", type=int, default=8, help="blocking callers per client process")
+    g.add_argument("--layouts", default="single=--frontends 0;split=--frontends auto",
+                   help="NAME=serve flags, ';'-separated: the servers compared")
+    g.add_argument("--cases", default="v1:raw:8,v1:raw:1",
+                   help="protocol:payload:images per call (v1|oip, raw|jpeg), comma-separated")
+    g.add_argument("--floor", action="store_true",
+                   help="also measure an echo server (gRPC alone, no model): the ceiling on this machine")
     return p
 
 
@@ -853,8 +864,41 @@ def pick(rows: list[dict], mode: str, level: int) -> dict | None:
     return next((r for r in rows if r["mode"] == mode and r["level"] == level), None)
 
 
+def client_process_mode(args) -> int:
+    """``--client-procs P``: clients in P other processes against each server layout
+    (``--layouts``), interleaved; served / capacity for ``synthetic:N``, the server's CPU per
+    image over all its processes, and the gRPC floor (an echo server) on the same machine."""
+    from vqserve.bench.load import LoadCase, capacity_of, compare_layouts, layouts_table
+
+    cases = []
+    for spec in args.cases.split(","):
+        protocol, payload, images = spec.split(":")
+        cases.append(LoadCase(protocol, payload, int(images)))
+    layouts = {}
+    for spec in args.layouts.split(";"):
+        name, _, flags = spec.partition("=")
+        if name.strip():
+            layouts[name.strip()] = ["--plan", args.server_plan or "default", *flags.split()]
+    photos = bench_photos(args.size)
+    capacity = capacity_of(args.model)
+    print(f"bench serve: {args.model}, {args.size}x{args.size}, {args.client_procs} client processes x "
+          f"{args.client_threads} callers, {os.cpu_count()} CPUs"
+          + (f"; device capacity {capacity:.0f} img/s at 256x256" if capacity else ""), flush=True)
+    rows = compare_layouts(args.model, layouts, cases, photos, args.client_procs, args.client_threads,
+                           args.duration, args.repeats, args.device, args.dtype, floor=args.floor,
+                           log=lambda m: print(m, flush=True))
+    print()
+    print(layouts_table(rows, capacity, args.size))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "capacity": capacity, "rows": rows,
+                                               "cpus": os.cpu_count()}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.client_procs:
+        return client_process_mode(args)
     result = run(args)
     rows = result["best"]
     print(f"\n{'mode':<24}{'batch/clients':>14}{'images/s':>12}{'p50 ms':>10}{'p99 ms':>10}")

@@ -39,12 +39,14 @@ from vqserve.machine import available_cores
 
 
 def default_model_workers(device: str) -> int:
-    """One call per core on CPU (each single-threaded); one stream of calls on a GPU; two
-    on the simulated device (``synthetic:N``), so one call's host work overlaps the other's
-    device time."""
-    if device.startswith("synthetic"):
+    """One call per core on CPU (each single-threaded). Two on a GPU or the simulated device
+    (``synthetic:N``), so one call's host work (upload, kernel launches, download) overlaps
+    the other's device time: on an H100 (default tokenizer, 256x256, served through
+    front-ends) bf16 went from 6,251 to 7,867 img/s and fp32 from 1,936 to 2,027 (the same
+    kernels run, so the tokens are the same)."""
+    if device.startswith("synthetic") or device.startswith("cuda"):
         return 2
-    return 1 if device.startswith("cuda") else available_cores()
+    return available_cores()
 
 
 @dataclass(frozen=True)
@@ -124,11 +126,10 @@ def label_of(backend: str, dtype: str) -> str:
 
 
 def default_plan(device: str) -> ExecutionPlan:
-    """CPU: single images, one thread each, one call per core. CUDA: fixed calls of 8
-    (kernel choice depends on the batch shape there, so the shape never changes)."""
-    if device.startswith("cuda"):
-        return ExecutionPlan(micro_batch=8, workers=1, intra_op_threads=1)
-    if device.startswith("synthetic"):  # a stand-in GPU: fixed calls of 8, as on CUDA
+    """CPU: single images, one thread each, one call per core. CUDA (and its stand-in,
+    ``synthetic:N``): fixed calls of 8 (kernel choice depends on the batch shape there, so
+    the shape never changes), two at once."""
+    if device.startswith("cuda") or device.startswith("synthetic"):
         return ExecutionPlan(micro_batch=8, workers=default_model_workers(device), intra_op_threads=1)
     return ExecutionPlan(micro_batch=1, workers=default_model_workers(device), intra_op_threads=1)
 

@@ -248,7 +248,7 @@ class FrontendPool:
         self._watch: threading.Thread | None = None
 
     def _spawn(self) -> subprocess.Popen:
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir, "VQSERVE_FRONTEND": "1"}
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
         proc = subprocess.Popen([sys.executable, "-m", "vqserve.serve.frontend"], stdin=subprocess.PIPE,
                                 env=env, text=True)
         proc.stdin.write(self.settings)

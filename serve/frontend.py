@@ -34,8 +34,6 @@ from vqserve.serve import wire
 from vqserve.serve.batcher import BatcherClosed, QueueFull
 from vqserve.shm import ALIGN, Arena, ArenaFull
 
-CONFIG_ENV = "VQSERVE_FRONTEND"  # marks a front-end process (its config arrives on stdin)
-
 
 def default_arena_bytes(max_batch_size: int, max_pixels: int) -> int:
     """Room for several largest requests and their answers at once (pages are taken only

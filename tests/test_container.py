@@ -97,6 +97,8 @@ def test_dockerfile_invariants():
     assert int(stage_env(st["runtime"])["VQSERVE_PORT"]) == defaults["port"]
     for variant, device in (("gpu", "cuda"), ("cpu", "cpu")):
         assert image_env(variant)["VQSERVE_DEVICE"] == device
+        # exact by default on every node: a lower precision is asked for, never the image's default
+        assert image_env(variant).get("VQSERVE_DTYPE", "fp32") == "fp32"
     runs = " ".join(rest for s in st.values() for instr, rest in s if instr == "RUN")
     assert runs.count("install.sh gpu") == 1 and runs.count("install.sh cpu") == 1
     script = ROOT / "docker" / "install.sh"

@@ -324,7 +324,7 @@ def test_manifest_settings_build_a_valid_server_config(monkeypatch):
     variables = env(c)
     assert all(variables[k] for k in ("VQSERVE_DEVICE", "VQSERVE_DTYPE", "VQSERVE_GRACE"))
     config = config_from_env(monkeypatch, variables)
-    assert config.device == "cuda" and config.dtype == "bf16"
+    assert config.device == "cuda" and config.dtype == "fp32"  # exact by default on GPU nodes too
     assert config.port == ports(c)["grpc"] == DEFAULTS["port"]
     assert config.metrics_port == ports(c)["metrics"]
     assert config.max_queue == int(variables["VQSERVE_MAX_QUEUE"])
