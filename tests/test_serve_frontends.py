@@ -331,3 +331,32 @@ def test_bench_gpu_runs_its_whole_table_without_a_gpu(tmp_path):
     assert {r["layout"] for r in served} == {"single", "split"}
     assert all(not r.get("errors") and r["calls"] > 0 for r in served), served
     assert "served" in done.stdout and "/in-proc" in done.stdout
+
+
+def test_frontends_flag_defaults_by_device_and_refuses_nonsense():
+    from vqserve.commands.serve import resolve_frontends
+    from vqserve.serve.executor import default_frontends
+
+    assert resolve_frontends("auto", "default", "cpu") == 0  # the CPU is the model's: one process
+    assert resolve_frontends("auto", "synthetic:10", "cpu") >= 1  # a (stand-in) accelerator
+    assert default_frontends("cuda", 16) == 8 and default_frontends("cuda:1", 2) == 1
+    assert default_frontends("cuda", 64) == 8 and default_frontends("cpu", 64) == 0
+    assert resolve_frontends(3, "default", "cpu") == 3
+    done = subprocess.run([sys.executable, "-m", "vqserve", "serve", "--model", "synthetic:0", "--frontends", "many"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--frontends" in done.stderr and "expected a number of processes or auto" in done.stderr
+
+
+def test_a_real_model_behind_frontends_gives_its_in_process_tokens(tiny_checkpoint, photos):
+    """The eager runtime reading pixels in place from a front-end's arena: the same tokens
+    and pixels as the runtime called directly (what the layout must never change)."""
+    from vqserve.export.runtime import load_runtime
+
+    runtime = load_runtime(tiny_checkpoint)
+    images = np.ascontiguousarray(photos[:3])
+    with ServeProcess(["--model", tiny_checkpoint, "--frontends", "1"]) as srv:
+        client = TokenizerClient(srv.target)
+        tokens = client.encode(images)
+        np.testing.assert_array_equal(tokens, runtime.encode(images))
+        np.testing.assert_array_equal(client.decode(tokens), runtime.decode(tokens))
