@@ -304,18 +304,19 @@ class Batcher:
         start = time.monotonic()
         waits = [start - it.enqueued for it, a, _ in segments if a == 0]
         parts = [it.array if (a, b) == (0, it.rows) else it.array[a:b] for it, a, b in segments]
-        stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        rows = sum(b - a for _, a, b in segments)
         requests = len({id(it) for it, _, _ in segments})
 
-        def call():
+        def call():  # in the model's thread: the copy that stacks requests keeps off the event loop
             t0 = time.perf_counter()
+            stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
             out = np.asarray(fn(stacked))
             return out, time.perf_counter() - t0
 
         try:
             out, infer_s = await loop.run_in_executor(self._executor, call)
         except Exception as exc:  # noqa: BLE001 - the runtime's error goes to its requests
-            self._observe(BatchStats(method, stacked.shape[0], requests, waits, time.monotonic() - start, ok=False))
+            self._observe(BatchStats(method, rows, requests, waits, time.monotonic() - start, ok=False))
             if requests == 1:
                 item = segments[0][0]
                 if not item.future.done():
@@ -326,7 +327,7 @@ class Batcher:
                 if not seg[0].future.done():
                     await self._execute(method, [seg])
             return
-        self._observe(BatchStats(method, stacked.shape[0], requests, waits, infer_s))
+        self._observe(BatchStats(method, rows, requests, waits, infer_s))
         offset = 0
         for item, a, b in segments:
             item.deliver(a, out[offset: offset + (b - a)])

@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import math
 import os
 import socket
 import sys
@@ -101,7 +102,7 @@ class RemoteBatcher:
             raise DeadlineExpired("the deadline passed before the request reached the model")
         kind = wire.KINDS[method]
         answer_shape, answer_dtype = self._answer_of(method, array)
-        answer_bytes = int(np.prod(answer_shape)) * np.dtype(answer_dtype).itemsize
+        answer_bytes = math.prod(answer_shape) * np.dtype(answer_dtype).itemsize
         in_bytes = _round_up(array.nbytes, ALIGN)
         size = in_bytes + answer_bytes
         try:
@@ -158,7 +159,7 @@ class RemoteBatcher:
                     if future.done():
                         continue
                     if status == wire.OK:
-                        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
                         if nbytes > answer_bytes:
                             future.set_exception(RuntimeError("the executor's answer overran its block"))
                         else:

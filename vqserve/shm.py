@@ -18,6 +18,7 @@ Standard library and numpy only: the serving and offline layers both use it.
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 import os
 import socket
@@ -99,7 +100,7 @@ class Arena:
     def view(self, offset: int, shape: tuple[int, ...], dtype) -> np.ndarray:
         """A numpy array over the block at ``offset`` (no copy; writable)."""
         dtype = np.dtype(dtype)
-        count = int(np.prod(shape)) * dtype.itemsize
+        count = math.prod(shape) * dtype.itemsize
         if offset < 0 or offset + count > self.size:
             raise ValueError(f"block [{offset}, {offset + count}) lies outside the {self.size}-byte arena")
         return self._buffer[offset:offset + count].view(dtype).reshape(shape)
