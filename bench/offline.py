@@ -143,7 +143,7 @@ def _raw_pass(runtimes: dict, batches: list[np.ndarray]) -> float:
     return time.perf_counter() - t0
 
 
-def _e2e_pass(job_factory, runtimes: dict, workers: int, serial: bool) -> tuple[float, Path, dict]:
+def _e2e_pass(job_factory, runtimes: dict, workers: int, serial: bool | None) -> tuple[float, Path, dict]:
     """Seconds for one whole ``vqserve tokenize`` run, its output folder and its stages."""
     from vqserve.offline.pipeline import run_local
 
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         raw, e2e, before, stages, before_stages = [], [], [], [], []
         for r in range(args.rounds):
             raw.append(n / _raw_pass(runtimes, batches))
-            seconds, tokenized, st = _e2e_pass(job_factory, runtimes, workers, serial=False)
+            seconds, tokenized, st = _e2e_pass(job_factory, runtimes, workers, serial=None)  # as tokenize
             e2e.append(n / seconds)
             stages.append(st)
             line = (f"round {r + 1}: raw {raw[-1]:.1f} img/s, end-to-end {e2e[-1]:.1f} img/s "
