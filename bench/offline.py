@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     accelerator = devices[0].startswith(("cuda", "synthetic"))
     workers = pipeline.default_workers(devices[0]) if args.workers is None else args.workers
     # as tokenize runs them: the overlapped engine's, and the serial engine's (the plan's own workers)
-    before_runtimes = {d: pipeline.planned_runtime(r, d, workers, serial=True) for d, r in runtimes.items()}
+    # (the serial engine ran one device: the first)
+    before_runtimes = {d: pipeline.planned_runtime(r, d, workers, serial=True) for d, r in list(runtimes.items())[:1]}
     runtimes = {d: pipeline.planned_runtime(r, d, workers) for d, r in runtimes.items()}
     count = args.count or (960 if accelerator else 96)
     pre = images.Preprocess(mode="size", size=args.size, factor=info["factor"])
