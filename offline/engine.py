@@ -190,10 +190,14 @@ _ARENA = None
 
 
 def _worker_start(address: str | None) -> None:
-    """A decode worker: dies with its parent (``pipeline._decode_worker_start``), then maps the
-    parent's arena, whose descriptor it receives over the Unix socket at ``address``."""
+    """A decode worker: dies with its parent (``pipeline._decode_worker_start``), runs below
+    its priority, then maps the parent's arena, whose descriptor it receives over the Unix
+    socket at ``address``."""
     global _ARENA
     pipeline._decode_worker_start()
+    from vqserve.lifetime import lower_priority
+
+    lower_priority(5)  # the main process feeds the device: it must get a core whenever it asks
     if address:
         from vqserve.shm import Arena
 
