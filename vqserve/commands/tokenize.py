@@ -26,6 +26,12 @@ Examples:
   vqserve tokenize 'shards/data-{000..099}.tar' --out tokens/ --size 256 --device cuda --dtype bf16
   vqserve tokenize train.parquet --image-column image --key-column id --out tokens/ --keep-size
   vqserve tokenize photos/ --out tokens/ --size 256 --engine ray --ray-address auto
+  vqserve tokenize photos/ --out tokens/ --size 256 --device cuda:0,2    # two of the GPUs
+  vqserve tokenize photos/ --out tokens/ --size 256 --model synthetic:200 --device synthetic:0,1
+
+--device cuda uses every visible GPU (one runtime each; the shards are byte-identical to a
+one-GPU run); a list such as cuda:0,2 picks some. The closing line splits the time into
+decode, device and write and names the bottleneck.
 Read the shards without vqserve: docs/TOKENIZE.md.
 """
 
@@ -72,8 +78,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("execution")
     r.add_argument("--batch-size", type=int, default=16, help="images per runtime call (default 16)")
     r.add_argument("--workers", type=int, default=None,
-                   help="decode processes (default: all cores but one on GPU; 0 on CPU, where "
-                        "the model needs the cores; 0 decodes in this process)")
+                   help="decode processes (default: one per core on a GPU or synthetic device, "
+                        "below this process's priority; 0 on CPU, where the model needs the cores; "
+                        "0 decodes in this process)")
     r.add_argument("--threads", type=int, default=0,
                    help="model calls running at once, each on one thread, so tokens never "
                         "depend on this number (default: the CPU cores the decode workers leave)")
