@@ -44,6 +44,7 @@ from vqserve import images
 from vqserve.offline import pipeline
 
 EXECUTORS_PER_DEVICE = 2
+SHORT_RUN_S = 2.0  # shorter runs get no bottleneck verdict: start-up and the end dominate them
 SLOT_IMAGE_BYTES = 4 << 20  # per image of a slot when the size is not fixed (--keep-size, exact)
 _ALIGN = 64
 
@@ -125,9 +126,13 @@ class Stages:
 
     def bottleneck(self) -> tuple[str, str]:
         """(stage, advice): the stage with the largest busy share; below 60 % for all, the
-        pipeline between them (this process) is the limit."""
+        pipeline between them (this process) is the limit; a run shorter than
+        ``SHORT_RUN_S`` is ``start-up``-bound."""
         shares = self.shares()
         stage = max(shares, key=shares.get)
+        if self.wall_s < SHORT_RUN_S:
+            return "start-up", (f"a run under {SHORT_RUN_S:.0f} s is mostly starting the workers and "
+                                "writing the manifest; a longer one shows its bottleneck")
         if shares[stage] < 0.6:
             return "pipeline", ("no stage is busy most of the time: the main process is the limit "
                                 "(try a larger --batch-size)")

@@ -110,7 +110,7 @@ def test_closing_line_splits_the_time_and_names_the_bottleneck(tmp_path, capsys)
     err = _tokenize(tmp_path / "in", tmp_path / "out", "--size", "32", "--workers", "1", capsys=capsys)
     line = next(x for x in err.splitlines() if x.startswith("tokenize: time:"))
     assert re.search(r"decode \d+% \(1 workers, [\d,]+ img/s capacity\), device \d+% \(synthetic:0\), "
-                     r"write \d+%; main process \d+ µs CPU/image; (decode|device|write|pipeline)-bound: ",
+                     r"write \d+%; main process \d+ µs CPU/image; (decode|device|write|pipeline|start-up)-bound: ",
                      line), line
 
 
@@ -129,6 +129,9 @@ def test_bottleneck_and_advice():
     assert stages(2, 3, 1).bottleneck()[0] == "pipeline"
     assert stages(9.5, 3, 1).decode_capacity == pytest.approx(4 * 100 / 38)
     assert "decode-bound: add --workers or cores" in stages(9.5, 3, 1).line()
+    short = stages(9.5, 3, 1)
+    short.wall_s = 1.0
+    assert short.bottleneck()[0] == "start-up"
 
 
 def test_device_lists():
@@ -173,3 +176,16 @@ def test_bench_tokenize_json(tmp_path):
     assert result["before"]["main_cpu_us_per_image"] > 0
     assert "end-to-end" in res.stdout and "main process" in res.stdout
     assert np.isclose(result["ratio_median"], result["end_to_end_images_per_s"] / result["raw_images_per_s"])
+
+
+def test_ray_engine_writes_the_overlapped_engines_bytes_with_the_simulated_device(tmp_path, capsys):
+    """The Ray driver names the simulated device as the local engine does, so the two
+    folders (manifest included) are the same bytes."""
+    pytest.importorskip("ray")
+    from tests.helpers import folder_bytes
+
+    write_folder(tmp_path / "in", 10)
+    common = ["--size", "32", "--shard-size", "4"]
+    _tokenize(tmp_path / "in", tmp_path / "local", *common, "--workers", "1", capsys=capsys)
+    _tokenize(tmp_path / "in", tmp_path / "ray", *common, "--engine", "ray", capsys=capsys)
+    assert folder_bytes(tmp_path / "ray") == folder_bytes(tmp_path / "local")

@@ -168,8 +168,10 @@ def run(args: argparse.Namespace) -> int:
 
     synthetic = args.model.startswith("synthetic:")
     # the driver of a Ray run plans for the actors' device, which it may not have itself
-    if args.engine == "ray":
+    if args.engine == "ray" and not synthetic:
         devices = [args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")]
+    elif args.engine == "ray":  # the simulated device, named as the local engine names it
+        devices = parse_devices(args.device, synthetic)[:1]
     else:
         try:
             devices = parse_devices(args.device, synthetic)
