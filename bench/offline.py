@@ -294,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
                   "their measured rate)")
             print(f"e2e / min(raw, decode capacity) {result['ratio_to_bound_median']:.3f}   "
                   f"({result['bottleneck']}-bound)")
-            print(f"main process     {result['main_cpu_us_per_image']:8.0f} µs CPU/image")
+            threads = stages[-1].get("thread_cpu_us_per_image", {}) if stages else {}
+            print(f"main process     {result['main_cpu_us_per_image']:8.0f} µs CPU/image"
+                  + (" (last round: " + ", ".join(f"{k} {v:.0f}" for k, v in threads.items()) + ")"
+                     if threads else ""))
             if result["before"]:
                 b = result["before"]
                 print(f"before (serial engine): end-to-end {b['end_to_end_images_per_s']:.1f} img/s, ratio "

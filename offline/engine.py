@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import queue
+import selectors
 import socket
 import threading
 import time
@@ -109,6 +110,7 @@ class Stages:
     device_s: dict = field(default_factory=dict)   # device -> seconds with a call in flight
     write_s: float = 0.0
     main_cpu_s: float = 0.0
+    thread_cpu_s: dict = field(default_factory=dict)  # where main_cpu_s went: main, executors, writer
 
     @property
     def decode_capacity(self) -> float:
@@ -168,6 +170,7 @@ class Stages:
                                                  else self.decode_capacity),
                 "device_s": self.device_s, "write_s": self.write_s, "main_cpu_s": self.main_cpu_s,
                 "main_cpu_us_per_image": 1e6 * self.main_cpu_s / max(1, self.images),
+                "thread_cpu_us_per_image": {k: 1e6 * v / max(1, self.images) for k, v in self.thread_cpu_s.items()},
                 "shares": self.shares(), "bottleneck": stage, "advice": advice}
 
 
@@ -292,6 +295,9 @@ class _DecodePool:
             self.conns.append(parent)
             self.procs.append(proc)
             self.queued.append(deque())
+        self.selector = selectors.DefaultSelector()
+        for i, conn in enumerate(self.conns):
+            self.selector.register(conn, selectors.EVENT_READ, i)
 
     def room(self) -> int | None:
         """A worker with the fewest tasks queued, if it has room."""
@@ -308,12 +314,12 @@ class _DecodePool:
 
     def results(self, timeout: float) -> list:
         """``(SlotResult, slot)`` of every worker that has one ready (waiting up to ``timeout``)."""
-        from multiprocessing.connection import wait
-
-        waiting = [c for c, q in zip(self.conns, self.queued, strict=True) if q]
         out = []
-        for conn in wait(waiting, timeout):
-            i = self.conns.index(conn)
+        # one selector for the run (multiprocessing.connection.wait builds one per call); a
+        # worker with nothing queued is readable only when it died, which is reported at once
+        for key, _ in self.selector.select(timeout):
+            i = key.data
+            conn = self.conns[i]
             try:
                 got = conn.recv()
             except (EOFError, OSError):
@@ -336,6 +342,7 @@ class _DecodePool:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5)
+        self.selector.close()
         for conn in self.conns:
             conn.close()
 
@@ -409,13 +416,26 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
     from vqserve.offline import shards
 
     shards.load_writer(job.settings.shard_format)
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu0, t0, main0 = time.process_time(), time.perf_counter(), time.thread_time()
 
     def fail(exc: BaseException) -> None:
         errors.append(exc)
         stop.set()
 
+    cpu_lock = threading.Lock()
+
+    def account(name: str, since: float) -> None:
+        with cpu_lock:
+            stages.thread_cpu_s[name] = stages.thread_cpu_s.get(name, 0.0) + time.thread_time() - since
+
     def execute(device: str) -> None:
+        c0 = time.thread_time()
+        try:
+            run_executor(device)
+        finally:
+            account("executors", c0)
+
+    def run_executor(device: str) -> None:
         runtime, meter = runtimes[device], busy[device]
         while not stop.is_set():
             item = todo.get()
@@ -441,9 +461,11 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
             done.put(enc)
 
     def write(committer: pipeline.Committer) -> None:
+        c0 = time.thread_time()
         while True:
             enc = done.get()
             if enc is None:
+                account("writer", c0)
                 return
             if stop.is_set():
                 continue
@@ -524,5 +546,6 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
     stages.wall_s = time.perf_counter() - t0
     stages.images = committer.new_images
     stages.main_cpu_s = time.process_time() - cpu0
+    account("main thread", main0)
     stages.device_s = {d: b.seconds for d, b in busy.items()}
     return {**result, "stages": stages}
