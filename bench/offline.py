@@ -1,24 +1,33 @@
 """Batch tokenization benchmark (``vqserve bench tokenize``): how close does the whole
-pipeline come to the model alone?
+pipeline come to the model alone, and what limits it?
 
-Measured side by side, interleaved, in one process with one loaded runtime:
+Measured side by side, interleaved round by round, in one process with the runtimes loaded
+once (one per device: ``--device cuda`` is every GPU, ``cuda:0,2`` or ``synthetic:0,1`` a list):
 
-* **raw**: the runtime's ``encode`` on the same images already decoded and resized, in the
-  same batches ``vqserve tokenize`` forms (``--batch-size`` per task, one shard);
-* **end-to-end**: ``vqserve tokenize``'s local engine on the image files: listing, decode
-  and resize in worker processes, inference, Parquet writes, manifest and sha256.
+* **raw**: the runtimes' ``encode`` on the same images already decoded and resized, in the
+  same batches ``vqserve tokenize`` forms (``--batch-size`` per task), two calls in flight
+  per device, as the engine runs them;
+* **end-to-end**: ``vqserve tokenize``'s local engine on the image files (listing, decode
+  and resize in worker processes, inference, Parquet writes, manifest and sha256), with its
+  stage times: the decode capacity of this run (workers x their measured per-image rate)
+  and the main process's CPU per image;
+* **before** (``--before``, default on): the same run through the serial engine every run used
+  before the overlapped one (decoded arrays pickled back through the pool's pipes, one thread
+  decoding, encoding and writing in turn), for the same figures.
 
-It prints images/s for both and the ratio end-to-end / raw (target >= 0.9 at 256x256),
-plus the single-process decode cost per image, which is what the workers must hide.
+It prints images/s, the ratio end-to-end / raw, end-to-end / min(raw, decode capacity), the
+main process's CPU µs per image, and which stage bound the run; ``--json PATH`` writes them
+(``-``: to stdout).
 
 Then the other end, the training loop: token grids per second that
 ``vqserve.data.TokenShards`` delivers (shuffled, batches of 64, int64 tensors) to a consumer
 doing nothing, against reading the same Parquet files with pyarrow directly (a whole shard
 at a time into one ``[rows, h, w]`` array: the floor any loader pays), interleaved. The
-folder holds the tokenized photographs' rows replicated to ``--loader-rows`` rows.
+folder holds the tokenized photographs' rows replicated to ``--loader-rows`` rows (0: skip).
 
-    vqserve bench tokenize                       # 96 whole photographs, --size 256, default model
-    vqserve bench tokenize --images DIR --size 256 --batch-size 16 --dtype bf16
+    vqserve bench tokenize                       # whole photographs, --size 256, default model
+    vqserve bench tokenize --model synthetic:200 --count 1920 --loader-rows 0
+    vqserve bench tokenize --model default --device cuda --dtype bf16 --json out.json
 """
 
 from __future__ import annotations
@@ -107,58 +116,95 @@ def _pyarrow_pass(folder: Path) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_pass(runtime, batches: list[np.ndarray]) -> float:
+def _raw_pass(runtimes: dict, batches: list[np.ndarray]) -> float:
+    """Seconds to encode ``batches``, two calls in flight per device, each taking the next."""
+    import threading
+
+    from vqserve.offline.engine import EXECUTORS_PER_DEVICE
+
+    todo = iter(batches)
+    lock = threading.Lock()
+
+    def run(runtime) -> None:
+        while True:
+            with lock:
+                b = next(todo, None)
+            if b is None:
+                return
+            runtime.encode(b)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in runtimes.values()
+               for _ in range(EXECUTORS_PER_DEVICE)]
     t0 = time.perf_counter()
-    for b in batches:
-        runtime.encode(b)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return time.perf_counter() - t0
 
 
-def _e2e_pass(job_factory, runtime, workers: int) -> tuple[float, Path]:
-    """Seconds for one whole ``vqserve tokenize`` run, and its output folder."""
+def _e2e_pass(job_factory, runtimes: dict, workers: int, serial: bool | None) -> tuple[float, Path, dict]:
+    """Seconds for one whole ``vqserve tokenize`` run, its output folder and its stages."""
     from vqserve.offline.pipeline import run_local
 
     job = job_factory()
     t0 = time.perf_counter()
     job.prepare()
-    run_local(job, runtime, workers=workers, progress=False)
-    return time.perf_counter() - t0, job.out
+    result = run_local(job, runtimes, workers=workers, progress=False, serial=serial)
+    return time.perf_counter() - t0, job.out, result["stages"].to_dict()
+
+
+def _median(values: list) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
     from vqserve import images
     from vqserve.export.runtime import load_runtime
     from vqserve.offline import pipeline
+    from vqserve.offline.engine import device_kind, parse_devices
 
     ap = argparse.ArgumentParser(prog="vqserve bench tokenize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda (every GPU) | cuda:0,2 | synthetic:0,1")
     ap.add_argument("--images", help="a folder of images (default: whole scikit-image photographs)")
-    ap.add_argument("--count", type=int, default=96, help="images when --images is not given")
+    ap.add_argument("--count", type=int, default=0,
+                    help="images when --images is not given (default 96 on CPU, 960 on an accelerator)")
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--workers", type=int, default=None, help="decode processes (default as tokenize)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--before", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the serial engine (the pipeline before the overlapped one)")
     ap.add_argument("--loader-rows", type=int, default=20_000,
-                    help="rows of the token folder the loader is timed on (the photos' rows, replicated)")
+                    help="rows of the token folder the loader is timed on (the photos' rows, replicated; 0: skip)")
     ap.add_argument("--loader-batch", type=int, default=64)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                    help="write the figures as JSON to PATH (no PATH or -: print them instead of the table)")
     args = ap.parse_args(argv)
 
-    runtime = load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
-    info = runtime.info.to_dict()
-    workers = pipeline.default_workers(info["device"]) if args.workers is None else args.workers
-    runtime = pipeline.planned_runtime(runtime, info["device"], workers)  # as `vqserve tokenize` does
+    synthetic = args.model.startswith("synthetic:")
+    devices = parse_devices(args.device, synthetic)
+    runtimes = {d: load_runtime(args.model, backend=args.backend, dtype=args.dtype, device=d) for d in devices}
+    first = next(iter(runtimes.values()))
+    info = {**first.info.to_dict(), "device": device_kind(devices)}
+    accelerator = devices[0].startswith(("cuda", "synthetic"))
+    workers = pipeline.default_workers(devices[0]) if args.workers is None else args.workers
+    # as tokenize runs them: the overlapped engine's, and the serial engine's (the plan's own workers)
+    # (the serial engine ran one device: the first)
+    before_runtimes = {d: pipeline.planned_runtime(r, d, workers, serial=True) for d, r in list(runtimes.items())[:1]}
+    runtimes = {d: pipeline.planned_runtime(r, d, workers) for d, r in runtimes.items()}
+    count = args.count or (960 if accelerator else 96)
     pre = images.Preprocess(mode="size", size=args.size, factor=info["factor"])
     scratch = Path(tempfile.mkdtemp(prefix="vqserve-bench-tokenize-"))
     try:
         folder = Path(args.images) if args.images else scratch / "photos"
         if not args.images:
-            write_photo_folder(folder, args.count)
-        settings = pipeline.Settings(preprocess=pre, shard_size=1_000_000, batch_size=args.batch_size)
+            write_photo_folder(folder, count)
+        settings = pipeline.Settings(preprocess=pre, shard_size=1000, batch_size=args.batch_size)
 
         def job_factory(counter=[0]):  # noqa: B006 - a fresh output folder per pass
             counter[0] += 1
@@ -168,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = job_factory()
         plan.prepare()
         t0 = time.perf_counter()
-        decoded = [pipeline.decode_task(t, pre, "image") for t in plan.tasks(0)]
+        decoded = [pipeline.decode_task(t, pre, "image") for s in range(plan.shard_count) for t in plan.tasks(s)]
         decode_s = time.perf_counter() - t0
         batches = []
         for d in decoded:
@@ -177,49 +223,94 @@ def main(argv: list[str] | None = None) -> int:
                 if not isinstance(item, str):
                     groups.setdefault(item.pixels.shape, []).append(item.pixels)
             batches += [np.stack(g) for g in groups.values()]
+        del decoded
         n = sum(len(b) for b in batches)
-        runtime.encode(batches[0])  # warm-up
-        raw, e2e = [], []
+        for r in runtimes.values():
+            r.encode(batches[0])  # warm-up
+        raw, e2e, before, stages, before_stages = [], [], [], [], []
         for r in range(args.rounds):
-            raw.append(n / _raw_pass(runtime, batches))
-            seconds, tokenized = _e2e_pass(job_factory, runtime, workers)
+            raw.append(n / _raw_pass(runtimes, batches))
+            seconds, tokenized, st = _e2e_pass(job_factory, runtimes, workers, serial=None)  # as tokenize
             e2e.append(n / seconds)
-            print(f"round {r + 1}: raw {raw[-1]:.2f} img/s, end-to-end {e2e[-1]:.2f} img/s, "
-                  f"ratio {e2e[-1] / raw[-1]:.3f}", flush=True)
-        ratios = [e / r for e, r in zip(e2e, raw, strict=True)]
-        tokens_dir = scratch / "loader"
-        rows = replicate_folder(tokenized, tokens_dir, args.loader_rows)
-        loader, direct = [], []
-        for r in range(args.rounds):
-            loader.append(rows / _loader_pass(tokens_dir, args.loader_batch))
-            direct.append(rows / _pyarrow_pass(tokens_dir))
-            print(f"round {r + 1}: TokenShards {loader[-1]:.0f} rows/s, pyarrow {direct[-1]:.0f} rows/s, "
-                  f"ratio {loader[-1] / direct[-1]:.3f}", flush=True)
+            stages.append(st)
+            line = (f"round {r + 1}: raw {raw[-1]:.1f} img/s, end-to-end {e2e[-1]:.1f} img/s "
+                    f"(decode capacity {st['decode_capacity_images_per_s'] or float('inf'):.1f}, main "
+                    f"{st['main_cpu_us_per_image']:.0f} µs CPU/img, {st['bottleneck']}-bound)")
+            if args.before:
+                seconds, _, bst = _e2e_pass(job_factory, before_runtimes, workers, serial=True)
+                before.append(n / seconds)
+                before_stages.append(bst)
+                line += f"; before {before[-1]:.1f} img/s (main {bst['main_cpu_us_per_image']:.0f} µs CPU/img)"
+            print(line, flush=True)
+            for old in scratch.glob("out*"):
+                if old != tokenized:
+                    shutil.rmtree(old, ignore_errors=True)
+        caps = [s["decode_capacity_images_per_s"] or float("inf") for s in stages]
+        bounds = [min(a, c) for a, c in zip(raw, caps, strict=True)]
         result = {
             "images": n, "size": args.size, "batch_size": args.batch_size, "workers": workers,
-            "backend": info["backend"], "dtype": info["dtype"], "device": info["device"],
-            "torch_threads": __import__("torch").get_num_threads(),
-            "raw_images_per_s": statistics.median(raw), "end_to_end_images_per_s": statistics.median(e2e),
-            "ratio_median": statistics.median(ratios), "ratios": ratios,
+            "backend": info["backend"], "dtype": info["dtype"], "device": info["device"], "devices": devices,
+            "torch_threads": __import__("torch").get_num_threads(), "rounds": args.rounds,
+            "raw_images_per_s": _median(raw), "end_to_end_images_per_s": _median(e2e),
+            "ratio_median": _median([e / r for e, r in zip(e2e, raw, strict=True)]),
+            "ratios": [e / r for e, r in zip(e2e, raw, strict=True)],
+            "decode_capacity_images_per_s": _median(caps),
+            "ratio_to_bound_median": _median([e / b for e, b in zip(e2e, bounds, strict=True)]),
+            "main_cpu_us_per_image": _median([s["main_cpu_us_per_image"] for s in stages]),
+            "bottleneck": stages[-1]["bottleneck"] if stages else "",
+            "stages": stages,
+            "before": None if not args.before else {
+                "end_to_end_images_per_s": _median(before),
+                "ratio_median": _median([e / r for e, r in zip(before, raw, strict=True)]),
+                "ratio_to_bound_median": _median([e / b for e, b in zip(before, bounds, strict=True)]),
+                "main_cpu_us_per_image": _median([s["main_cpu_us_per_image"] for s in before_stages])},
             "decode_ms_per_image_one_process": 1000 * decode_s / max(1, len(plan.records)),
-            "loader_rows": rows, "loader_batch": args.loader_batch,
-            "loader_rows_per_s": statistics.median(loader), "pyarrow_rows_per_s": statistics.median(direct),
-            "loader_ratios": [a / b for a, b in zip(loader, direct, strict=True)],
         }
-        if args.json:
+        del batches
+        if args.loader_rows > 0:
+            tokens_dir = scratch / "loader"
+            rows = replicate_folder(tokenized, tokens_dir, args.loader_rows)
+            loader, direct = [], []
+            for r in range(args.rounds):
+                loader.append(rows / _loader_pass(tokens_dir, args.loader_batch))
+                direct.append(rows / _pyarrow_pass(tokens_dir))
+                print(f"round {r + 1}: TokenShards {loader[-1]:.0f} rows/s, pyarrow {direct[-1]:.0f} rows/s, "
+                      f"ratio {loader[-1] / direct[-1]:.3f}", flush=True)
+            result.update({"loader_rows": rows, "loader_batch": args.loader_batch,
+                           "loader_rows_per_s": _median(loader), "pyarrow_rows_per_s": _median(direct),
+                           "loader_ratios": [a / b for a, b in zip(loader, direct, strict=True)]})
+        if args.json and args.json != "-":
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        if args.json == "-":
             print(json.dumps(result, indent=2))
         else:
             print(f"{n} images at {args.size}x{args.size}, batch {args.batch_size}, {workers} decode "
                   f"workers, {info['backend']} {info['dtype']} on {info['device']}, "
                   f"{result['torch_threads']} torch threads")
-            print(f"raw runtime      {result['raw_images_per_s']:8.2f} img/s (median of {args.rounds})")
-            print(f"end-to-end       {result['end_to_end_images_per_s']:8.2f} img/s")
-            print(f"ratio e2e / raw  {result['ratio_median']:8.3f}   (target >= 0.9)")
+            print(f"raw runtime      {result['raw_images_per_s']:8.1f} img/s (median of {args.rounds})")
+            print(f"end-to-end       {result['end_to_end_images_per_s']:8.1f} img/s")
+            print(f"ratio e2e / raw  {result['ratio_median']:8.3f}")
+            print(f"decode capacity  {result['decode_capacity_images_per_s']:8.1f} img/s ({workers} workers x "
+                  "their measured rate)")
+            print(f"e2e / min(raw, decode capacity) {result['ratio_to_bound_median']:.3f}   "
+                  f"({result['bottleneck']}-bound)")
+            threads = stages[-1].get("thread_cpu_us_per_image", {}) if stages else {}
+            print(f"main process     {result['main_cpu_us_per_image']:8.0f} µs CPU/image"
+                  + (" (last round: " + ", ".join(f"{k} {v:.0f}" for k, v in threads.items()) + ")"
+                     if threads else ""))
+            if result["before"]:
+                b = result["before"]
+                print(f"before (serial engine): end-to-end {b['end_to_end_images_per_s']:.1f} img/s, ratio "
+                      f"e2e / raw {b['ratio_median']:.3f}, e2e / min(raw, decode capacity) "
+                      f"{b['ratio_to_bound_median']:.3f}, main process {b['main_cpu_us_per_image']:.0f} µs CPU/image")
             print(f"decode + resize  {result['decode_ms_per_image_one_process']:8.1f} ms/image in one process")
-            print(f"loader           {result['loader_rows_per_s']:8.0f} rows/s (TokenShards, shuffled, batch "
-                  f"{args.loader_batch}, {rows} rows)")
-            print(f"pyarrow direct   {result['pyarrow_rows_per_s']:8.0f} rows/s (whole shards into arrays)")
-            print(f"ratio            {statistics.median(result['loader_ratios']):8.3f}")
+            if args.loader_rows > 0:
+                print(f"loader           {result['loader_rows_per_s']:8.0f} rows/s (TokenShards, shuffled, "
+                      f"batch {args.loader_batch}, {result['loader_rows']} rows)")
+                print(f"pyarrow direct   {result['pyarrow_rows_per_s']:8.0f} rows/s (whole shards into arrays)")
+                print(f"ratio            {_median(result['loader_ratios']):8.3f}")
+        for r in (*runtimes.values(), *before_runtimes.values()):
+            r.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -122,25 +122,37 @@ def decode_task(task: Task, pre: images.Preprocess, image_column: str) -> Decode
 # ---- encode (the process that holds the runtime) --------------------------------------------
 def encode_task(runtime, decoded: DecodedTask) -> EncodedTask:
     """One runtime call per distinct image shape in the task, in first-seen order."""
-    recs, items = decoded.task.records, decoded.items
+    items = decoded.items
     groups: dict[tuple, list[int]] = {}
-    errors = []
     for i, item in enumerate(items):
-        if isinstance(item, str):
-            errors.append({"key": recs[i].key, "source": recs[i].source, "reason": item})
-        else:
+        if not isinstance(item, str):
             groups.setdefault(item.pixels.shape, []).append(i)
+    metas = [item if isinstance(item, str) else (item.orig_height, item.orig_width, item.crop)
+             for item in items]
+    return encode_groups(runtime, decoded.task, metas,
+                         [(idx, np.stack([items[i].pixels for i in idx])) for idx in groups.values()])
+
+
+def encode_groups(runtime, task: Task, metas: list, groups: list) -> EncodedTask:
+    """The runtime calls of one task: ``groups`` is, per distinct image shape in first-seen
+    order, ``(record indices, pixels [n, H, W, 3])``; ``metas`` per record an error string or
+    ``(orig_height, orig_width, crop)``. Both engines and both transports (pickled arrays, or
+    views of shared memory) end here, so a task always makes the same calls."""
+    recs = task.records
+    errors = [{"key": recs[i].key, "source": recs[i].source, "reason": m}
+              for i, m in enumerate(metas) if isinstance(m, str)]
     tokens: dict[int, np.ndarray] = {}
-    for idx in groups.values():
-        out = runtime.encode(np.stack([items[i].pixels for i in idx]))
+    shapes: dict[int, tuple] = {}
+    for idx, pixels in groups:
+        out = runtime.encode(pixels)
         for j, i in enumerate(idx):
             tokens[i] = out[j]
-    rows = [shards.TokenRow(key=recs[i].key, source=recs[i].source, orig_height=items[i].orig_height,
-                            orig_width=items[i].orig_width, crop=items[i].crop,
-                            height=items[i].pixels.shape[0], width=items[i].pixels.shape[1],
-                            tokens=tokens[i])
+            shapes[i] = pixels.shape[1:3]
+    rows = [shards.TokenRow(key=recs[i].key, source=recs[i].source, orig_height=metas[i][0],
+                            orig_width=metas[i][1], crop=metas[i][2], height=shapes[i][0],
+                            width=shapes[i][1], tokens=tokens[i])
             for i in sorted(tokens)]
-    return EncodedTask(decoded.task, rows, errors)
+    return EncodedTask(task, rows, errors)
 
 
 def token_identity(info: dict) -> dict:
@@ -162,8 +174,8 @@ def runtime_machine(info: dict) -> dict:
     device = str(info.get("device", "cpu"))
     versions = {"torch": torch.__version__}
     gpu, extra = "", {}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name(torch.device(device))
+    if device.startswith("cuda") and torch.cuda.is_available():  # a list (cuda:0,cuda:2): the first's
+        gpu = torch.cuda.get_device_name(torch.device(device.split(",")[0]))
         versions["cuda"] = str(torch.version.cuda)
         versions["cudnn"] = str(torch.backends.cudnn.version())
         extra["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
@@ -199,6 +211,7 @@ class Job:
     done_records: int = 0
     fingerprint: str = ""
     _layout: shards.Layout | None = None
+    _sha256: dict = field(default_factory=dict)   # shard -> sha256 of the file this run wrote
 
     @property
     def layout(self) -> shards.Layout:
@@ -324,9 +337,13 @@ class Job:
         encoded = sorted(encoded, key=lambda e: e.task.index)
         rows = [r for e in encoded for r in e.rows]
         errors = [err for e in encoded for err in e.errors]
+        path = self.shard_path(shard)
         shards.WRITERS[self.settings.shard_format](
-            self.shard_path(shard), rows, self.runtime_info["index_dtype"], self.fingerprint,
+            path, rows, self.runtime_info["index_dtype"], self.fingerprint,
             self.plan_hash(shard), errors, self.layout)
+        # hashed now, by whoever commits (the local engine's writer thread, beside the device),
+        # not all at the end; a shard of an earlier run is hashed by finish()
+        self._sha256[shard] = shards.sha256_file(path)
 
     # -- end ------------------------------------------------------------------------------------
     def finish(self) -> dict:
@@ -335,7 +352,7 @@ class Job:
             path = self.shard_path(shard)
             info = shards.read_shard_info(path)
             listed.append({"name": path.name, "rows": info.rows, "errors": len(info.errors),
-                           "sha256": shards.sha256_file(path)})
+                           "sha256": self._sha256.get(shard) or shards.sha256_file(path)})
             errors.extend({**e, "shard": path.name} for e in info.errors)
             totals["rows"] += info.rows
             totals["errors"] += len(info.errors)
@@ -380,24 +397,34 @@ class Job:
 
 # ---- the local engine ---------------------------------------------------------------------------
 def default_workers(device: str) -> int:
-    """Decode processes. On a GPU, decoding is the bottleneck: all cores but one decode. On a
-    CPU the model is (a 256x256 image costs ~100 ms to encode and ~4 ms to decode), and torch
-    already uses every core: a decode process beside it stalls its threads more than it hides
-    (measured in docs/TOKENIZE.md), so decoding runs inline between batches."""
-    return max(1, min(32, available_cores() - 1)) if device.startswith("cuda") else 0
+    """Decode processes. On an accelerator (CUDA, or the simulated ``synthetic`` device),
+    decoding is the bottleneck: every core decodes. The main process only orders, hands on,
+    feeds the device and writes (~130 µs of CPU per image, measured), and the decode workers
+    run below its priority (``offline/engine.py``), so it gets a core the moment it needs
+    one; on 2 cores, 2 workers gave 559 img/s where 1 gave 278. On a CPU the model is the
+    bottleneck (a 256x256 image costs ~100 ms to encode and ~4 ms to decode), and torch
+    already uses every core: a decode process beside it stalls its threads more than it
+    hides (measured in docs/TOKENIZE.md), so decoding runs inline between batches."""
+    accelerator = device.startswith(("cuda", "synthetic"))
+    return max(1, min(64, available_cores())) if accelerator else 0
 
 
 def planned_runtime(runtime, device: str, decode_workers: int, model_workers: int = 0, base=None,
-                    source: str = ""):
+                    source: str = "", serial: bool = False):
     """The runtime run by the same execution plan as the server (``base``: the one ``--plan
     auto`` measured, else the device's default; one intra-op thread per model call, fixed
     micro-batches per image size; vqserve.export.execution), so a file gets the server's
     tokens. On a CPU the model calls get the cores the decode processes leave
-    (oversubscribed threads stall each other)."""
+    (oversubscribed threads stall each other). On an accelerator the overlapped engine keeps
+    two calls in flight per device itself (``offline/engine.py``), so each runs its
+    micro-batches in turn (``serial``: the serial engine, which has one caller, keeps the
+    plan's own workers)."""
     from vqserve.export.execution import PlannedRuntime, plan_for
 
     if not model_workers and device == "cpu" and decode_workers:
         model_workers = max(1, available_cores() - decode_workers)
+    if not model_workers and not serial and device.startswith(("cuda", "synthetic")):
+        model_workers = 1
     return PlannedRuntime(runtime, plan_for(device, workers=model_workers or None, base=base), source)
 
 
@@ -476,12 +503,57 @@ class Committer:
                 "seconds": elapsed, "images_per_second": self.new_images / elapsed if elapsed > 0 else 0.0}
 
 
-def run_local(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bool = False,
-              progress: bool | None = None) -> dict:
-    """Decode in ``workers`` processes (``0``: here, between batches), encode here, commit
-    shard by shard; at most ``prefetch`` decoded tasks wait (bounded memory)."""
+def run_serial(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bool = False,
+               progress: bool | None = None) -> dict:
+    """One thread does everything in turn: take the next decoded task (decoded here with
+    ``workers=0``, else pickled back from ``workers`` processes), encode it, commit. What a
+    CPU run with inline decoding uses (the model has every core; nothing to overlap), and
+    what the local engine did for every run before the overlapped engine."""
     prefetch = prefetch or max(4, 2 * workers + 2)
+    shards.load_writer(job.settings.shard_format)
+    cpu0 = time.process_time()
+    stages_decode, t0 = 0.0, time.perf_counter()
+    device_s = write_s = 0.0
     with Committer(job, fail_fast, progress) as committer:
-        for decoded in _decoded_stream(job, workers, prefetch):
-            committer.add(encode_task(runtime, decoded))
-    return committer.finish()
+        stream = _decoded_stream(job, workers, prefetch)
+        while True:
+            t1 = time.perf_counter()
+            decoded = next(stream, None)
+            t2 = time.perf_counter()
+            if decoded is None:
+                break
+            stages_decode += t2 - t1
+            enc = encode_task(runtime, decoded)
+            t3 = time.perf_counter()
+            committer.add(enc)
+            device_s += t3 - t2
+            write_s += time.perf_counter() - t3
+    result = committer.finish()
+    from vqserve.offline.engine import Stages
+
+    device = str(job.runtime_info.get("device", ""))
+    # inline, decode time is this process's; from workers, only the time spent waiting for them
+    stages = Stages(workers=workers, devices=[device], wall_s=time.perf_counter() - t0,
+                    images=committer.new_images, decode_s=0.0 if workers else stages_decode,
+                    decode_images=committer.new_images,
+                    device_s={device: device_s}, write_s=write_s, main_cpu_s=time.process_time() - cpu0)
+    return {**result, "stages": stages}
+
+
+def run_local(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bool = False,
+              progress: bool | None = None, serial: bool | None = None, use_shm: bool = True) -> dict:
+    """The local engine. ``runtime``: one runtime, or a dict device -> runtime (one each).
+    With decode workers or several devices, the overlapped engine (``offline/engine.py``:
+    pixels in shared memory, executors per device, a writer thread); one device decoding
+    inline runs serially (:func:`run_serial`). ``serial=True`` forces the serial engine
+    (what every run used before; benchmarks compare the two)."""
+    runtimes = runtime if isinstance(runtime, dict) else {str(job.runtime_info.get("device", "cpu")): runtime}
+    if serial is None:
+        serial = workers == 0 and len(runtimes) == 1
+    if serial:
+        if len(runtimes) != 1:
+            raise ValueError("the serial engine runs one device")
+        return run_serial(job, next(iter(runtimes.values())), workers, prefetch, fail_fast, progress)
+    from vqserve.offline.engine import run_overlapped
+
+    return run_overlapped(job, runtimes, workers, fail_fast, progress, use_shm=use_shm)

@@ -26,6 +26,12 @@ Examples:
   vqserve tokenize 'shards/data-{000..099}.tar' --out tokens/ --size 256 --device cuda --dtype bf16
   vqserve tokenize train.parquet --image-column image --key-column id --out tokens/ --keep-size
   vqserve tokenize photos/ --out tokens/ --size 256 --engine ray --ray-address auto
+  vqserve tokenize photos/ --out tokens/ --size 256 --device cuda:0,2    # two of the GPUs
+  vqserve tokenize photos/ --out tokens/ --size 256 --model synthetic:200 --device synthetic:0,1
+
+--device cuda uses every visible GPU (one runtime each; the shards are byte-identical to a
+one-GPU run); a list such as cuda:0,2 picks some. The closing line splits the time into
+decode, device and write and names the bottleneck.
 Read the shards without vqserve: docs/TOKENIZE.md.
 """
 
@@ -36,7 +42,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vqserve.commands.common import add_expect_hash, add_model_args, model_ref, plan_choice
+from vqserve.commands.common import (
+    UsageError,
+    add_expect_hash,
+    add_model_args,
+    model_ref,
+    plan_choice,
+)
 
 if TYPE_CHECKING:  # the pipeline (and torch) load only when a run starts, not for --help
     from vqserve.offline.pipeline import Job
@@ -66,8 +78,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("execution")
     r.add_argument("--batch-size", type=int, default=16, help="images per runtime call (default 16)")
     r.add_argument("--workers", type=int, default=None,
-                   help="decode processes (default: all cores but one on GPU; 0 on CPU, where "
-                        "the model needs the cores; 0 decodes in this process)")
+                   help="decode processes (default: one per core on a GPU or synthetic device, "
+                        "below this process's priority; 0 on CPU, where the model needs the cores; "
+                        "0 decodes in this process)")
     r.add_argument("--threads", type=int, default=0,
                    help="model calls running at once, each on one thread, so tokens never "
                         "depend on this number (default: the CPU cores the decode workers leave)")
@@ -90,6 +103,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--fail-fast", action="store_true", help="stop at the first bad image instead of "
                    "recording it in errors.jsonl")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # the engine every run used before the overlapped one (benchmarks and tests compare them)
+    r.add_argument("--serial-engine", action="store_true", help=argparse.SUPPRESS)
 
 
 def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
@@ -148,31 +163,48 @@ def run(args: argparse.Namespace) -> int:
     inputs = sources.expand_inputs(args.inputs)  # a missing INPUT: usage error before the model loads
     import torch
 
-    from vqserve.export.runtime import load_runtime, resolve_device
+    from vqserve.export.runtime import load_runtime
+    from vqserve.offline.engine import device_kind, parse_devices
 
+    synthetic = args.model.startswith("synthetic:")
     # the driver of a Ray run plans for the actors' device, which it may not have itself
-    device = (args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")) \
-        if args.engine == "ray" else resolve_device(args.device)
+    if args.engine == "ray" and not synthetic:
+        devices = [args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")]
+    elif args.engine == "ray":  # the simulated device, named as the local engine names it
+        devices = parse_devices(args.device, synthetic)[:1]
+    else:
+        try:
+            devices = parse_devices(args.device, synthetic)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    device = devices[0]
     chosen = _chosen_plan(args, device)
     dtype = None if args.dtype == "auto" else args.dtype
+
+    def load(on: str):
+        if chosen is not None:  # the plan's backend: the model as given, or its export in the plan cache
+            from vqserve.export.planner import cache_dir
+
+            return chosen.load(args.model, args.backend, on, args.expect_hash,
+                               artifacts=cache_dir(args.plan_cache) / "artifacts",
+                               log=lambda msg: print(f"tokenize: plan: {msg}", file=sys.stderr, flush=True))
+        return load_runtime(args.model, backend=args.backend, dtype=dtype, device=on, expect_hash=args.expect_hash)
+
     # the Ray driver only plans and writes: it reads the model's description on the CPU and
     # leaves the GPUs to the actors, which run the same plan
-    load_on = "cpu" if args.engine == "ray" else device
-    if chosen is not None:  # the plan's backend: the model as given, or its export in the plan cache
-        from vqserve.export.planner import cache_dir
+    runtime = load("cpu" if args.engine == "ray" else device)
+    if chosen is not None and chosen.source == "file" and args.engine != "ray":
+        from vqserve.export.planner import check_reproduces
 
-        runtime = chosen.load(args.model, args.backend, load_on, args.expect_hash,
-                              artifacts=cache_dir(args.plan_cache) / "artifacts", log=lambda msg: print(f"tokenize: plan: {msg}", file=sys.stderr, flush=True))
-        if chosen.source == "file" and args.engine != "ray":
-            from vqserve.export.planner import check_reproduces
-
-            check_reproduces(runtime, args.model, device, chosen)
-    else:
-        runtime = load_runtime(args.model, backend=args.backend, dtype=dtype, device=load_on,
-                               expect_hash=args.expect_hash)
+        check_reproduces(runtime, args.model, device, chosen)
+    runtimes = {device: runtime}
+    if args.engine != "ray":
+        for other in devices[1:]:
+            runtimes[other] = load(other)
+    device = device_kind(devices)
     info = {**runtime.info.to_dict(), "device": device}
     if args.engine == "ray":
-        del runtime
+        del runtime, runtimes
     try:
         job = build_job(args, info, inputs)
         job.prepare()
@@ -190,11 +222,13 @@ def run(args: argparse.Namespace) -> int:
                              fail_fast=args.fail_fast, progress=not args.no_progress)
         else:
             workers = pipeline.default_workers(info["device"]) if args.workers is None else args.workers
-            runtime = pipeline.planned_runtime(runtime, info["device"], workers, args.threads,
-                                              base=chosen.plan if chosen else None,
-                                              source=chosen.source if chosen else "safe")
-            result = pipeline.run_local(job, runtime, workers=workers, fail_fast=args.fail_fast,
-                                       progress=False if args.no_progress else None)
+            serial = args.serial_engine or (workers == 0 and len(runtimes) == 1)
+            runtimes = {d: pipeline.planned_runtime(r, d, workers, args.threads,
+                                                    base=chosen.plan if chosen else None,
+                                                    source=chosen.source if chosen else "safe", serial=serial)
+                        for d, r in runtimes.items()}
+            result = pipeline.run_local(job, runtimes, workers=workers, fail_fast=args.fail_fast,
+                                        progress=False if args.no_progress else None, serial=serial)
     except pipeline.Interrupted as exc:
         print(f"vqserve tokenize: {exc}", file=sys.stderr)
         return 130
@@ -206,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
           f"(see {job.errors_path}), {totals['shards']} shards; this run "
           f"{result['new_images']} images in {result['seconds']:.1f} s "
           f"({result['images_per_second']:.1f} img/s)", file=sys.stderr)
+    if result.get("stages") is not None and result["new_images"]:
+        print(f"tokenize: {result['stages'].line()}", file=sys.stderr)
     if totals["errors"] and not totals["rows"]:
         print(f"vqserve tokenize: error: every one of the {totals['errors']} images failed; the "
               f"reasons are in {job.errors_path}", file=sys.stderr)
