@@ -163,7 +163,7 @@ def tokenize_row(model: str, device: str, dtype: str, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tokenize.json"
         cmd = [sys.executable, "-m", "vqserve", "bench", "tokenize", "--model", model, "--device", device,
-               "--dtype", dtype, "--rounds", "1", "--count", "256", "--loader-rows", "1000", "--json", str(out)]
+               "--dtype", dtype, "--rounds", "1", "--count", "1920", "--loader-rows", "0", "--json", str(out)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -256,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokenize_seconds > 0:
         _log("4. tokenize end to end vs raw")
         result["tokenize"] = [tokenize_row(args.model, device, dtype, args.tokenize_seconds)
-                              for dtype in dtypes[:1]]
-        _log(f"  {result['tokenize']}")
+                              for dtype in dtypes]
+        for row in result["tokenize"]:
+            _log(f"  {({k: v for k, v in row.items() if not isinstance(v, (dict, list))})}")
 
     result["seconds"] = time.perf_counter() - started
     print(report(result))
@@ -293,7 +294,17 @@ def report(result: dict) -> str:
         lines.append(f"{row['dtype']:<8}{row['layout']:<16}{row['case']:<16}{row['throughput']:9.0f}{ratio:10.2f}"
                      f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}")
     for row in result.get("tokenize", []):
-        lines.append(f"tokenize {row}")
+        if "error" in row:
+            lines.append(f"tokenize {row['dtype']}: error {row['error'][-300:]}")
+            continue
+        before = row.get("before") or {}
+        lines.append(f"tokenize {row['dtype']}: end to end {row['end_to_end_images_per_s']:.0f} img/s, raw "
+                     f"{row['raw_images_per_s']:.0f}, ratio {row['ratio_median']:.2f}; decode capacity "
+                     f"{row.get('decode_capacity_images_per_s', 0):.0f} img/s, e2e / min(raw, decode) "
+                     f"{row.get('ratio_to_bound_median', 0):.2f} ({row.get('bottleneck')}-bound); main process "
+                     f"{row.get('main_cpu_us_per_image', 0):.0f} µs CPU/img"
+                     + (f"; before (serial engine) {before.get('end_to_end_images_per_s', 0):.0f} img/s"
+                        if before else ""))
     return "\n".join(lines)
 
 
