@@ -63,8 +63,10 @@ def jpeg_bytes(image: np.ndarray, quality: int = 90) -> bytes:
 
 
 def request_bytes(case: LoadCase, images: np.ndarray) -> tuple[str, bytes]:
-    """(gRPC method path, serialised request) for ``case`` over ``images[:case.images]``."""
-    batch = np.ascontiguousarray(images[: case.images])
+    """(gRPC method path, serialised request) for ``case``: ``case.images`` images, taken
+    from ``images`` in turn (repeated when there are fewer), so a call always holds as
+    many images as the throughput counts."""
+    batch = np.ascontiguousarray(np.resize(images, (case.images, *images.shape[1:])))
     if case.protocol == "v1":
         from vqserve.serve._proto import tokenizer_pb2 as pb
 

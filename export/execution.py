@@ -41,9 +41,9 @@ from vqserve.machine import available_cores
 def default_model_workers(device: str) -> int:
     """One call per core on CPU (each single-threaded). Two on a GPU or the simulated device
     (``synthetic:N``), so one call's host work (upload, kernel launches, download) overlaps
-    the other's device time: on an H100 (default tokenizer, 256x256, served through
-    front-ends) bf16 went from 6,251 to 7,867 img/s and fp32 from 1,936 to 2,027 (the same
-    kernels run, so the tokens are the same)."""
+    the other's device time: on an H100 (default tokenizer, 256x256, one server process,
+    16-image requests) bf16 went from 2,518 to 3,232 img/s and fp32 from 787 to 856 (the
+    same kernels run, so the tokens are the same)."""
     if device.startswith("synthetic") or device.startswith("cuda"):
         return 2
     return available_cores()

@@ -360,3 +360,17 @@ def test_a_real_model_behind_frontends_gives_its_in_process_tokens(tiny_checkpoi
         tokens = client.encode(images)
         np.testing.assert_array_equal(tokens, runtime.encode(images))
         np.testing.assert_array_equal(client.decode(tokens), runtime.decode(tokens))
+
+
+def test_load_requests_hold_the_images_they_count():
+    """A call of 16 built from 8 photographs holds 16 images (the photographs repeated): the
+    load generator's images/s counts what was sent (it once sent 8 and counted 16)."""
+    from vqserve.bench.load import LoadCase, request_bytes
+    from vqserve.serve._proto import tokenizer_pb2 as pb
+
+    photos = _images(8, seed=4)
+    _method, payload = request_bytes(LoadCase("v1", "raw", 16), photos)
+    sent = pb.EncodeRequest.FromString(payload).images
+    assert list(sent.shape) == [16, 64, 64, 3]
+    pixels = np.frombuffer(sent.data, np.uint8).reshape(16, 64, 64, 3)
+    np.testing.assert_array_equal(pixels[8:], photos)
