@@ -15,15 +15,17 @@ MODEL  = default
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 BENCH_OUT ?= /tmp/vqserve-bench
-# `make fuzz FUZZ_EXAMPLES=200` (examples per fuzz test; `make test` runs 25), counts -> FUZZ_REPORT
+# `make fuzz FUZZ_EXAMPLES=200` (examples per fuzz test; `make test` runs 25), counts -> FUZZ_REPORT;
+# FUZZ_FRONTENDS=2 fuzzes the server split into 2 front-end processes before one executor
 FUZZ_EXAMPLES ?= 2000
+FUZZ_FRONTENDS ?= 0
 FUZZ_REPORT ?= /tmp/vqserve-fuzz.json
 # `make soak SOAK_ARGS="--duration 1 --clients 16"`; the model is MODEL
 SOAK_ARGS ?=
 
 IMAGE  ?= vqserve:latest
 
-.PHONY: help venv test lint importlint pytest serve protos bench bench-quick bench-quantizers bench-tokenize fuzz soak docker docker-cpu clean
+.PHONY: help venv test lint importlint pytest serve protos bench bench-quick bench-quantizers bench-tokenize bench-gpu fuzz soak docker docker-cpu clean
 
 help:
 	@echo "make test    - create .venv (CPU torch), lint, import contracts, run the test suite"
@@ -34,6 +36,7 @@ help:
 	@echo "make bench-quick    - the same on a tiny model in about a minute, into BENCH_OUT=$(BENCH_OUT)"
 	@echo "make bench-quantizers - FSQ/LFQ vs vector-quantize-pytorch, fp32-island cost"
 	@echo "make bench-tokenize - vqserve tokenize end-to-end vs the raw runtime (docs/TOKENIZE.md)"
+	@echo "make bench-gpu - on a CUDA machine: every GPU figure in one run (~4 min) -> BENCH_OUT/gpu.json"
 	@echo "make fuzz    - malformed requests on every RPC of a real server (~5 min); counts by status code"
 	@echo "make soak    - 64 clients for 5 minutes on MODEL=$(MODEL); one PASS/FAIL line (SOAK_ARGS=)"
 	@echo "make docker  - build the GPU image (needs a Docker engine); make docker-cpu for the CPU one"
@@ -87,8 +90,13 @@ bench-quantizers: $(STAMP)
 bench-tokenize: $(STAMP)
 	$(BIN)/vqserve bench tokenize
 
+# a GPU user's own environment (README "GPU install": CUDA torch), not the CPU-pinned .venv
+bench-gpu:
+	mkdir -p '$(BENCH_OUT)'
+	vqserve bench gpu --json '$(BENCH_OUT)/gpu.json'
+
 fuzz: $(STAMP)
-	VQSERVE_FUZZ_EXAMPLES='$(FUZZ_EXAMPLES)' FUZZ_REPORT='$(FUZZ_REPORT)' \
+	VQSERVE_FUZZ_EXAMPLES='$(FUZZ_EXAMPLES)' VQSERVE_FUZZ_FRONTENDS='$(FUZZ_FRONTENDS)' FUZZ_REPORT='$(FUZZ_REPORT)' \
 		$(BIN)/python -m pytest -q -s tests/test_fuzz.py
 
 soak: $(STAMP)

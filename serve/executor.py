@@ -44,10 +44,12 @@ log = logging.getLogger("vqserve.serve")
 def default_frontends(device: str, cores: int) -> int:
     """Front-end processes for ``--frontends auto``: none on a CPU (the model needs the
     cores, and one process serves at the model's speed there); on an accelerator half the
-    cores, at least one and at most 8, so request handling never waits for one GIL."""
+    cores, at least 2 and at most 8, so request handling never waits for one GIL. Two even
+    on 2 cores: with synthetic:200 there, 8-image calls reached 0.67 of the device with two
+    front-ends and 0.48 with one (`vqserve bench serve --client-procs 2`, docs/SERVING.md)."""
     if not (device.startswith("cuda") or device.startswith("synthetic")):
         return 0
-    return max(1, min(8, cores // 2))
+    return max(2, min(8, cores // 2))
 
 
 def identity_payload(engine) -> dict:

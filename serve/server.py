@@ -670,6 +670,8 @@ class TokenizerServer:
             await self.executor.close()
         if self._reservation is not None:
             self._reservation.close()
+        if self._metrics_dir is not None:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
         if self.server is not None:
             await self.server.stop(None)
             self.server = None

@@ -15,7 +15,8 @@ peak RSS may not grow by more than ``RSS_BUDGET`` over the whole run, and afterw
 must still serve exact answers.
 
 Size: ``VQSERVE_FUZZ_EXAMPLES`` examples per test (default: the slice ``make test`` runs;
-``make fuzz`` runs many more). The counts by RPC and status code are printed at the end
+``make fuzz`` runs many more). ``VQSERVE_FUZZ_FRONTENDS=N`` fuzzes the server split into N
+front-end processes before one executor (``serve --frontends N``; default 0, one process). The counts by RPC and status code are printed at the end
 and written to ``$FUZZ_REPORT`` (JSON) when it is set.
 """
 
@@ -131,7 +132,8 @@ def served(tiny_checkpoint):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")  # tiny convolutions; the box has 2 shared cores
         proc, port = start_server(tiny_checkpoint, args, MAX_BATCH, 2.0, log=log,
-                                  extra=["--max-message-mb", str(LIMIT >> 20), "--max-queue", "256"])
+                                  extra=["--max-message-mb", str(LIMIT >> 20), "--max-queue", "256",
+                                         "--frontends", os.environ.get("VQSERVE_FUZZ_FRONTENDS", "0")])
     srv = Served(proc, port, log)
     try:
         warm = pb.EncodeRequest(images=_tensor(np.zeros((MAX_BATCH, 32, 32, 3), np.uint8)))
