@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.bench.load import LoadCase, run_load
-from vqserve.bench.serving import bench_photos, start_server
+from vqserve.bench.load import compare_layouts, parse_cases, parse_layouts
+from vqserve.bench.serving import bench_photos
 
 
 def _log(msg: str) -> None:
@@ -129,56 +129,6 @@ def encoder_gflop(model: str, device: str, size: int) -> float | None:
         return None
 
 
-def reply_tokens(case: LoadCase, reply: bytes) -> np.ndarray | None:
-    """The indices in a serialised Encode / ModelInfer reply."""
-    if not reply:
-        return None
-    if case.protocol == "v1":
-        from vqserve.serve._proto import tokenizer_pb2 as pb
-
-        msg = pb.EncodeResponse.FromString(reply).indices
-        return np.frombuffer(msg.data, dtype=msg.dtype).reshape(list(msg.shape))
-    from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
-
-    msg = oip.ModelInferResponse.FromString(reply)
-    return np.frombuffer(msg.raw_output_contents[0], dtype="<u2").reshape(list(msg.outputs[0].shape))
-
-
-def served_rows(model: str, device: str, dtype: str, micro: int, photos: np.ndarray, layouts: dict,
-                cases: list[LoadCase], procs: int, threads: int, seconds: float,
-                expected: np.ndarray | None = None) -> list[dict]:
-    """Each layout's server in turn, every case; ``expected``: the in-process tokens of
-    ``photos`` in this dtype, which every raw answer must equal (the served tokens)."""
-    rows = []
-    args = argparse.Namespace(backend="auto", dtype=dtype, device=device)
-    for name, flags in layouts.items():
-        extra = ["--plan", "default", "--micro-batch", str(micro), *flags]
-        try:
-            proc, port = start_server(model, args, 32, None, extra=extra)
-        except RuntimeError as exc:
-            rows.append({"layout": name, "dtype": dtype, "error": str(exc)[-500:]})
-            continue
-        try:
-            for case in cases:
-                row = run_load(f"127.0.0.1:{port}", case, photos, procs, threads, seconds, 1.0, proc.pid)
-                got = reply_tokens(case, row.pop("first_reply", b""))
-                if expected is not None and case.payload == "raw" and got is not None:
-                    row["tokens_equal_in_process"] = bool(np.array_equal(got, expected[:case.images]))
-                row.update(layout=name, dtype=dtype, micro_batch=micro)
-                rows.append(row)
-                _log(f"  served {dtype} {name:<10} {case.label:<14} {row['throughput']:8.0f} img/s  "
-                     f"p99 {row['p99_ms']:6.1f} ms  server CPU {row['server_cpu_us_per_image'] or 0:6.0f} µs/img"
-                     + (f"  errors {row['errors'][:1]}" if row["errors"] else "")
-                     + ("" if row.get("tokens_equal_in_process", True) else "  TOKENS DIFFER FROM IN-PROCESS"))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    return rows
-
-
 def tokenize_row(model: str, device: str, dtype: str, timeout: float) -> dict:
     """``vqserve bench tokenize`` in a child, within ``timeout`` seconds."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -263,26 +213,21 @@ def main(argv: list[str] | None = None) -> int:
         del runtime
 
     _log("3. served, clients in several processes")
-    cases = []
-    for spec in args.cases.split(","):
-        protocol, payload, images = spec.split(":")
-        cases.append(LoadCase(protocol, payload, int(images)))
-    layouts = {}
-    for spec in args.layouts.split(";"):
-        name, _, flags = spec.partition("=")
-        if name.strip():
-            layouts[name.strip()] = flags.split()
+    cases = parse_cases(args.cases)
     result["served"] = []
     for dtype, (batch, _rate) in best.items():
+        micro = min(batch, 64)  # each dtype served at its best in-process batch
         many = np.resize(photos, (max(c.images for c in cases), *photos.shape[1:]))
         # the tokens the server must give: this dtype run by the plan it serves with (calls of
-        # `batch`); eager bf16 at another batch size may round differently on a GPU
+        # `micro`); eager bf16 at another batch size may round differently on a GPU
         from vqserve.export.execution import PlannedRuntime, plan_for
 
-        served_plan = plan_for(device, micro_batch=min(batch, 64))
-        expected = PlannedRuntime(load(args.model, dtype, device), served_plan).encode(many)
-        result["served"] += served_rows(args.model, device, dtype, min(batch, 64), many, layouts, cases,
-                                        args.procs, args.threads, args.seconds, expected)
+        expected = PlannedRuntime(load(args.model, dtype, device), plan_for(device, micro_batch=micro)).encode(many)
+        layouts = parse_layouts(args.layouts, ["--plan", "default", "--micro-batch", str(micro)])
+        rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.threads, args.seconds,
+                               rounds=1, device=device, dtype=dtype, log=lambda m, d=dtype: _log(f"  {d}{m}"),
+                               expected=expected, warmup=1.0)
+        result["served"] += [{**row, "dtype": dtype, "micro_batch": micro} for row in rows]
 
     if args.tokenize_seconds > 0:
         _log("4. tokenize end to end vs raw")

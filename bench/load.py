@@ -69,23 +69,18 @@ def request_bytes(case: LoadCase, images: np.ndarray) -> tuple[str, bytes]:
     batch = np.ascontiguousarray(np.resize(images, (case.images, *images.shape[1:])))
     if case.protocol == "v1":
         from vqserve.serve._proto import tokenizer_pb2 as pb
+        from vqserve.serve.service_v1 import tensor_msg
 
         if case.payload == "raw":
-            msg = pb.EncodeRequest(images=pb.Tensor(shape=list(batch.shape), dtype="uint8", data=batch.tobytes()))
+            msg = pb.EncodeRequest(images=tensor_msg(batch))
         else:
             msg = pb.EncodeRequest(encoded=pb.EncodedImages(images=[jpeg_bytes(x) for x in batch]))
         return "/vqserve.v1.Tokenizer/Encode", msg.SerializeToString()
-    from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
+    if case.payload != "raw":
+        raise ValueError(f"{case.label}: OIP takes raw UINT8 tensors only (JPEG goes through v1)")
+    from vqserve.bench.serving import oip_request
 
-    if case.payload == "raw":
-        tensor = oip.ModelInferRequest.InferInputTensor(name="images", datatype="UINT8", shape=list(batch.shape))
-        msg = oip.ModelInferRequest(model_name="vqserve-encode", inputs=[tensor], raw_input_contents=[batch.tobytes()])
-    else:
-        blobs = [jpeg_bytes(x) for x in batch]
-        tensor = oip.ModelInferRequest.InferInputTensor(name="images", datatype="BYTES", shape=[len(blobs)])
-        msg = oip.ModelInferRequest(model_name="vqserve-encode", inputs=[tensor], raw_input_contents=[
-            b"".join(len(b).to_bytes(4, "little") + b for b in blobs)])
-    return "/inference.GRPCInferenceService/ModelInfer", msg.SerializeToString()
+    return "/inference.GRPCInferenceService/ModelInfer", oip_request("encode", batch).SerializeToString()
 
 
 def _client_process(target: str, method: str, request: bytes, threads: int, start_at: float,
@@ -205,25 +200,70 @@ def start_echo(reply_bytes: int):
     return proc, recv.recv()
 
 
+def parse_cases(text: str) -> list[LoadCase]:
+    """``v1:raw:8,oip:raw:16,v1:jpeg:16`` -> the cases (protocol, payload, images per call)."""
+    cases = []
+    for spec in text.split(","):
+        try:
+            protocol, payload, images = spec.split(":")
+            cases.append(LoadCase(protocol, payload, int(images)))
+        except ValueError:
+            raise ValueError(f"a case is protocol:payload:images, e.g. v1:raw:8; got {spec!r}") from None
+    return cases
+
+
+def parse_layouts(text: str, common: list[str] | tuple = ()) -> dict[str, list[str]]:
+    """``single=--frontends 0;split=--frontends auto`` -> {name: serve flags}, each after
+    ``common`` (later flags win)."""
+    layouts = {}
+    for spec in text.split(";"):
+        name, _, flags = spec.partition("=")
+        if name.strip():
+            layouts[name.strip()] = [*common, *flags.split()]
+    return layouts
+
+
+def reply_tokens(case: LoadCase, reply: bytes) -> np.ndarray | None:
+    """The indices in a serialised Encode / ModelInfer reply (None for no reply)."""
+    if not reply:
+        return None
+    if case.protocol == "v1":
+        from vqserve.serve._proto import tokenizer_pb2 as pb
+        from vqserve.serve.service_v1 import tensor_array
+
+        return tensor_array(pb.EncodeResponse.FromString(reply).indices, "indices")
+    from vqserve.bench.serving import oip_array
+    from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
+
+    return oip_array(oip.ModelInferResponse.FromString(reply))
+
+
 def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadCase], images: np.ndarray,
                     procs: int, threads: int, seconds: float, rounds: int = 2, device: str = "auto",
-                    dtype: str | None = None, floor: bool = False, log=print) -> list[dict]:
+                    dtype: str | None = None, floor: bool = False, log=print,
+                    expected: np.ndarray | None = None, warmup: float = 0.5) -> list[dict]:
     """Every layout's server started at once, then each case measured on each layout in
     interleaved rounds (the order rotates), keeping each point's best round: the ratios
     between layouts are taken under the same conditions. ``floor``: an echo server (gRPC
-    alone, no model) measured alongside, v1 cases only."""
+    alone, no model) measured alongside, v1 cases only. ``expected``: the tokens of
+    ``images`` the server must answer (raw cases; ``tokens_equal_in_process`` in each row).
+    A layout whose server does not start is one row with its ``error``."""
     import argparse
 
     from vqserve.bench.serving import start_server
 
     args = argparse.Namespace(backend="auto", dtype=dtype, device=device)
     servers: dict[str, tuple] = {}
+    failed: list[dict] = []
     echo = None
     rows: list[dict] = []
     try:
         for name, flags in layouts.items():
-            proc, port = start_server(model, args, 32, None, extra=flags)
-            servers[name] = (proc, port)
+            try:
+                servers[name] = start_server(model, args, 32, None, extra=flags)
+            except RuntimeError as exc:
+                failed.append({"layout": name, "error": str(exc)[-500:]})
+                log(f"  {name}: the server did not start: {str(exc)[-300:]}")
         targets = list(servers)
         if floor:
             f = 8  # answer as large as the model's indices would be
@@ -234,23 +274,23 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
             for case in cases:
                 order = targets[r % len(targets):] + targets[:r % len(targets)]
                 for name in order:
-                    if name == "grpc-floor":
-                        if case.protocol != "v1":
-                            continue
-                        proc, port = echo
-                        pid = proc.pid
-                    else:
-                        proc, port = servers[name]
-                        pid = proc.pid
-                    row = run_load(f"127.0.0.1:{port}", case, images, procs, threads, seconds, 0.5, pid)
-                    row.pop("first_reply", None)
+                    if name == "grpc-floor" and case.protocol != "v1":
+                        continue
+                    proc, port = echo if name == "grpc-floor" else servers[name]
+                    row = run_load(f"127.0.0.1:{port}", case, images, procs, threads, seconds, warmup, proc.pid)
+                    reply = row.pop("first_reply", b"")
+                    if expected is not None and case.payload == "raw" and name != "grpc-floor":
+                        got = reply_tokens(case, reply)
+                        row["tokens_equal_in_process"] = got is not None and bool(
+                            np.array_equal(got, expected[:case.images]))
                     row.update(layout=name, round=r + 1)
                     key = (name, case.label)
                     if key not in best or row["throughput"] > best[key]["throughput"]:
                         best[key] = row
                     log(f"  round {r + 1} {name:<14} {case.label:<14} {row['throughput']:8.0f} img/s  p99 "
                         f"{row['p99_ms']:6.1f} ms  server CPU {row['server_cpu_us_per_image'] or 0:6.0f} µs/img"
-                        + (f"  errors {row['errors'][:1]}" if row["errors"] else ""))
+                        + (f"  errors {row['errors'][:1]}" if row["errors"] else "")
+                        + ("  TOKENS DIFFER FROM IN-PROCESS" if row.get("tokens_equal_in_process") is False else ""))
         rows = [best[(name, case.label)] for case in cases for name in targets if (name, case.label) in best]
     finally:
         for proc, _port in servers.values():
@@ -262,15 +302,17 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
                 proc.kill()
         if echo is not None:
             echo[0].kill()
-    return rows
+    return failed + rows
 
 
 def capacity_of(model: str) -> float | None:
-    """Images/s at 256x256 a ``synthetic:N`` device can do; None for a real model."""
-    if not model.startswith("synthetic:"):
+    """Images/s at 256x256 a ``synthetic:N`` device can do; None for a real model (or N = 0)."""
+    from vqserve.export.synthetic import capacity, is_synthetic, parse_synthetic
+
+    if not is_synthetic(model):
         return None
-    micros = float(model.split(":", 1)[1])
-    return 1e6 / micros if micros else None
+    rate = capacity(parse_synthetic(model))
+    return rate if rate != float("inf") else None
 
 
 def layouts_table(rows: list[dict], capacity: float | None, size: int) -> str:
@@ -279,6 +321,9 @@ def layouts_table(rows: list[dict], capacity: float | None, size: int) -> str:
     lines = [f"{'layout':<16}{'case':<16}{'img/s':>9}" + (f"{'/capacity':>11}" if cap else "")
              + f"{'p50 ms':>9}{'p99 ms':>9}{'server CPU µs/img':>19}"]
     for row in rows:
+        if "error" in row:
+            lines.append(f"{row['layout']:<16}the server did not start: {row['error'][-200:]}")
+            continue
         lines.append(f"{row['layout']:<16}{row['case']:<16}{row['throughput']:9.0f}"
                      + (f"{row['throughput'] / cap:11.2f}" if cap else "")
                      + f"{row['p50_ms']:9.1f}{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:19.0f}")

@@ -526,23 +526,35 @@ async def _first(result: Awaitable[np.ndarray]) -> np.ndarray:
     return (await result)[0]
 
 
-def _oip_call(channel, method: str) -> Call:
+def oip_request(method: str, x: np.ndarray):
+    """A ModelInfer request of ``x`` (a whole batch) to ``vqserve-encode`` or ``-decode``."""
     from vqserve.serve import codec
     from vqserve.serve._proto import grpc_predict_v2_pb2 as pb
+
+    model, name = ("vqserve-encode", "images") if method == "encode" else ("vqserve-decode", "indices")
+    x = np.ascontiguousarray(x)
+    return pb.ModelInferRequest(model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(
+        name=name, datatype=codec.NUMPY_TO_OIP[x.dtype.name], shape=list(x.shape))],
+        raw_input_contents=[x.tobytes()])
+
+
+def oip_array(reply) -> np.ndarray:
+    """The first output of a ModelInfer response as an array."""
+    from vqserve.serve import codec
+
+    out = reply.outputs[0]
+    dtype = np.dtype(codec.OIP_TO_NUMPY[out.datatype]).newbyteorder("<")
+    return np.frombuffer(reply.raw_output_contents[0], dtype).reshape(tuple(out.shape))
+
+
+def _oip_call(channel, method: str) -> Call:
     from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as pb_grpc
 
     stub = pb_grpc.GRPCInferenceServiceStub(channel)
-    model, name = ("vqserve-encode", "images") if method == "encode" else ("vqserve-decode", "indices")
 
     async def call(x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x[None])
-        request = pb.ModelInferRequest(model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(
-            name=name, datatype=codec.NUMPY_TO_OIP[x.dtype.name], shape=list(x.shape))],
-            raw_input_contents=[x.tobytes()])
-        reply = await stub.ModelInfer(request, timeout=CALL_TIMEOUT_S)
-        out = reply.outputs[0]
-        dtype = np.dtype(codec.OIP_TO_NUMPY[out.datatype]).newbyteorder("<")
-        return np.frombuffer(reply.raw_output_contents[0], dtype).reshape(tuple(out.shape))[0]
+        reply = await stub.ModelInfer(oip_request(method, x[None]), timeout=CALL_TIMEOUT_S)
+        return oip_array(reply)[0]
 
     return call
 
@@ -868,17 +880,16 @@ def client_process_mode(args) -> int:
     """``--client-procs P``: clients in P other processes against each server layout
     (``--layouts``), interleaved; served / capacity for ``synthetic:N``, the server's CPU per
     image over all its processes, and the gRPC floor (an echo server) on the same machine."""
-    from vqserve.bench.load import LoadCase, capacity_of, compare_layouts, layouts_table
+    from vqserve.bench.load import (
+        capacity_of,
+        compare_layouts,
+        layouts_table,
+        parse_cases,
+        parse_layouts,
+    )
 
-    cases = []
-    for spec in args.cases.split(","):
-        protocol, payload, images = spec.split(":")
-        cases.append(LoadCase(protocol, payload, int(images)))
-    layouts = {}
-    for spec in args.layouts.split(";"):
-        name, _, flags = spec.partition("=")
-        if name.strip():
-            layouts[name.strip()] = ["--plan", args.server_plan or "default", *flags.split()]
+    cases = parse_cases(args.cases)
+    layouts = parse_layouts(args.layouts, ["--plan", args.server_plan or "default"])
     photos = bench_photos(args.size)
     capacity = capacity_of(args.model)
     print(f"bench serve: {args.model}, {args.size}x{args.size}, {args.client_procs} client processes x "

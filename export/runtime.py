@@ -257,10 +257,11 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
 def model_hash_of(model_or_artifact_dir: str | os.PathLike = "default") -> str:
     """The ``model_hash`` a runtime of this model would report, from its files alone
     (nothing is loaded): for a command to refuse a wrong model before it binds or writes."""
-    from vqserve.export.synthetic import is_synthetic, parse_synthetic, synthetic_hash
+    from vqserve.export.synthetic import SYNTHETIC_HASH, is_synthetic, parse_synthetic
 
     if is_synthetic(model_or_artifact_dir):
-        return synthetic_hash(parse_synthetic(model_or_artifact_dir))
+        parse_synthetic(model_or_artifact_dir)  # a bad N is refused here as at load
+        return SYNTHETIC_HASH
     path = Path(str(model_or_artifact_dir))
     if (path / "manifest.json").is_file():
         from vqserve.export.manifest import artifact_hash, read_manifest, verify_files

@@ -17,6 +17,9 @@ as 24 little-endian uint64 words, summed with wrap-around, modulo 64,000. That c
 axes cost 125 µs, which would have measured numpy instead of the serving path): host work
 like a real runtime's upload, not device time. Decode paints each block the grey
 ``index % 256``.
+
+Parsing a ``synthetic:N`` name imports no torch (the CLI checks ``--model`` with it before
+anything heavy loads).
 """
 
 from __future__ import annotations
@@ -26,8 +29,6 @@ import threading
 import time
 
 import numpy as np
-
-from vqserve.export.runtime import RuntimeInfo
 
 PREFIX = "synthetic:"
 CODEBOOK_SIZE = 64_000
@@ -52,10 +53,13 @@ def parse_synthetic(model: str) -> float:
     return micros
 
 
-def synthetic_hash(micros: float) -> str:
-    """The model hash: the token function's version alone (the speed changes no token)."""
-    del micros
-    return hashlib.sha256(b"vqserve synthetic tokenizer v1: 8x8 block uint64 word sums mod 64000").hexdigest()
+def capacity(micros: float) -> float:
+    """Images per second at 256x256 the simulated device can do (inf at N = 0)."""
+    return 1e6 / micros if micros else float("inf")
+
+
+# the model hash: the token function's version alone (the speed N changes no token)
+SYNTHETIC_HASH = hashlib.sha256(b"vqserve synthetic tokenizer v1: 8x8 block uint64 word sums mod 64000").hexdigest()
 
 
 class SimulatedDevice:
@@ -110,17 +114,17 @@ class SyntheticRuntime:
             device = "synthetic:0"
         self.device = simulated_device(device)
         self.name = model
-        model_hash = synthetic_hash(self.micros)
+        from vqserve.export.runtime import RuntimeInfo
+
         self.info = RuntimeInfo(
             backend="synthetic", dtype="fp32", device=device, quantizer="vq",
             codebook_size=CODEBOOK_SIZE, factor=FACTOR, index_dtype="uint16",
-            model_hash=model_hash, source_hash=model_hash, exact=True,
+            model_hash=SYNTHETIC_HASH, source_hash=SYNTHETIC_HASH, exact=True,
             extra={"family": "synthetic", "device_us_per_256": self.micros})
 
     @property
     def capacity(self) -> float:
-        """Images per second at 256x256 the simulated device can do (inf at N = 0)."""
-        return 1e6 / self.micros if self.micros else float("inf")
+        return capacity(self.micros)
 
     def _spend(self, pixels: int) -> None:
         self.device.run(self.micros * 1e-6 * pixels / REFERENCE_PIXELS)

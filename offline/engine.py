@@ -43,6 +43,7 @@ import numpy as np
 
 from vqserve import images
 from vqserve.offline import pipeline
+from vqserve.shm import round_up
 
 EXECUTORS_PER_DEVICE = 2
 SHORT_RUN_S = 2.0  # shorter runs get no bottleneck verdict: start-up and the end dominate them
@@ -233,10 +234,7 @@ def decode_into_slot(task: pipeline.Task, pre: images.Preprocess, image_column: 
                      slot_bytes: int) -> SlotResult:
     t0 = time.perf_counter()
     items = pipeline.decode_task(task, pre, image_column).items
-    order: dict[tuple, list[int]] = {}
-    for i, item in enumerate(items):
-        if not isinstance(item, str):
-            order.setdefault(item.pixels.shape, []).append(i)
+    metas, order = pipeline.shape_groups(items)
     groups, overflow, used = [], {}, 0
     for g, (shape, idx) in enumerate(order.items()):
         nbytes = int(np.prod(shape)) * len(idx)
@@ -245,12 +243,10 @@ def decode_into_slot(task: pipeline.Task, pre: images.Preprocess, image_column: 
             for j, i in enumerate(idx):
                 block[j] = items[i].pixels
             groups.append((shape, slot + used, idx))
-            used += -(-nbytes // _ALIGN) * _ALIGN
+            used += round_up(nbytes, _ALIGN)
         else:
             groups.append((shape, None, idx))
             overflow[g] = np.stack([items[i].pixels for i in idx])
-    metas = [item if isinstance(item, str) else (item.orig_height, item.orig_width, item.crop)
-             for item in items]
     return SlotResult(None, metas, groups, overflow, time.perf_counter() - t0)
 
 
@@ -389,10 +385,7 @@ class _Failed(Exception):
 def _slot_bytes(settings: pipeline.Settings) -> int:
     pre = settings.preprocess
     per_image = pre.size * pre.size * 3 if pre.mode == "size" and pre.size else SLOT_IMAGE_BYTES
-    from vqserve.shm import ALIGN
-
-    nbytes = settings.batch_size * (-(-per_image // _ALIGN) * _ALIGN)
-    return -(-nbytes // ALIGN) * ALIGN  # the arena hands out whole pages
+    return round_up(settings.batch_size * round_up(per_image, _ALIGN))  # the arena hands out whole pages
 
 
 def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: bool = False,

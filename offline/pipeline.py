@@ -123,14 +123,23 @@ def decode_task(task: Task, pre: images.Preprocess, image_column: str) -> Decode
 def encode_task(runtime, decoded: DecodedTask) -> EncodedTask:
     """One runtime call per distinct image shape in the task, in first-seen order."""
     items = decoded.items
+    metas, groups = shape_groups(items)
+    return encode_groups(runtime, decoded.task, metas,
+                         [(idx, np.stack([items[i].pixels for i in idx])) for idx in groups.values()])
+
+
+def shape_groups(items: list) -> tuple[list, dict[tuple, list[int]]]:
+    """A decoded task's items (a decoded image, or an error string) -> per record its meta
+    (the error, or ``(orig_height, orig_width, crop)``) and the record indices of each
+    distinct image shape in first-seen order: one runtime call per shape, whichever
+    transport carries the pixels."""
     groups: dict[tuple, list[int]] = {}
     for i, item in enumerate(items):
         if not isinstance(item, str):
             groups.setdefault(item.pixels.shape, []).append(i)
     metas = [item if isinstance(item, str) else (item.orig_height, item.orig_width, item.crop)
              for item in items]
-    return encode_groups(runtime, decoded.task, metas,
-                         [(idx, np.stack([items[i].pixels for i in idx])) for idx in groups.values()])
+    return metas, groups
 
 
 def encode_groups(runtime, task: Task, metas: list, groups: list) -> EncodedTask:

@@ -45,8 +45,9 @@ def default_frontends(device: str, cores: int) -> int:
     """Front-end processes for ``--frontends auto``: none on a CPU (the model needs the
     cores, and one process serves at the model's speed there); on an accelerator half the
     cores, at least 2 and at most 8, so request handling never waits for one GIL. Two even
-    on 2 cores: with synthetic:200 there, 8-image calls reached 0.67 of the device with two
-    front-ends and 0.48 with one (`vqserve bench serve --client-procs 2`, docs/SERVING.md)."""
+    on 2 cores: with synthetic:200 there, 8-image calls reached 0.65-0.67 of the device with
+    two front-ends and 0.48-0.60 with one (`vqserve bench serve --client-procs 2`, two runs,
+    docs/SERVING.md)."""
     if not (device.startswith("cuda") or device.startswith("synthetic")):
         return 0
     return max(2, min(8, cores // 2))
@@ -54,7 +55,7 @@ def default_frontends(device: str, cores: int) -> int:
 
 def identity_payload(engine) -> dict:
     """What a front-end needs to answer GetModelInfo and check requests like this process."""
-    info = dataclasses.asdict(engine.runtime.info)
+    info = engine.runtime.info.to_dict()
     certificate = engine.determinism
     return {"info": info, "determinism": certificate.to_dict() if certificate is not None else None,
             "max_batch_pixels": engine.max_batch_pixels}
@@ -274,11 +275,13 @@ class FrontendPool:
         on the others meanwhile); its metric files stop counting as live."""
         from prometheus_client import multiprocess
 
+        reaped: set[int] = set()
         while not self._stopping:
             time.sleep(0.2)
             for i, proc in enumerate(self.procs):
-                if proc.poll() is None or self._stopping:
+                if proc.poll() is None or self._stopping or proc.pid in reaped:
                     continue
+                reaped.add(proc.pid)
                 multiprocess.mark_process_dead(proc.pid, self.metrics_dir)
                 if proc.returncode in (0, -signal.SIGTERM):
                     continue  # stopped on purpose

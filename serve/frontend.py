@@ -32,8 +32,8 @@ import time
 import numpy as np
 
 from vqserve.serve import wire
-from vqserve.serve.batcher import BatcherClosed, QueueFull
-from vqserve.shm import ALIGN, Arena, ArenaFull
+from vqserve.serve.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from vqserve.shm import Arena, ArenaFull, round_up
 
 
 def default_arena_bytes(max_batch_size: int, max_pixels: int) -> int:
@@ -97,13 +97,11 @@ class RemoteBatcher:
         if self._closed or self._writer is None:
             raise BatcherClosed("the server is shutting down")
         if deadline is not None and deadline <= time.monotonic():
-            from vqserve.serve.batcher import DeadlineExpired
-
             raise DeadlineExpired("the deadline passed before the request reached the model")
         kind = wire.KINDS[method]
         answer_shape, answer_dtype = self._answer_of(method, array)
         answer_bytes = math.prod(answer_shape) * np.dtype(answer_dtype).itemsize
-        in_bytes = _round_up(array.nbytes, ALIGN)
+        in_bytes = round_up(array.nbytes)
         size = in_bytes + answer_bytes
         try:
             offset = self.arena.alloc(size)
@@ -227,19 +225,9 @@ async def connect_engine(config, metrics):
     plan and start-up certificate (kept current: a plan switch there is pushed here)."""
     from vqserve.serve.engine import Engine, default_decoded_bytes
 
-    engine_box: list = []
-
-    def update(payload: dict) -> None:
-        if engine_box:
-            engine = engine_box[0]
-            engine.info = dataclasses.replace(_runtime_info(payload), max_pixels=engine.info.max_pixels)
-            engine.identity = engine.info.identity()
-            engine.determinism = _certificate(payload)
-
     max_pixels_hint = config.max_pixels or 1024 * 1024
     remote = RemoteBatcher(config.executor_socket,
-                           (config.arena_mb << 20) or default_arena_bytes(config.max_batch_size, max_pixels_hint),
-                           on_info=update)
+                           (config.arena_mb << 20) or default_arena_bytes(config.max_batch_size, max_pixels_hint))
     payload = await remote.connect()
     info = _runtime_info(payload)
     max_pixels = config.max_pixels or info.max_pixels
@@ -251,12 +239,14 @@ async def connect_engine(config, metrics):
                     or default_decoded_bytes(config.max_batch_size, max_pixels),
                     decode_threads=config.decode_threads, batcher=remote)
     engine.determinism = _certificate(payload)
-    engine_box.append(engine)
+
+    def update(later: dict) -> None:  # a plan switch in the executor: its new identity
+        engine.info = dataclasses.replace(_runtime_info(later), max_pixels=engine.info.max_pixels)
+        engine.identity = engine.info.identity()
+        engine.determinism = _certificate(later)
+
+    remote.on_info = update
     return engine
-
-
-def _round_up(n: int, step: int) -> int:
-    return (n + step - 1) // step * step
 
 
 def main() -> int:

@@ -712,13 +712,17 @@ class TokenizerServer:
             self.port = self._bind(lambda: self.server.add_insecure_port(address))
         await self.server.start()
         self._start_metrics()
-        _event("listening" if self.role == "all" else "frontend_listening",
-               f"gRPC listening on {cfg.host}:{self.port}", port=self.port,
-               metrics_port=self.metrics_port, tls=bool(cfg.tls_cert), auth=bool(cfg.auth_token),
-               metrics_tls=cfg.metrics_tls, metrics_auth=cfg.metrics_auth,
-               max_streams=cfg.max_streams, version=__version__)
-        self._load_task = asyncio.get_running_loop().create_task(self._load())
+        self._listening("listening" if self.role == "all" else "frontend_listening",
+                        f"gRPC listening on {cfg.host}:{self.port}")
         return self.port
+
+    def _listening(self, event: str, msg: str, **fields) -> None:
+        """Log the bound ports and settings, then load the model in the background."""
+        cfg = self.config
+        _event(event, msg, port=self.port, metrics_port=self.metrics_port, tls=bool(cfg.tls_cert),
+               auth=bool(cfg.auth_token), metrics_tls=cfg.metrics_tls, metrics_auth=cfg.metrics_auth,
+               max_streams=cfg.max_streams, version=__version__, **fields)
+        self._load_task = asyncio.get_running_loop().create_task(self._load())
 
     async def _start_executor(self) -> int:
         """The device executor behind ``frontends`` front-end processes (serve/executor.py):
@@ -736,11 +740,8 @@ class TokenizerServer:
         self._start_metrics()
         self.pool = FrontendPool(cfg, cfg.frontends, self.port, self.executor.path, self._metrics_dir)
         self.pool.start()
-        _event("listening", f"gRPC listening on {cfg.host}:{self.port} ({cfg.frontends} front-end processes, "
-               "one device executor)", port=self.port, metrics_port=self.metrics_port, frontends=cfg.frontends,
-               tls=bool(cfg.tls_cert), auth=bool(cfg.auth_token), metrics_tls=cfg.metrics_tls,
-               metrics_auth=cfg.metrics_auth, max_streams=cfg.max_streams, version=__version__)
-        self._load_task = asyncio.get_running_loop().create_task(self._load())
+        self._listening("listening", f"gRPC listening on {cfg.host}:{self.port} ({cfg.frontends} front-end "
+                        "processes, one device executor)", frontends=cfg.frontends)
         return self.port
 
     def _start_metrics(self) -> None:

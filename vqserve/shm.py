@@ -41,7 +41,7 @@ class Arena:
     was sent to (:meth:`attach`)."""
 
     def __init__(self, size: int, name: str = "vqserve-arena", fd: int | None = None):
-        self.size = _round_up(int(size), ALIGN)
+        self.size = round_up(int(size), ALIGN)
         self.owner = fd is None
         if fd is None:
             fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -62,7 +62,7 @@ class Arena:
     # ---- allocation (owner only) ------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
         """Offset of a free block of at least ``nbytes``; :class:`ArenaFull` when none."""
-        need = _round_up(max(1, int(nbytes)), ALIGN)
+        need = round_up(max(1, int(nbytes)), ALIGN)
         with self._lock:
             for i, start in enumerate(self._free_starts):
                 length = self._free_size[start]
@@ -79,7 +79,7 @@ class Arena:
 
     def free(self, offset: int, nbytes: int) -> None:
         """Return a block (the size given to :meth:`alloc`); neighbours merge."""
-        length = _round_up(max(1, int(nbytes)), ALIGN)
+        length = round_up(max(1, int(nbytes)), ALIGN)
         with self._lock:
             self.used -= length
             i = bisect.bisect_left(self._free_starts, offset)
@@ -130,5 +130,6 @@ class Arena:
         os.close(self.fd)
 
 
-def _round_up(n: int, step: int) -> int:
+def round_up(n: int, step: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``step`` (block sizes and offsets)."""
     return (n + step - 1) // step * step

@@ -84,17 +84,16 @@ def is_packaged_name(model: str) -> bool:
 
 
 def is_synthetic_name(model: str) -> bool:
-    """``synthetic:N``: the stand-in accelerator (vqserve.export.synthetic), checked here
-    without importing it, so parsing a command line never imports torch."""
-    if not model.startswith("synthetic:"):
+    """``synthetic:N``: the stand-in accelerator (vqserve.export.synthetic, which parses the
+    name without importing torch); a bad N is a usage error."""
+    from vqserve.export.synthetic import is_synthetic, parse_synthetic
+
+    if not is_synthetic(model):
         return False
     try:
-        micros = float(model[len("synthetic:"):])
-    except ValueError:
-        micros = -1.0
-    if not 0 <= micros <= 1e6:
-        raise UsageError(f"--model {model}: synthetic:N needs N, the simulated device microseconds per "
-                         "256x256 image, from 0 to 1000000 (e.g. synthetic:200 = 5,000 img/s)")
+        parse_synthetic(model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return True
 
 

@@ -196,15 +196,16 @@ def resolve_frontends(value, model: str, device: str) -> int:
     """``auto``: by the device the model will run on (serve/executor.py default_frontends)."""
     if value != "auto":
         return int(value)
+    from vqserve.export.synthetic import is_synthetic
     from vqserve.machine import available_cores
     from vqserve.serve.executor import default_frontends
 
-    if model.startswith("synthetic:"):
+    if is_synthetic(model):
         device = "synthetic"
     elif device == "auto":
-        import torch
+        from vqserve.export.runtime import resolve_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(device)
     return default_frontends(device, available_cores())
 
 
