@@ -110,8 +110,8 @@ class SyntheticRuntime:
 
     def __init__(self, model: str = "synthetic:200", device: str = "synthetic:0"):
         self.micros = parse_synthetic(model)
-        if not device.startswith("synthetic"):  # auto / cpu / cuda: the first simulated device
-            device = "synthetic:0"
+        if device in ("synthetic", "synthetic:") or not device.startswith("synthetic"):
+            device = "synthetic:0"  # the kind alone, auto, cpu or cuda: the first simulated device
         self.device = simulated_device(device)
         self.name = model
         from vqserve.export.runtime import RuntimeInfo
