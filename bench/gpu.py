@@ -73,10 +73,27 @@ def token_rows(model: str, device: str, photos: np.ndarray, dtypes: list[str]) -
         alone = np.concatenate([runtime.encode(photos[i:i + 1]) for i in range(len(photos))])
         rows.append({"precision": label, "agree_cpu_fp32": float(np.mean(together == reference)),
                      "photos_identical": int(sum(np.array_equal(t, r) for t, r in zip(together, reference, strict=True))),
-                     "photos": len(photos), "batch_invariant": bool(np.array_equal(together, alone))})
+                     "photos": len(photos), "batch_invariant": bool(np.array_equal(together, alone)),
+                     "buckets_equal": buckets_equal(runtime, photos)})
         reset_tf32(device)
         del runtime
     return rows
+
+
+def buckets_equal(runtime, photos: np.ndarray, micro: int = 64) -> bool:
+    """Whether short calls padded to their power-of-two bucket (1, 2, 4, ...) give every
+    photograph the tokens it gets in a full call of ``micro``: what ``--plan auto`` measures
+    before a plan takes buckets (``ExecutionPlan.bucketed``)."""
+    from vqserve.export.execution import ExecutionPlan, PlannedRuntime
+
+    many = np.ascontiguousarray(np.resize(photos, (micro, *photos.shape[1:])))
+    full = PlannedRuntime(runtime, ExecutionPlan(micro, 1)).encode(many)
+    bucketed = PlannedRuntime(runtime, ExecutionPlan(micro, 1, bucketed=("encode",)))
+    for size in (1, 2, 3, 5, 9, 17, 33):
+        got = np.concatenate([bucketed.encode(many[i:i + size]) for i in range(0, micro, size)])
+        if not np.array_equal(got, full):
+            return False
+    return True
 
 
 def throughput(runtime, photos: np.ndarray, batch: int, seconds: float, callers: int | None = None) -> float:
@@ -129,12 +146,15 @@ def encoder_gflop(model: str, device: str, size: int) -> float | None:
         return None
 
 
-def tokenize_row(model: str, device: str, dtype: str, timeout: float) -> dict:
-    """``vqserve bench tokenize`` in a child, within ``timeout`` seconds."""
+def tokenize_row(model: str, device: str, dtype: str, timeout: float, count: int = 8000,
+                 batch_size: int = 32, before: bool = False) -> dict:
+    """``vqserve bench tokenize`` in a child, within ``timeout`` seconds: ``count`` images,
+    several seconds of device work, so the steady rate shows beside the run's start-up."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tokenize.json"
         cmd = [sys.executable, "-m", "vqserve", "bench", "tokenize", "--model", model, "--device", device,
-               "--dtype", dtype, "--rounds", "1", "--count", "1920", "--loader-rows", "0", "--json", str(out)]
+               "--dtype", dtype, "--rounds", "1", "--count", str(count), "--batch-size", str(batch_size),
+               "--loader-rows", "0", "--json", str(out), "--before" if before else "--no-before"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -166,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "split-2workers=--frontends auto --model-workers 2",
                    help="server layouts: NAME=serve flags, ';'-separated (single: today's one process)")
     p.add_argument("--tokenize-seconds", type=float, default=120.0, help="0 skips tokenize")
+    p.add_argument("--tokenize-count", type=int, default=8000, help="images per tokenize run")
+    p.add_argument("--tokenize-batch", type=int, default=32, help="tokenize --batch-size")
+    p.add_argument("--tokenize-before", action="store_true",
+                   help="also time tokenize's serial engine (doubles the tokenize time)")
     p.add_argument("--skip-tokens", action="store_true", help="skip section 1 (tokens against CPU fp32)")
     p.add_argument("--json", help="write every figure to this file")
     return p
@@ -231,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tokenize_seconds > 0:
         _log("4. tokenize end to end vs raw")
-        result["tokenize"] = [tokenize_row(args.model, device, dtype, args.tokenize_seconds)
+        result["tokenize"] = [tokenize_row(args.model, device, dtype, args.tokenize_seconds, args.tokenize_count,
+                                           args.tokenize_batch, args.tokenize_before)
                               for dtype in dtypes]
         for row in result["tokenize"]:
             _log(f"  {({k: v for k, v in row.items() if not isinstance(v, (dict, list))})}")
@@ -253,7 +278,8 @@ def report(result: dict) -> str:
             continue
         lines.append(f"tokens {row['precision']:<5} {100 * row['agree_cpu_fp32']:8.3f} % equal to CPU fp32, "
                      f"{row['photos_identical']}/{row['photos']} photos identical, batch-invariant "
-                     f"{'yes' if row['batch_invariant'] else 'NO'}")
+                     f"{'yes' if row['batch_invariant'] else 'NO'}, buckets equal to calls of 64 "
+                     f"{ {True: 'yes', False: 'NO'}.get(row.get('buckets_equal'), '?') }")
     best = {}
     for row in result.get("in_process", []):
         if row["dtype"] not in best or row["throughput"] > best[row["dtype"]]["throughput"]:
@@ -278,7 +304,10 @@ def report(result: dict) -> str:
         lines.append(f"tokenize {row['dtype']}: end to end {row['end_to_end_images_per_s']:.0f} img/s, raw "
                      f"{row['raw_images_per_s']:.0f}, ratio {row['ratio_median']:.2f}; decode capacity "
                      f"{row.get('decode_capacity_images_per_s', 0):.0f} img/s, e2e / min(raw, decode) "
-                     f"{row.get('ratio_to_bound_median', 0):.2f} ({row.get('bottleneck')}-bound); main process "
+                     f"{row.get('ratio_to_bound_median', 0):.2f} ({row.get('bottleneck')}-bound); steady "
+                     f"{row.get('steady_images_per_s') or 0:.0f} img/s "
+                     f"({row.get('steady_ratio_to_bound_median') or 0:.2f} of the bound), first tokens after "
+                     f"{row.get('first_tokens_s') or 0:.1f} s; main process "
                      f"{row.get('main_cpu_us_per_image', 0):.0f} µs CPU/img"
                      + (f"; before (serial engine) {before.get('end_to_end_images_per_s', 0):.0f} img/s"
                         if before else ""))

@@ -93,8 +93,11 @@ def _client_process(target: str, method: str, request: bytes, threads: int, star
     errors: list[str] = []
 
     def caller(k: int) -> None:
+        # its own connection: gRPC shares one connection among a process's channels to one
+        # target, and SO_REUSEPORT spreads connections, not calls, over front-end processes
         channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20),
-                                                         ("grpc.max_send_message_length", 256 << 20)])
+                                                         ("grpc.max_send_message_length", 256 << 20),
+                                                         ("grpc.use_local_subchannel_pool", 1)])
         call = channel.unary_unary(method)  # bytes in, bytes out
         try:
             reply = call(request, timeout=60)

@@ -62,7 +62,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 DTYPES = ("fp32", "bf16", "fp16")
 CALIBRATION_SIDES = (64, 256)
 MICRO_BATCHES = (1, 2, 4, 8)
-PLANNER_VERSION = 7        # bump when the measurement or the choice rule changes
+PLANNER_VERSION = 8        # bump when the measurement or the choice rule changes
 ROUNDS = 3                 # interleaved timing rounds: every candidate once per round
 STALE_EXPORT_S = 3600      # a staging folder of an export this old was left by a killed process
 MAX_CALL_PIXELS = 4 << 20  # candidates above this many pixels per call are not tried
@@ -122,6 +122,7 @@ class DtypeResult:
     pixels_equal: bool = False    # decoding the reference's tokens gave the reference's pixels, all of them
     batch_invariant: bool = False
     lone_invariant: list = field(default_factory=list)  # methods whose call of one equals a full call
+    bucket_invariant: list = field(default_factory=list)  # methods whose every power-of-two call does
     threads_invariant: bool = False  # the one-call-with-all-threads variant, checked too
     eligible: bool = False
     why_not: str = ""
@@ -218,6 +219,14 @@ def _exactness(raw, reference: tuple[np.ndarray, np.ndarray] | None, photos: np.
                             batch_sizes=(1, 3, max_micro), compositions=1)
     res.lone_invariant = [m for m, ok in (("decode", cert.decode_batch_invariant), ("encode", cert.batch_invariant))
                           if ok]
+    if max_micro > 2:  # short calls padded to 1, 2, 4, ...: each bucket below the micro-batch once
+        check()
+        sizes = tuple(sorted({1, *(b + 1 for b in _powers_below(max_micro)), max_micro}))
+        cert = check_invariance(raw, ExecutionPlan(max_micro, workers, bucketed=("decode", "encode")),
+                                synthetic_images(max_micro, side_small, seed=5), "calibration",
+                                batch_sizes=sizes, compositions=1)
+        res.bucket_invariant = [m for m, ok in (("decode", cert.decode_batch_invariant),
+                                                ("encode", cert.batch_invariant)) if ok]
     if workers > 1:
         check()
         cert = check_invariance(raw, ExecutionPlan(1, 1, workers), small, "calibration",
@@ -333,7 +342,8 @@ def _choose(rows: list[Candidate], results: dict[str, DtypeResult], sides: tuple
         return choice, ExecutionPlan(1, 1, workers)
     by_pixels = tuple((s * s, c.micro_batch) for s, c in zip(sides, parallel, strict=True))
     return choice, ExecutionPlan(micro_batch=parallel[-1].micro_batch, workers=workers,
-                                 micro_batch_by_pixels=by_pixels, lone_unpadded=tuple(choice.lone_invariant))
+                                 micro_batch_by_pixels=by_pixels, lone_unpadded=tuple(choice.lone_invariant),
+                                 bucketed=tuple(choice.bucket_invariant))
 
 
 def default_backends(device: str) -> tuple[str, ...]:
@@ -522,6 +532,11 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
             "load_average": {"before": load_before, "after": load_average()}}
 
 
+def _powers_below(n: int) -> list[int]:
+    """1, 2, 4, ... below ``n``: the buckets of a bucketed plan at micro-batch ``n``."""
+    return [1 << k for k in range(max(0, n - 1).bit_length()) if 1 << k < n]
+
+
 def _certified(raw, plan: ExecutionPlan, say) -> ExecutionPlan:
     """The plan as the server's own start-up check sees it: a plan that fails that check (a
     lone call that moved a decoded pixel there although the calibration found it equal)
@@ -537,8 +552,10 @@ def _certified(raw, plan: ExecutionPlan, say) -> ExecutionPlan:
         tried.add(attempt)
         failed = {"encode"} if not cert.batch_invariant else set()
         failed |= {"decode"} if not cert.decode_batch_invariant else set()
-        candidates = (dataclasses.replace(attempt, lone_unpadded=tuple(set(attempt.lone_unpadded) - failed)),
-                      dataclasses.replace(attempt, lone_unpadded=()), ExecutionPlan(1, plan.workers))
+        candidates = (dataclasses.replace(attempt, bucketed=tuple(set(attempt.bucketed) - failed)),
+                      dataclasses.replace(attempt, lone_unpadded=tuple(set(attempt.lone_unpadded) - failed),
+                                          bucketed=tuple(set(attempt.bucketed) - failed)),
+                      dataclasses.replace(attempt, lone_unpadded=(), bucketed=()), ExecutionPlan(1, plan.workers))
         simpler = next((c for c in candidates if c not in tried), None)
         say(f"plan {attempt.describe()} failed the start-up check ({cert.summary()}); "
             + (f"trying {simpler.describe()}" if simpler else "keeping micro-batch 1"))

@@ -13,80 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from vqserve.export.info import Runtime, RuntimeInfo, index_dtype_for  # noqa: F401 - their home before
 from vqserve.identity import same_tokens  # noqa: F401 - where runtimes' users look for it
 from vqserve.model.mixed_precision import low_precision_encoder
-
-
-def index_dtype_for(codebook_size: int) -> np.dtype:
-    """The narrowest unsigned dtype that holds every index (uint16 up to 65,536 codes)."""
-    if codebook_size <= 2**8:
-        return np.dtype("<u1")
-    if codebook_size <= 2**16:
-        return np.dtype("<u2")
-    if codebook_size <= 2**32:
-        return np.dtype("<u4")
-    return np.dtype("<u8")
-
-
-@dataclass(frozen=True)
-class RuntimeInfo:
-    """What a client needs to know to call a runtime (also GetModelInfo's payload)."""
-
-    backend: str                      # eager | torchscript | onnx | pt2
-    dtype: str                        # fp32 | bf16 | fp16: the networks' compute dtype
-    device: str                       # cpu | cuda | cuda:0 ...
-    quantizer: str                    # fsq | lfq | vq | rfsq
-    codebook_size: int
-    factor: int                       # spatial downsampling: indices are [B, H/f, W/f]
-    codes_per_position: int = 1       # > 1 for residual quantizers: indices [B,h,w,Q]
-    levels: tuple[int, ...] = ()      # FSQ levels where they exist
-    dither: str = "none"              # "bayer4": an FSQ code's value depends on its position modulo 4
-    index_dtype: str = "uint16"       # numpy name of the wire dtype
-    model_hash: str = ""              # one sha256 over every file loaded (config + weights / artifact)
-    max_pixels: int = 1024 * 1024     # per image; larger inputs are refused
-    extra: dict = field(default_factory=dict)
-    # The token identity. ``source_hash``: the checkpoint whose tokens these are (a checkpoint's
-    # own model_hash; an export's source checkpoint). ``exact``: the tokens are that checkpoint's
-    # in fp32 eager, measured equal (eager fp32 itself; an fp32 export whose parity check found
-    # every token equal). Two runtimes that are both exact for one source give the same tokens,
-    # whatever backend runs them: see :func:`vqserve.identity.same_tokens`.
-    source_hash: str = ""
-    exact: bool = False
-    # False for an encode-only model (a family whose original has no decoder): decode refuses
-    # in one line (vqserve.model.tokenizer.DecodeUnsupported), checks and exports skip it
-    decodes: bool = True
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def identity(self) -> dict:
-        """The fields that say which tokens a client gets (GetModelInfo, OIP metadata, the
-        tokenize manifest, encode's identity files)."""
-        return {"model_hash": self.model_hash, "source_hash": self.source_hash or self.model_hash,
-                "dtype": self.dtype, "backend": self.backend, "exact": bool(self.exact)}
-
-
-@runtime_checkable
-class Runtime(Protocol):
-    """``encode``/``decode`` take and return numpy arrays; both must be thread-safe
-    to call from one worker thread at a time (the batcher serialises calls)."""
-
-    info: RuntimeInfo
-
-    def encode(self, images: np.ndarray) -> np.ndarray:
-        """uint8 ``[B,H,W,3]`` -> indices ``[B,H/f,W/f]`` in ``info.index_dtype``."""
-        ...
-
-    def decode(self, indices: np.ndarray) -> np.ndarray:
-        """integer indices ``[B,h,w]`` -> uint8 ``[B,h*f,w*f,3]``."""
-        ...
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -154,8 +88,11 @@ class EagerRuntime:
         path = resolve_model_path(model)
         model_hash = checkpoint_hash(path)
         check_expected_hash(expect_hash, model_hash, path)
-        if torch_dtype == torch.float32:
-            fp32_means_fp32(device)
+        # every dtype: the fp32 layers a bf16/fp16 encoder keeps are fp32 too, and the flags are
+        # process-wide, so without this a bf16 runtime's tokens changed with whether an fp32
+        # one had been loaded earlier in the process (H100: served bf16 differed from bf16
+        # in-process after an fp32 load, `vqserve bench gpu`)
+        fp32_means_fp32(device)
         self.tokenizer = load_tokenizer(path, device=device)
         # the same encoder a bf16/fp16 export holds (fp32 residual stream for bf16/fp16, docs/EXPORT.md),
         # built from the fp32 weights; the quantizer is fp32 whatever the dtype

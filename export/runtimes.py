@@ -71,7 +71,7 @@ class ArtifactRuntime:
         check_expected_hash(expect_hash, artifact_hash(self.manifest), self.dir)
         self.device = self._resolve_device(device)
         m = self.manifest
-        if m["dtype"] == "fp32" and self.backend != "onnx":  # torch runs it: no TF32 on CUDA
+        if self.backend != "onnx":  # torch runs it: no TF32 on CUDA (bf16/fp16 keep fp32 layers too)
             from vqserve.model.precision import fp32_means_fp32
 
             fp32_means_fp32(self.device)

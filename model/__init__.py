@@ -4,16 +4,27 @@ Training code (``vqserve.model.training``, ``vqserve.model.data``) is imported o
 only, so serving never pulls it in.
 """
 
-from vqserve.model.checkpoint import (
-    default_tokenizer_available,
-    default_tokenizer_dir,
-    load_tokenizer,
-    save_tokenizer,
-)
-from vqserve.model.config import TokenizerConfig
-from vqserve.model.precision import PrecisionPolicy, parse_dtype, policy
-from vqserve.model.quantizers import FSQ, LFQ, VQ, ResidualFSQ
-from vqserve.model.tokenizer import Tokenizer
+import importlib
+
+# name -> the submodule that defines it, imported on first use (PEP 562): a torch-free part
+# of the package (``vqserve.model.rules``) can then be imported without torch
+_LAZY = {
+    "default_tokenizer_available": "checkpoint", "default_tokenizer_dir": "checkpoint",
+    "load_tokenizer": "checkpoint", "save_tokenizer": "checkpoint",
+    "TokenizerConfig": "config",
+    "PrecisionPolicy": "precision", "parse_dtype": "precision", "policy": "precision",
+    "FSQ": "quantizers", "LFQ": "quantizers", "VQ": "quantizers", "ResidualFSQ": "quantizers",
+    "Tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"vqserve.model.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'vqserve.model' has no attribute {name!r}")
+
 
 __all__ = [
     "FSQ", "LFQ", "VQ", "ResidualFSQ",

@@ -88,7 +88,9 @@ def fp32_means_fp32(device: str) -> None:
     """On CUDA, PyTorch runs fp32 cuDNN convolutions in TF32 by default (a 10-bit mantissa on
     Ampere and newer), so "fp32" tokens would depend on the GPU generation. Serving fp32 is
     the promise of exact tokens: turn TF32 off for convolutions and matmuls. The flags are
-    process-wide; a process serving one tokenizer is what they govern here."""
+    process-wide, so every runtime sets them, whatever its dtype: a bf16/fp16 encoder's kept
+    fp32 layers are fp32 as well, and its tokens must not depend on what else the process
+    loaded before it."""
     if str(device).startswith("cuda"):
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False

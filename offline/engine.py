@@ -112,6 +112,26 @@ class Stages:
     write_s: float = 0.0
     main_cpu_s: float = 0.0
     thread_cpu_s: dict = field(default_factory=dict)  # where main_cpu_s went: main, executors, writer
+    marks: list = field(default_factory=list)  # (seconds since start, images written so far), per task
+
+    @property
+    def first_s(self) -> float | None:
+        """Seconds from the start until the first tokens were written: workers spawned, the
+        first tasks decoded and run (on a device, its first call's warm-up too)."""
+        return self.marks[0][0] if self.marks else None
+
+    @property
+    def steady_rate(self) -> float | None:
+        """Images/s between the tasks that wrote the first 10 % and the last 10 % of the
+        images: the rate a long run keeps, without start-up and the drain at the end (None
+        when the run had too few tasks to tell)."""
+        if len(self.marks) < 4:
+            return None
+        total = self.marks[-1][1]
+        inner = [m for m in self.marks if 0.1 * total <= m[1] <= 0.9 * total]
+        if len(inner) < 2 or inner[-1][0] <= inner[0][0]:
+            return None
+        return (inner[-1][1] - inner[0][1]) / (inner[-1][0] - inner[0][0])
 
     @property
     def decode_capacity(self) -> float:
@@ -160,7 +180,8 @@ class Stages:
                   f"{self.decode_capacity:,.0f} img/s capacity)" if self.workers else
                   f"decode {shares['decode']:.0%} (inline)")
         devices = ",".join(self.devices) or "device"
-        return (f"time: {decode}, device {shares['device']:.0%} ({devices}), write {shares['write']:.0%}; "
+        return (f"time: {decode}, device {shares['device']:.0%} ({devices}), write {shares['write']:.0%}"
+                + (f", first tokens after {self.first_s:.1f} s" if self.first_s is not None else "") + "; "
                 f"main process {per_image:.0f} µs CPU/image; {stage}-bound: {advice}")
 
     def to_dict(self) -> dict:
@@ -172,6 +193,7 @@ class Stages:
                 "device_s": self.device_s, "write_s": self.write_s, "main_cpu_s": self.main_cpu_s,
                 "main_cpu_us_per_image": 1e6 * self.main_cpu_s / max(1, self.images),
                 "thread_cpu_us_per_image": {k: 1e6 * v / max(1, self.images) for k, v in self.thread_cpu_s.items()},
+                "first_tokens_s": self.first_s, "steady_images_per_s": self.steady_rate,
                 "shares": self.shares(), "bottleneck": stage, "advice": advice}
 
 
@@ -467,7 +489,9 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
                 committer.add(enc)
             except BaseException as exc:  # noqa: BLE001 - FailFast, a full disk: to the main thread
                 fail(exc)
-            stages.write_s += time.perf_counter() - w0
+            w1 = time.perf_counter()
+            stages.write_s += w1 - w0
+            stages.marks.append((w1 - t0, committer.new_images))
 
     def check() -> None:
         if errors:

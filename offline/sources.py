@@ -69,16 +69,25 @@ def _expand(arg: str) -> list[str]:
 
 
 def _folder_records(folder: Path) -> Iterator[Record]:
+    """Every image below ``folder`` (hidden names skipped), by relative path; ``source`` is
+    the file's real path. The real path of each folder is found once and a file's is that
+    plus its name unless the file is itself a link: resolving every path component of every
+    file cost ~115 µs per file (about 2 minutes before the first image of a million)."""
     files = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        real_dir = None
+        rel_dir = os.path.relpath(dirpath, folder)
         for name in filenames:
             if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith("."):
-                files.append(Path(dirpath, name))
-    rels = sorted((p.relative_to(folder).as_posix(), p) for p in files)
-    for rel, p in rels:
-        key = rel.rsplit(".", 1)[0]
-        yield Record(key=key, source=str(p.resolve()), kind="file", path=str(p.resolve()))
+                full = os.path.join(dirpath, name)
+                if real_dir is None:
+                    real_dir = os.path.realpath(dirpath)
+                real = os.path.realpath(full) if os.path.islink(full) else os.path.join(real_dir, name)
+                rel = name if rel_dir == "." else f"{Path(rel_dir).as_posix()}/{name}"
+                files.append((rel, real))
+    for rel, real in sorted(files):
+        yield Record(key=rel.rsplit(".", 1)[0], source=real, kind="file", path=real)
 
 
 def _list_records(list_file: Path) -> Iterator[Record]:

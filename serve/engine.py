@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vqserve.export.checks import image_size_rule, index_grid_rule, index_range_rule
-from vqserve.model.tokenizer import decode_unsupported
+from vqserve.model.rules import decode_unsupported
 from vqserve.serve.batcher import Batcher
 from vqserve.serve.codec import BadInput
 from vqserve.serve.decoding import ImageDecoder
@@ -197,10 +197,7 @@ class Engine:
         request id), counted against the message limit before the model runs."""
         images = np.require(self.check_images(images, field), requirements=self._requirements)
         self.check_encode_reply(images, reply_overhead)
-        out = await self.batcher.submit("encode", images, deadline)
-        out = np.asarray(out).astype(self.index_dtype, copy=False)
-        self.metrics.record_codes("encode", out)
-        return out
+        return self.answer("encode", await self.batcher.submit("encode", images, deadline))
 
     async def encode_encoded(self, blobs: Sequence[bytes], deadline: float | None = None,
                              field: str = "encoded.images", reply_overhead: int = 0) -> np.ndarray:
@@ -222,5 +219,22 @@ class Engine:
         if reply_overhead is not None:
             self.check_decode_reply(indices, reply_overhead)
         self.metrics.record_codes("decode", indices)
-        out = await self.batcher.submit("decode", indices, deadline)
+        return self.answer("decode", await self.batcher.submit("decode", indices, deadline))
+
+    def enqueue_checked(self, method: str, array: np.ndarray, deadline: float | None = None):
+        """The device executor's path: queue an array the front-end process that sent it
+        checked already (with this same engine code) and return the local batcher's future,
+        with no coroutine or task per request; :meth:`answer` turns its result into the
+        reply's array."""
+        if method == "decode":
+            self.metrics.record_codes("decode", array)
+        return self.batcher.enqueue(method, array, deadline)
+
+    def answer(self, method: str, out: np.ndarray) -> np.ndarray:
+        """The model's output as answered: indices in the served index dtype (counted in the
+        codebook metrics), pixels as uint8."""
+        if method == "encode":
+            out = np.asarray(out).astype(self.index_dtype, copy=False)
+            self.metrics.record_codes("encode", out)
+            return out
         return np.asarray(out, dtype=np.uint8)

@@ -61,6 +61,22 @@ def identity_payload(engine) -> dict:
             "max_batch_pixels": engine.max_batch_pixels}
 
 
+class _Link:
+    """One front-end's connection: its arena, its requests in flight, its replies."""
+
+    def __init__(self, writer: asyncio.StreamWriter, arena: Arena):
+        self.arena = arena
+        self.out = wire.Outbox(writer)
+        self.inflight: dict[int, asyncio.Future] = {}
+
+    @property
+    def closed(self) -> bool:
+        return self.out.closed
+
+    def send(self, reply: bytes) -> None:
+        self.out.send(reply)
+
+
 class ExecutorService:
     """Answers front-ends on a Unix socket in a private directory (mode 0700)."""
 
@@ -116,69 +132,95 @@ class ExecutorService:
     async def _serve(self, conn: socket.socket, arena: Arena, hello: dict) -> None:
         reader, writer = await asyncio.open_unix_connection(sock=conn)
         self._writers.add(writer)
-        tasks: dict[int, asyncio.Task] = {}
+        link = _Link(writer, arena)
         was_ready = False
+        pending = bytearray()
+        size = wire.REQUEST.size
         try:
             if self.state.ready and self.state.engine is not None:
                 writer.write(wire.info_message(identity_payload(self.state.engine)))
             while True:
-                try:
-                    request = wire.unpack_request(await reader.readexactly(wire.REQUEST.size))
-                except (asyncio.IncompleteReadError, ConnectionError):
+                try:  # every header that has arrived, in one read: one wake-up for many requests
+                    data = await reader.read(1 << 16)
+                except ConnectionError:
                     return
-                kind = request["kind"]
-                if kind == wire.CANCEL:
-                    task = tasks.get(request["id"])
-                    if task is not None:
-                        task.cancel()
-                elif kind == wire.READY:
-                    was_ready = True
-                    self.ready_frontends += 1
-                    self._ready_changed.set()
-                else:
-                    task = asyncio.ensure_future(self._answer(request, arena, writer))
-                    tasks[request["id"]] = task
-                    task.add_done_callback(lambda _t, i=request["id"]: tasks.pop(i, None))
+                if not data:
+                    return
+                pending += data
+                whole = len(pending) - len(pending) % size
+                for at in range(0, whole, size):
+                    request = wire.unpack_request(bytes(pending[at:at + size]))
+                    kind = request["kind"]
+                    if kind == wire.CANCEL:
+                        future = link.inflight.get(request["id"])
+                        if future is not None:
+                            future.cancel()
+                    elif kind == wire.READY:
+                        was_ready = True
+                        self.ready_frontends += 1
+                        self._ready_changed.set()
+                    else:
+                        self._start(request, link)
+                del pending[:whole]
         finally:
             self._writers.discard(writer)
             if was_ready:
                 self.ready_frontends -= 1
-            for task in list(tasks.values()):  # the front-end is gone: nobody waits for these
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks.values(), return_exceptions=True)
+            for future in list(link.inflight.values()):  # the front-end is gone: nobody waits for these
+                future.cancel()
+            link.out.closed = True
             writer.close()
             arena.close()
 
-    async def _answer(self, request: dict, arena: Arena, writer: asyncio.StreamWriter) -> None:
+    def _start(self, request: dict, link: _Link) -> None:
+        """Queue one request on the engine's batcher (no task: a done-callback replies)."""
         req_id = request["id"]
+        kind = request["kind"]
         try:
             engine = self.state.engine
             if engine is None or self._closed:
                 raise BatcherClosed("the model is not loaded or the server is stopping")
             if request["dtype"] is None:
                 raise ValueError("unknown dtype code")
-            array = arena.view(request["offset"], request["shape"], request["dtype"])
-            if request["kind"] == wire.ENCODE:
-                out = await engine.encode(array, request["deadline"])
-            elif request["kind"] == wire.DECODE:
-                out = await engine.decode(array, request["deadline"], reply_overhead=None)
-            else:
-                raise ValueError(f"unknown request kind {request['kind']}")
+            method = {wire.ENCODE: "encode", wire.DECODE: "decode"}.get(kind)
+            if method is None:
+                raise ValueError(f"unknown request kind {kind}")
+            array = link.arena.view(request["offset"], request["shape"], request["dtype"])
+            future = engine.enqueue_checked(method, array, request["deadline"])
+        except Exception as exc:  # noqa: BLE001 - every request gets one reply
+            link.send(self._failure(req_id, exc))
+            return
+        link.inflight[req_id] = future
+        future.add_done_callback(lambda done: self._finish(request, method, engine, done, link))
+
+    def _finish(self, request: dict, method: str, engine, future: asyncio.Future, link: _Link) -> None:
+        req_id = request["id"]
+        link.inflight.pop(req_id, None)
+        if link.closed:
+            return
+        if future.cancelled():
+            link.send(wire.pack_reply(req_id, wire.CANCELLED))
+            return
+        try:
+            exc = future.exception()
+            if exc is not None:
+                raise exc
+            out = engine.answer(method, future.result())
             if out.nbytes > request["capacity"]:
                 raise RuntimeError(f"the answer ({out.nbytes} bytes) is larger than its block "
                                    f"({request['capacity']} bytes)")
-            arena.put(request["answer_offset"], out)
+            link.arena.put(request["answer_offset"], out)
             reply = wire.pack_reply(req_id, wire.OK, out)
-        except asyncio.CancelledError:
-            reply = wire.pack_reply(req_id, wire.CANCELLED)
         except Exception as exc:  # noqa: BLE001 - every request gets one reply
-            status, message = wire.status_of(exc)
-            if status == wire.FAILED:
-                log.exception("executor: a request failed")
-            reply = wire.pack_reply(req_id, status, message=message)
-        if not writer.is_closing():
-            writer.write(reply)
+            reply = self._failure(req_id, exc)
+        link.send(reply)
+
+    @staticmethod
+    def _failure(req_id: int, exc: BaseException) -> bytes:
+        status, message = wire.status_of(exc)
+        if status == wire.FAILED:
+            log.error("executor: a request failed", exc_info=exc)
+        return wire.pack_reply(req_id, status, message=message)
 
     def publish(self) -> None:
         """Send the served identity to every front-end (after loading, and after a switch)."""

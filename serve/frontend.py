@@ -54,6 +54,7 @@ class RemoteBatcher:
         self._pending: dict[int, tuple[asyncio.Future, int, int, int]] = {}
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._out: wire.Outbox | None = None
         self._task: asyncio.Task | None = None
         self._closed = False
         self.info: dict | None = None
@@ -80,6 +81,7 @@ class RemoteBatcher:
                 await asyncio.sleep(0.05)
         self.arena.send_to(sock, json.dumps({"pid": os.getpid(), "arena_bytes": self.arena.size}).encode())
         self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        self._out = wire.Outbox(self._writer)
         self._task = asyncio.get_running_loop().create_task(self._read_replies())
         await self._info_ready.wait()
         if self.info is None:
@@ -91,7 +93,7 @@ class RemoteBatcher:
 
     def ready(self) -> None:
         """Tell the executor this front-end serves (it logs "serving" once all do)."""
-        self._writer.write(wire.pack_request(0, wire.READY, "uint8", (), None, 0, 0, 0))
+        self._out.send(wire.pack_request(0, wire.READY, "uint8", (), None, 0, 0, 0))
 
     async def submit(self, method: str, array: np.ndarray, deadline: float | None = None) -> np.ndarray:
         if self._closed or self._writer is None:
@@ -113,8 +115,8 @@ class RemoteBatcher:
         self._pending[req_id] = (future, offset, size, answer_bytes)
         try:
             self.arena.put(offset, np.ascontiguousarray(array))
-            self._writer.write(wire.pack_request(req_id, kind, array.dtype, array.shape, deadline, offset,
-                                                 offset + in_bytes, answer_bytes))
+            self._out.send(wire.pack_request(req_id, kind, array.dtype, array.shape, deadline, offset,
+                                             offset + in_bytes, answer_bytes))
         except BaseException:
             self._pending.pop(req_id, None)
             self.arena.free(offset, size)
@@ -125,7 +127,7 @@ class RemoteBatcher:
             # the client went away: the executor drops the rows it has not run; the block
             # stays ours until its reply says the executor is done with it
             if not future.done() and self._writer is not None and not self._writer.is_closing():
-                self._writer.write(wire.pack_request(req_id, wire.CANCEL, "uint8", (), None, 0, 0, 0))
+                self._out.send(wire.pack_request(req_id, wire.CANCEL, "uint8", (), None, 0, 0, 0))
             raise
 
     def _answer_of(self, method: str, array: np.ndarray) -> tuple[tuple[int, ...], str]:
@@ -138,42 +140,48 @@ class RemoteBatcher:
         return (b, h * f, w * f, 3), "uint8"
 
     async def _read_replies(self) -> None:
-        reader = self._reader
+        reader, pending = self._reader, bytearray()
         try:
             while True:
-                header = await reader.readexactly(wire.REPLY.size)
-                req_id, status, dtype, shape, length = wire.unpack_reply(header)
-                message = (await reader.readexactly(length)).decode() if length else ""
-                if status == wire.INFO:
-                    self.info = json.loads(message)
-                    self.on_info(self.info)
-                    self._info_ready.set()
-                    continue
-                entry = self._pending.pop(req_id, None)
-                if entry is None:
-                    continue
-                future, offset, size, answer_bytes = entry
-                try:
-                    if future.done():
-                        continue
-                    if status == wire.OK:
-                        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-                        if nbytes > answer_bytes:
-                            future.set_exception(RuntimeError("the executor's answer overran its block"))
-                        else:
-                            answer = self.arena.view(offset + size - answer_bytes, shape, dtype).copy()
-                            future.set_result(answer)
-                    elif status == wire.CANCELLED:
-                        future.cancel()
-                    else:
-                        future.set_exception(wire.error_of(status, message))
-                finally:
-                    self.arena.free(offset, size)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+                data = await reader.read(1 << 16)  # every reply that has arrived: one wake-up
+                if not data:
+                    break
+                pending += data
+                for reply in wire.split_replies(pending):
+                    self._settle(*reply)
+        except (ConnectionError, OSError):
             pass
         finally:
             self._fail_all("the device executor went away; retry (another replica, or this one restarted)")
             self._info_ready.set()
+
+    def _settle(self, req_id: int, status: int, dtype: str, shape: tuple[int, ...], message: str) -> None:
+        """One reply: the identity pushed by the executor, or a request's answer or error
+        (its block is freed in every case: the executor is done with it)."""
+        if status == wire.INFO:
+            self.info = json.loads(message)
+            self.on_info(self.info)
+            self._info_ready.set()
+            return
+        entry = self._pending.pop(req_id, None)
+        if entry is None:
+            return
+        future, offset, size, answer_bytes = entry
+        try:
+            if future.done():
+                return
+            if status == wire.OK:
+                nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+                if nbytes > answer_bytes:
+                    future.set_exception(RuntimeError("the executor's answer overran its block"))
+                else:
+                    future.set_result(self.arena.view(offset + size - answer_bytes, shape, dtype).copy())
+            elif status == wire.CANCELLED:
+                future.cancel()
+            else:
+                future.set_exception(wire.error_of(status, message))
+        finally:
+            self.arena.free(offset, size)
 
     def _fail_all(self, why: str) -> None:
         self._closed = True
@@ -205,7 +213,7 @@ class _Served:
 
 
 def _runtime_info(payload: dict):
-    from vqserve.export.runtime import RuntimeInfo
+    from vqserve.export.info import RuntimeInfo
 
     fields = dict(payload["info"])
     fields["levels"] = tuple(fields.get("levels") or ())

@@ -22,12 +22,9 @@ import math
 import threading
 
 import numpy as np
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from vqserve.model.evaluation import codebook_stats
 
 # Requests take 1 ms .. 10 s.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -107,6 +104,10 @@ class CodebookUsage:
 
     def stats(self) -> dict:
         self.flush()
+        import torch  # at scrape time, in the executor: a front-end process never loads torch
+
+        from vqserve.model.evaluation import codebook_stats
+
         with self._lock:
             counts = torch.from_numpy(self._counts.copy())
         s = codebook_stats(counts)

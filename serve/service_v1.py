@@ -20,6 +20,7 @@ from vqserve.serve.errors import (
     safe_deserializer,
     status_for,
 )
+from vqserve.serve.rawrequest import parse_encode_request
 
 STREAM_WINDOW = 32  # requests a stream may have in flight before the server stops reading
 
@@ -194,12 +195,25 @@ _METHODS = {
 }
 
 
+def request_parser(request_cls):
+    """The request deserializer: never raises (``safe_deserializer``), and an Encode request
+    of raw pixels is read in place (``serve/rawrequest.py``: no protobuf copies of them)."""
+    slow = safe_deserializer(request_cls)
+    if request_cls is not pb.EncodeRequest:
+        return slow
+
+    def parse(data: bytes):
+        return parse_encode_request(data) or slow(data)
+
+    return parse
+
+
 def add_to_server(service: TokenizerService, server: grpc.aio.Server) -> None:
     """Register like ``pb_grpc.add_TokenizerServicer_to_server``, but with request parsers
     that never raise: unparseable bytes reach the handler as a ``BadMessage`` and get
     INVALID_ARGUMENT (counted; in a stream, for that message alone) instead of UNKNOWN."""
     handlers = {
-        name: factory(getattr(service, name), request_deserializer=safe_deserializer(request),
+        name: factory(getattr(service, name), request_deserializer=request_parser(request),
                       response_serializer=response.SerializeToString)
         for name, (factory, request, response) in _METHODS.items()
     }

@@ -13,6 +13,7 @@ codes and messages either way.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 
@@ -101,3 +102,39 @@ def error_of(status: int, message: str) -> BaseException:
     if status in kinds:
         return kinds[status](message)
     return RuntimeError(f"the executor failed: {message}")
+
+
+class Outbox:
+    """Messages to one peer, written together once per event-loop turn: a model call answers
+    many requests at once, and a front-end takes many requests in one turn, so one write
+    (one system call) carries them all instead of one each."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.closed = False
+        self._queued: list[bytes] = []
+
+    def send(self, message: bytes) -> None:
+        if not self._queued:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._queued.append(message)
+
+    def flush(self) -> None:
+        queued, self._queued = self._queued, []
+        if queued and not self.closed and not self.writer.is_closing():
+            self.writer.write(b"".join(queued))
+
+
+def split_replies(buffer: bytearray) -> list[tuple[int, int, str, tuple[int, ...], str]]:
+    """The whole replies at the head of ``buffer`` (removed from it), each as
+    ``(id, status, dtype, shape, message)``; a partial one stays for the next read."""
+    out, at, size = [], 0, REPLY.size
+    while len(buffer) - at >= size:
+        req_id, status, dtype, shape, length = unpack_reply(bytes(buffer[at:at + size]))
+        if len(buffer) - at - size < length:
+            break
+        message = bytes(buffer[at + size:at + size + length]).decode() if length else ""
+        out.append((req_id, status, dtype, shape, message))
+        at += size + length
+    del buffer[:at]
+    return out

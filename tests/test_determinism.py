@@ -90,8 +90,14 @@ def test_plan_pads_to_a_fixed_shape_and_keeps_order():
     assert out[:, 0, 0].tolist() == list(range(10))
     assert rec.shapes == [4, 4, 4]  # 10 images: 4 + 4 + (2 padded to 4)
     assert planned.info.extra["plan"] == {"micro_batch": 4, "workers": 2, "intra_op_threads": 1,
-                                          "micro_batch_by_pixels": [], "lone_unpadded": []}
+                                          "micro_batch_by_pixels": [], "lone_unpadded": [], "bucketed": []}
     assert "plan" not in rec.info.extra  # the inner runtime's info is not modified
+
+    rec.shapes = []  # a bucketed plan pads a short call to the next power of two only
+    planned = PlannedRuntime(rec, ExecutionPlan(micro_batch=8, workers=1, bucketed=("encode",)))
+    for n in (1, 2, 3, 5, 8, 11, 19):
+        assert planned.encode(batch[np.arange(n) % 10])[:, 0, 0].tolist() == [i % 10 for i in range(n)]
+    assert rec.shapes == [1, 2, 4, 8, 8, 8, 4, 8, 8, 4]
 
 
 def test_plan_sets_one_intra_op_thread_and_validates():

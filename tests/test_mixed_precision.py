@@ -131,3 +131,21 @@ def test_precision_frontier_measures_the_served_path(tiny_checkpoint, photos, tm
     assert 0 < rows["bf16-stream"]["low_precision_mac_share"] < 1
     assert rows["bf16-stream"]["report_tokens"] == (60 // 8) * (96 // 8)  # 100x60 cropped to 96x56
     assert all(r["speed_whole"] > 0 and 0 <= r["selection_agreement"] <= 1 for r in rows.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (TF32 exists there only)")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_every_cuda_runtime_turns_tf32_off_whatever_ran_before(tiny_checkpoint, photos, dtype):
+    """Regression (H100, `vqserve bench gpu`): a bf16 server's tokens differed from bf16
+    in-process after an fp32 load, because only fp32 runtimes turned the process-wide TF32
+    flags off, and a bf16 encoder's kept fp32 layers ran in TF32 or not by what ran before."""
+    import numpy as np
+
+    from vqserve.export.runtime import EagerRuntime
+
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    first = EagerRuntime(tiny_checkpoint, dtype=dtype, device="cuda")
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    tokens = first.encode(photos)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    assert np.array_equal(EagerRuntime(tiny_checkpoint, dtype=dtype, device="cuda").encode(photos), tokens)

@@ -101,6 +101,22 @@ def test_bad_input_gets_the_same_one_line_errors(split_server):
     np.testing.assert_array_equal(TokenizerClient(split_server.target).encode(images), block_tokens(images))
 
 
+def test_frontends_never_load_torch(split_server):
+    """A front-end checks requests but runs no model: it maps no torch library (each one
+    loaded torch before: ~1 s of start-up and ~190 MB of memory per front-end)."""
+    def is_frontend(pid: int) -> bool:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"vqserve.serve.frontend" in fh.read()
+
+    frontends = [pid for pid in _children(split_server.proc.pid) if is_frontend(pid)]
+    assert len(frontends) == 2
+    for pid in frontends:
+        with open(f"/proc/{pid}/maps") as fh:
+            assert "libtorch" not in fh.read(), f"front-end {pid} loaded torch"
+    with open(f"/proc/{split_server.proc.pid}/maps") as fh:  # the check can see torch where it is
+        assert "libtorch" in fh.read()
+
+
 def test_oip_encode_through_frontends(split_server):
     from vqserve.bench.load import LoadCase, request_bytes
 

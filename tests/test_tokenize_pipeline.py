@@ -105,12 +105,21 @@ def test_several_shapes_per_task_and_images_too_large_for_a_slot(tmp_path, monke
     assert {(r["height"], r["width"]) for r in rows} == {(40, 48), (64, 64), (40, 56), (96, 72)}
 
 
+def test_steady_rate_leaves_out_start_up_and_the_drain():
+    # 10 tasks of 100 images: 2 s before the first, then one every 0.1 s, then a slow last one
+    stages = engine.Stages(marks=[(2.0 + 0.1 * i, 100 * (i + 1)) for i in range(9)] + [(5.0, 1000)])
+    assert stages.first_s == 2.0
+    assert stages.steady_rate == pytest.approx(1000.0)  # 100 images per 0.1 s, tasks 1..9 (10 % .. 90 %)
+    assert engine.Stages(marks=[(1.0, 10), (2.0, 20)]).steady_rate is None  # too few tasks to tell
+    assert engine.Stages().first_s is None
+
+
 def test_closing_line_splits_the_time_and_names_the_bottleneck(tmp_path, capsys):
     write_folder(tmp_path / "in", 12, bad=False)
     err = _tokenize(tmp_path / "in", tmp_path / "out", "--size", "32", "--workers", "1", capsys=capsys)
     line = next(x for x in err.splitlines() if x.startswith("tokenize: time:"))
     assert re.search(r"decode \d+% \(1 workers, [\d,]+ img/s capacity\), device \d+% \(synthetic:0\), "
-                     r"write \d+%; main process \d+ µs CPU/image; (decode|device|write|pipeline|start-up)-bound: ",
+                     r"write \d+%, first tokens after [\d.]+ s; main process \d+ µs CPU/image; (decode|device|write|pipeline|start-up)-bound: ",
                      line), line
 
 
@@ -189,3 +198,29 @@ def test_ray_engine_writes_the_overlapped_engines_bytes_with_the_simulated_devic
     _tokenize(tmp_path / "in", tmp_path / "local", *common, "--workers", "1", capsys=capsys)
     _tokenize(tmp_path / "in", tmp_path / "ray", *common, "--engine", "ray", capsys=capsys)
     assert folder_bytes(tmp_path / "ray") == folder_bytes(tmp_path / "local")
+
+
+def test_folder_listing_records_real_paths_through_links(tmp_path):
+    """A folder is listed by relative path, with each file's real path as its source, also
+    through linked folders and linked files (the listing resolves a folder once and a file
+    only when it is a link: resolving every component of every path cost ~115 µs a file)."""
+    import os
+
+    from vqserve.offline.sources import list_records
+
+    real = tmp_path / "real"
+    (real / "sub").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    top = tmp_path / "top"
+    (top / "a b").mkdir(parents=True)
+    for p in ("real/x.jpg", "real/sub/y.png", "top/a b/z.JPG", "other/t.jpg", "top/.hidden.jpg", "top/notes.txt"):
+        (tmp_path / p).write_bytes(b"1")
+    os.symlink(real, top / "linked")
+    os.symlink(tmp_path / "other" / "t.jpg", top / "l.jpg")
+    via_dotdot = tmp_path / "top" / ".." / "top"
+    for folder in (top, via_dotdot):
+        got = [(r.key, r.source) for r in list_records([str(folder)])]
+        assert got == [("a b/z", str((top / "a b" / "z.JPG").resolve())),
+                       ("l", str((tmp_path / "other" / "t.jpg").resolve())),
+                       ("linked/sub/y", str((real / "sub" / "y.png").resolve())),
+                       ("linked/x", str((real / "x.jpg").resolve()))]

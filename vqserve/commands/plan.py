@@ -160,8 +160,12 @@ def _print(result: dict, source: str) -> None:
     plan = result["plan"]
     sizes = " ".join(f"{int(p ** 0.5)}:{m}" for p, m in plan["micro_batch_by_pixels"])
     lone = plan.get("lone_unpadded") or []
+    buckets = plan.get("bucketed") or []
     padding = (f"{' and '.join(lone)}: a lone image unpadded (measured equal to inside a micro-batch); "
                "other short calls padded" if lone else "short calls padded")
+    if buckets:
+        padding = (f"{' and '.join(buckets)}: short calls padded to the next power of two (each measured "
+                   "equal to a full micro-batch)" + (f"; {padding}" if set(lone) - set(buckets) else ""))
     how = label_of(result["backend"], result["dtype"])
     artifact = f" (exported to {result['artifact']})" if result.get("artifact") else ""
     exact = "exact: the model's fp32 tokens" if result.get("exact") else "NOT exact: lower precision, asked for"
