@@ -44,13 +44,14 @@ log = logging.getLogger("vqserve.serve")
 def default_frontends(device: str, cores: int) -> int:
     """Front-end processes for ``--frontends auto``: none on a CPU (the model needs the
     cores, and one process serves at the model's speed there); on an accelerator half the
-    cores, at least 2 and at most 8, so request handling never waits for one GIL. Two even
-    on 2 cores: with synthetic:200 there, 8-image calls reached 0.65-0.67 of the device with
-    two front-ends and 0.48-0.60 with one (`vqserve bench serve --client-procs 2`, two runs,
-    docs/SERVING.md)."""
+    cores, 1 to 8, so request handling never waits for one GIL while the other half runs
+    the executor and the clients' share. On 2 cores with synthetic:200 (`vqserve bench
+    serve --client-procs 2`, 3 interleaved rounds, docs/SERVING.md) one front-end served
+    8-image calls at 0.78-0.83 of the device against 0.76-0.78 with two, and 1-image calls at
+    0.26-0.29 against 0.28-0.31: one wins the larger calls on so few cores."""
     if not (device.startswith("cuda") or device.startswith("synthetic")):
         return 0
-    return max(2, min(8, cores // 2))
+    return max(1, min(8, cores // 2))
 
 
 def identity_payload(engine) -> dict:

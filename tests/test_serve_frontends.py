@@ -355,7 +355,8 @@ def test_frontends_flag_defaults_by_device_and_refuses_nonsense():
 
     assert resolve_frontends("auto", "default", "cpu") == 0  # the CPU is the model's: one process
     assert resolve_frontends("auto", "synthetic:10", "cpu") >= 1  # a (stand-in) accelerator
-    assert default_frontends("cuda", 16) == 8 and default_frontends("cuda:1", 2) == 2
+    assert default_frontends("cuda", 16) == 8 and default_frontends("cuda:1", 4) == 2
+    assert default_frontends("synthetic:0", 2) == 1 and default_frontends("cuda", 1) == 1
     assert default_frontends("cuda", 64) == 8 and default_frontends("cpu", 64) == 0
     assert resolve_frontends(3, "default", "cpu") == 3
     done = subprocess.run([sys.executable, "-m", "vqserve", "serve", "--model", "synthetic:0", "--frontends", "many"],

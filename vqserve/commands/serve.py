@@ -170,7 +170,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         "batches across them (pixels through shared memory): request handling "
                         "then never waits for the model's GIL. 0 = one process does everything. "
                         "auto (default): 0 on a CPU, where the model needs the cores; on a GPU "
-                        "(or synthetic:N) half the cores, 2 to 8")
+                        "(or synthetic:N) half the cores, 1 to 8")
     b.add_argument("--max-queue", type=int, default=1024,
                    help="queued images before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain on SIGTERM")
