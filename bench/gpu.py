@@ -80,6 +80,55 @@ def token_rows(model: str, device: str, photos: np.ndarray, dtypes: list[str]) -
     return rows
 
 
+def photo_tiles(count: int, size: int, seed: int = 0) -> np.ndarray:
+    """``count`` distinct ``size`` x ``size`` crops of the whole photographs (random places,
+    scales and mirror images, seeded): many images' tokens from the few photographs."""
+    from PIL import Image
+
+    from vqserve.bench.serving import PHOTOS
+    from vqserve.model.photos import load_builtin_photo
+
+    rng = np.random.default_rng(seed)
+    photos = [load_builtin_photo(name) for name in PHOTOS]
+    out = np.empty((count, size, size, 3), np.uint8)
+    for i in range(count):
+        img = photos[i % len(photos)]
+        h, w = img.shape[:2]
+        side = int(rng.integers(min(size, h, w) // 2, min(h, w) + 1))
+        y, x = int(rng.integers(0, h - side + 1)), int(rng.integers(0, w - side + 1))
+        tile = np.asarray(Image.fromarray(img[y:y + side, x:x + side]).resize((size, size), Image.BICUBIC))
+        out[i] = tile[:, ::-1] if rng.integers(2) else tile
+    return out
+
+
+def noise_row(model: str, device: str, tiles: int, size: int) -> dict:
+    """The device's fp32 tokens against CPU fp32 on ``tiles`` distinct photo crops: how many
+    differ, and how many of those are fp32 ties (both codes within ``model/ties.DELTA`` of
+    the boundary between them on float64 latents: what ``vqserve verify`` accepts)."""
+    from vqserve.export.execution import PlannedRuntime, plan_for
+    from vqserve.model import ties
+
+    images = photo_tiles(tiles, size)
+    cpu = PlannedRuntime(load(model, "fp32", "cpu"), plan_for("cpu"))
+    reference = cpu.encode(images)
+    cpu.close()
+    runtime = load(model, "fp32", device)
+    got = PlannedRuntime(runtime, plan_for(device)).encode(images)
+    differ = np.nonzero((got != reference).reshape(len(images), -1).any(axis=1))[0]
+    tie_count = other = 0
+    tokenizer = getattr(runtime, "tokenizer", None)
+    if len(differ) and tokenizer is not None:
+        import torch
+
+        torch.set_num_threads(os.cpu_count() or 1)  # the float64 reference: every core (the plan set 1)
+        z64 = ties.fp64_latents(tokenizer, images[differ])
+        found, rest = ties.classify(tokenizer.quantizer, z64, reference[differ], got[differ])
+        tie_count, other = len(found), len(rest)
+    return {"tiles": tiles, "tokens": int(reference.size), "differing": int((got != reference).sum()),
+            "images_differing": int(len(differ)), "ties": tie_count, "not_ties": other,
+            "rate": float((got != reference).mean())}
+
+
 def buckets_equal(runtime, photos: np.ndarray, micro: int = 64) -> bool:
     """Whether short calls padded to their power-of-two bucket (1, 2, 4, ...) give every
     photograph the tokens it gets in a full call of ``micro``: what ``--plan auto`` measures
@@ -191,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenize-before", action="store_true",
                    help="also time tokenize's serial engine (doubles the tokenize time)")
     p.add_argument("--skip-tokens", action="store_true", help="skip section 1 (tokens against CPU fp32)")
+    p.add_argument("--noise-tiles", type=int, default=512,
+                   help="photo crops whose fp32 tokens are compared with CPU fp32, ties told apart (0: skip)")
     p.add_argument("--json", help="write every figure to this file")
     return p
 
@@ -217,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         result["tokens"] = token_rows(args.model, device, photos, [*dtypes, "fp16"])
         for row in result["tokens"]:
             _log(f"  {row}")
+        if args.noise_tiles > 0 and device.startswith("cuda"):
+            _log(f"1b. fp32 noise: {args.noise_tiles} photo crops, device against CPU fp32")
+            result["noise"] = noise_row(args.model, device, args.noise_tiles, args.size)
+            _log(f"  {result['noise']}")
     gflop = None if synthetic else encoder_gflop(args.model, device, args.size)
     result["encoder_gflop_per_image"] = gflop
 
@@ -280,6 +335,11 @@ def report(result: dict) -> str:
                      f"{row['photos_identical']}/{row['photos']} photos identical, batch-invariant "
                      f"{'yes' if row['batch_invariant'] else 'NO'}, buckets equal to calls of 64 "
                      f"{ {True: 'yes', False: 'NO'}.get(row.get('buckets_equal'), '?') }")
+    noise = result.get("noise")
+    if noise:
+        lines.append(f"fp32 noise: {noise['differing']} of {noise['tokens']:,} tokens differ from CPU fp32 "
+                     f"({noise['rate']:.1e}) in {noise['images_differing']} of {noise['tiles']} photo crops; "
+                     f"{noise['ties']} fp32 ties, {noise['not_ties']} not")
     best = {}
     for row in result.get("in_process", []):
         if row["dtype"] not in best or row["throughput"] > best[row["dtype"]]["throughput"]:

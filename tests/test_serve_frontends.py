@@ -391,3 +391,29 @@ def test_load_requests_hold_the_images_they_count():
     assert list(sent.shape) == [16, 64, 64, 3]
     pixels = np.frombuffer(sent.data, np.uint8).reshape(16, 64, 64, 3)
     np.testing.assert_array_equal(pixels[8:], photos)
+
+
+def test_bench_gpu_noise_tells_ties_from_corruption(tiny_checkpoint, monkeypatch):
+    """`vqserve bench gpu`'s fp32 noise row: the same fp32 tokens give no difference; a token
+    moved by the device (here a stand-in that changes one) is counted, and not as a tie."""
+    from vqserve.bench import gpu
+
+    assert gpu.noise_row(tiny_checkpoint, "cpu", 3, 32) == {
+        "tiles": 3, "tokens": 3 * 4 * 4, "differing": 0, "images_differing": 0, "ties": 0, "not_ties": 0,
+        "rate": 0.0}
+    real_load = gpu.load
+
+    class OneTokenMoved:
+        def __init__(self, runtime):
+            self.runtime, self.info, self.tokenizer = runtime, runtime.info, runtime.tokenizer
+
+        def encode(self, images):
+            out = self.runtime.encode(images).copy()
+            out.flat[0] = (int(out.flat[0]) + 1) % self.info.codebook_size
+            return out
+
+    monkeypatch.setattr(gpu, "load", lambda model, dtype, device, tf32=False: (
+        OneTokenMoved(real_load(model, dtype, "cpu")) if device == "gpu-stand-in" else real_load(model, dtype, device)))
+    row = gpu.noise_row(tiny_checkpoint, "gpu-stand-in", 3, 32)  # calls of one image: one moved in each
+    assert row["differing"] == 3 and row["images_differing"] == 3
+    assert row["ties"] == 0 and row["not_ties"] == 3
