@@ -3,8 +3,10 @@
 GPU time is scarce, so one run measures, side by side on the same device:
 
 1. **tokens** of whole photographs on the GPU in fp32 (TF32 off), with TF32, in bf16 and fp16,
-   each against CPU fp32; and whether each dtype's tokens are batch-invariant (every image
-   alone vs in one call of all);
+   each against CPU fp32; whether each dtype's tokens are batch-invariant (every image
+   alone vs in one call of all) and equal in power-of-two buckets to calls of 64; and the
+   **fp32 noise** on ``--noise-tiles`` photo crops: how many device tokens differ from CPU
+   fp32, and whether each is an fp32 tie (``model/ties.py``, on float64 latents);
 2. **in-process** images/s per dtype and batch: the runtime alone, the ceiling;
 3. **served** images/s of ``vqserve serve --device cuda`` with clients in several processes
    (``bench/load.py``): v1 and OIP, raw and JPEG (q90), 1 and 16 images per call, for the
@@ -120,8 +122,12 @@ def noise_row(model: str, device: str, tiles: int, size: int) -> dict:
     if len(differ) and tokenizer is not None:
         import torch
 
+        threads = torch.get_num_threads()
         torch.set_num_threads(os.cpu_count() or 1)  # the float64 reference: every core (the plan set 1)
-        z64 = ties.fp64_latents(tokenizer, images[differ])
+        try:
+            z64 = ties.fp64_latents(tokenizer, images[differ])
+        finally:
+            torch.set_num_threads(threads)  # process-wide: put back what the process ran with
         found, rest = ties.classify(tokenizer.quantizer, z64, reference[differ], got[differ])
         tie_count, other = len(found), len(rest)
     return {"tiles": tiles, "tokens": int(reference.size), "differing": int((got != reference).sum()),

@@ -396,6 +396,8 @@ def test_load_requests_hold_the_images_they_count():
 def test_bench_gpu_noise_tells_ties_from_corruption(tiny_checkpoint, monkeypatch):
     """`vqserve bench gpu`'s fp32 noise row: the same fp32 tokens give no difference; a token
     moved by the device (here a stand-in that changes one) is counted, and not as a tie."""
+    import torch
+
     from vqserve.bench import gpu
 
     assert gpu.noise_row(tiny_checkpoint, "cpu", 3, 32) == {
@@ -414,6 +416,8 @@ def test_bench_gpu_noise_tells_ties_from_corruption(tiny_checkpoint, monkeypatch
 
     monkeypatch.setattr(gpu, "load", lambda model, dtype, device, tf32=False: (
         OneTokenMoved(real_load(model, dtype, "cpu")) if device == "gpu-stand-in" else real_load(model, dtype, device)))
+    threads = torch.get_num_threads()
     row = gpu.noise_row(tiny_checkpoint, "gpu-stand-in", 3, 32)  # calls of one image: one moved in each
     assert row["differing"] == 3 and row["images_differing"] == 3
     assert row["ties"] == 0 and row["not_ties"] == 3
+    assert torch.get_num_threads() == threads  # the float64 pass put the process's thread count back
