@@ -550,3 +550,33 @@ def test_micro_batch_1_is_always_timed_as_the_yardstick(tiny_checkpoint, tmp_pat
     rows = json.loads(capsys.readouterr().out)["candidates"]
     assert sorted({c["micro_batch"] for c in rows}) == [1, 2]
     assert next(c for c in rows if (c["micro_batch"], c["threads"]) == (1, 1))["rounds"] == [1.0]
+
+
+def test_buckets_are_granted_only_where_every_calibration_size_agrees(tiny_checkpoint):
+    """A GPU chooses kernels per shape: on an H100, bf16 calls in power-of-two buckets gave
+    a full call's tokens at 256x256 and not at 64x64. The planner grants buckets to a method
+    only where they agree at its smallest and largest calibration sizes."""
+    from vqserve.export.planner import _exactness
+    from vqserve.export.runtime import load_runtime
+
+    inner = load_runtime(tiny_checkpoint)
+
+    class ShortCallsMoveAtLargeSizes:  # a call shorter than 8 moves a token at 32x32 and above
+        info = inner.info
+
+        def encode(self, x):
+            out = inner.encode(x)
+            if len(x) < 8 and x.shape[1] >= 32:
+                out = out.copy()
+                out[:, 0, 0] = (out[:, 0, 0].astype(np.int64) + 1) % inner.info.codebook_size
+            return out
+
+        def decode(self, x):
+            return inner.decode(x)
+
+    photos = np.zeros((2, 16, 16, 3), np.uint8)
+    run = lambda raw, large: _exactness(raw, None, photos, 16, 1, "identical", 0.995, 8,  # noqa: E731
+                                        lambda: None, side_large=large)[0].bucket_invariant
+    assert run(inner, 32) == ["decode", "encode"]
+    assert run(ShortCallsMoveAtLargeSizes(), None) == ["decode", "encode"]  # 16x16 alone: looks fine
+    assert run(ShortCallsMoveAtLargeSizes(), 32) == ["decode"]  # 32x32 shows it: encode pads
