@@ -116,7 +116,8 @@ def noise_row(model: str, device: str, tiles: int, size: int) -> dict:
     cpu.close()
     runtime = load(model, "fp32", device)
     got = PlannedRuntime(runtime, plan_for(device)).encode(images)
-    differ = np.nonzero((got != reference).reshape(len(images), -1).any(axis=1))[0]
+    moved = got != reference
+    differ = np.nonzero(moved.reshape(len(images), -1).any(axis=1))[0]
     tie_count = other = 0
     tokenizer = getattr(runtime, "tokenizer", None)
     if len(differ) and tokenizer is not None:
@@ -130,9 +131,9 @@ def noise_row(model: str, device: str, tiles: int, size: int) -> dict:
             torch.set_num_threads(threads)  # process-wide: put back what the process ran with
         found, rest = ties.classify(tokenizer.quantizer, z64, reference[differ], got[differ])
         tie_count, other = len(found), len(rest)
-    return {"tiles": tiles, "tokens": int(reference.size), "differing": int((got != reference).sum()),
+    return {"tiles": tiles, "tokens": int(reference.size), "differing": int(moved.sum()),
             "images_differing": int(len(differ)), "ties": tie_count, "not_ties": other,
-            "rate": float((got != reference).mean())}
+            "rate": float(moved.mean())}
 
 
 def buckets_equal(runtime, photos: np.ndarray, micro: int = 64) -> bool:

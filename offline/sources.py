@@ -78,14 +78,14 @@ def _folder_records(folder: Path) -> Iterator[Record]:
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         real_dir = None
         rel_dir = os.path.relpath(dirpath, folder)
+        prefix = "" if rel_dir == "." else f"{Path(rel_dir).as_posix()}/"
         for name in filenames:
             if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith("."):
                 full = os.path.join(dirpath, name)
                 if real_dir is None:
                     real_dir = os.path.realpath(dirpath)
                 real = os.path.realpath(full) if os.path.islink(full) else os.path.join(real_dir, name)
-                rel = name if rel_dir == "." else f"{Path(rel_dir).as_posix()}/{name}"
-                files.append((rel, real))
+                files.append((prefix + name, real))
     for rel, real in sorted(files):
         yield Record(key=rel.rsplit(".", 1)[0], source=real, kind="file", path=real)
 

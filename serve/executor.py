@@ -183,7 +183,7 @@ class ExecutorService:
                 raise BatcherClosed("the model is not loaded or the server is stopping")
             if request["dtype"] is None:
                 raise ValueError("unknown dtype code")
-            method = {wire.ENCODE: "encode", wire.DECODE: "decode"}.get(kind)
+            method = wire.METHODS.get(kind)
             if method is None:
                 raise ValueError(f"unknown request kind {kind}")
             array = link.arena.view(request["offset"], request["shape"], request["dtype"])
