@@ -1,0 +1,129 @@
+"""Short padded calls on a shared device wait for the device (serve/batcher.py, "Filling
+padded calls on a shared device"): the stand-in accelerator ``synthetic:N`` with a gate on
+its calls, so what runs while a call is in flight is seen, not timed."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+
+import numpy as np
+
+from vqserve.export.execution import ExecutionPlan, PlannedRuntime
+from vqserve.export.synthetic import SyntheticRuntime
+from vqserve.serve.batcher import Batcher
+
+
+class GatedDevice(SyntheticRuntime):
+    """The stand-in device whose first call waits for ``release``; records each call's rows."""
+
+    def __init__(self, device: str = "synthetic:0"):
+        super().__init__("synthetic:0", device=device)
+        self.release = threading.Event()
+        self.calls: list[int] = []
+        self.lock = threading.Lock()
+
+    def encode(self, images):
+        with self.lock:
+            self.calls.append(len(images))
+            first = len(self.calls) == 1
+        if first:
+            self.release.wait(30)
+        return super().encode(images)
+
+
+def _image(value: int) -> np.ndarray:
+    return np.full((1, 8, 8, 3), value, np.uint8)
+
+
+async def _until(predicate, timeout: float = 20.0) -> None:
+    stop = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < stop, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def _scenario(device: str, plan: ExecutionPlan, info_device: str | None = None):
+    """A full call of 4 in flight (gated), then three single images, a pause, and a fourth:
+    which calls started while the first was still running?"""
+    inner = GatedDevice()
+    runtime = PlannedRuntime(inner, plan)
+    if info_device:  # the same stand-in presented as another kind of device
+        runtime.info = runtime.info.__class__(**{**runtime.info.__dict__, "device": info_device})
+
+    async def main():
+        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
+        b.start()
+        first = b.enqueue("encode", np.concatenate([_image(i) for i in range(4)]))
+        await _until(lambda: len(inner.calls) == 1)
+        singles = [b.enqueue("encode", _image(10 + i)) for i in range(3)]
+        await asyncio.sleep(0.2)
+        during_short = list(inner.calls)
+        singles.append(b.enqueue("encode", _image(13)))
+        await asyncio.sleep(0.2)
+        during_full = list(inner.calls)
+        inner.release.set()
+        outs = await asyncio.gather(first, *singles)
+        await b.close()
+        return during_short, during_full, outs, list(inner.calls)
+
+    return asyncio.run(main())
+
+
+def test_short_padded_calls_wait_while_the_shared_device_is_busy():
+    during_short, during_full, outs, calls = _scenario("synthetic", ExecutionPlan(4, 2))
+    assert during_short == [4], "three images padded to a call of 4 must not start beside a running call"
+    assert during_full == [4, 4], "a full call starts on the free slot at once"
+    assert calls == [4, 4]
+    inner = SyntheticRuntime("synthetic:0")
+    for i, out in enumerate(outs[1:]):
+        np.testing.assert_array_equal(out, inner.encode(_image(10 + i)))
+
+
+def test_on_a_cpu_each_slot_is_a_core_and_short_calls_start_at_once():
+    during_short, _, _, calls = _scenario("cpu", ExecutionPlan(4, 2), info_device="cpu")
+    assert during_short == [4, 4], "on a CPU the second slot is a core of its own: no waiting"
+    assert calls == [4, 4, 4], "three padded, then the fourth padded alone"
+
+
+def test_bucketed_short_calls_cost_their_bucket_and_start_at_once():
+    during_short, _, _, calls = _scenario("synthetic", ExecutionPlan(4, 2, bucketed=("encode",)))
+    assert during_short == [4, 4], "a bucketed short call costs its own rows: no reason to wait"
+
+
+def test_closed_loop_clients_fill_padded_calls():
+    """16 closed-loop clients at micro-batch 8, two slots: without the fill rule they split
+    into groups whose calls are padded; with it, calls are full (what matters on a GPU)."""
+    runtime = PlannedRuntime(SyntheticRuntime("synthetic:20000"), ExecutionPlan(8, 2))  # 0.16 ms per call of 8 images of 8x8
+    sizes = collections.Counter()
+
+    async def main():
+        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0, observer=lambda s: sizes.update([s.size]))
+        b.start()
+
+        async def client(k: int) -> None:
+            for _ in range(6):
+                await b.submit("encode", _image(k))
+                await asyncio.sleep(0.001 * (k % 3))
+
+        await asyncio.gather(*(client(k) for k in range(16)))
+        await b.close()
+
+    asyncio.run(main())
+    full = sizes[8] * 8
+    assert full >= 0.75 * sum(n * c for n, c in sizes.items()), f"call sizes {dict(sizes)}"
+
+
+def test_a_lone_request_on_an_idle_device_is_answered():
+    runtime = PlannedRuntime(SyntheticRuntime("synthetic:0"), ExecutionPlan(8, 2))
+
+    async def main():
+        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
+        b.start()
+        outs = [await asyncio.wait_for(b.submit("encode", _image(k)), 20) for k in range(3)]
+        await b.close()
+        return outs
+
+    assert len(asyncio.run(main())) == 3
