@@ -7,12 +7,16 @@ GPU time is scarce, so one run measures, side by side on the same device:
    alone vs in one call of all) and equal in power-of-two buckets to calls of 64; and the
    **fp32 noise** on ``--noise-tiles`` photo crops: how many device tokens differ from CPU
    fp32, and whether each is an fp32 tie (``model/ties.py``, on float64 latents);
-2. **in-process** images/s per dtype and batch: the runtime alone, the ceiling;
+2. **in-process** images/s per dtype and batch: the runtime alone, the ceiling; and **CUDA
+   graphs** (``--cuda-graphs``: each call shape's eager kernels replayed from a graph, pinned
+   uploads) against eager: tokens, pixels and images/s at 1 image per call and larger;
 3. **served** images/s of ``vqserve serve --device cuda`` with clients in several processes
    (``bench/load.py``): v1 and OIP, raw and JPEG (q90), 1 and 16 images per call, for the
    single-process server (``--frontends 0``) and the front-end/executor layout
-   (``--frontends auto``), each dtype served at its best in-process batch;
-4. **tokenize** end to end vs the raw runtime (``vqserve bench tokenize``), when time is left;
+   (``--frontends auto``), and that layout with ``--cuda-graphs``, each dtype served at its
+   best in-process batch;
+4. **tokenize** end to end vs the raw runtime (``vqserve bench tokenize``), eager and with
+   ``--cuda-graphs``;
 5. achieved **TFLOP/s** (the encoder's FLOPs per image, counted once, times images/s).
 
 It prints one table and writes ``--json``. Runs on any CUDA machine; ``--device cpu`` or
@@ -183,6 +187,23 @@ def throughput(runtime, photos: np.ndarray, batch: int, seconds: float, callers:
     return rate
 
 
+def graphs_rows(model: str, device: str, photos: np.ndarray, dtypes: list[str],
+                best: dict[str, tuple[int, float]]) -> list[dict]:
+    """Per dtype: CUDA-graph replay against eager, tokens (and pixels) and images/s at 1 image
+    per call and at the dtype's best batch (``export/cuda_graphs.py``)."""
+    from vqserve.export.cuda_graphs import graphs_equal_eager
+
+    rows = []
+    for dtype in dtypes:
+        try:
+            runtime = load(model, dtype, device)
+            sizes = tuple(sorted({1, 8, best.get(dtype, (8, 0))[0]}))
+            rows.append({"dtype": dtype, **graphs_equal_eager(runtime, photos, batch_sizes=sizes, rounds=2, seconds=0.75)})
+        except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the rest of the run
+            rows.append({"dtype": dtype, "error": f"{type(exc).__name__}: {exc}"[:500]})
+    return rows
+
+
 def encoder_gflop(model: str, device: str, size: int) -> float | None:
     """GFLOP per image of the encoder at ``size``, counted by torch (None if it cannot)."""
     try:
@@ -203,14 +224,15 @@ def encoder_gflop(model: str, device: str, size: int) -> float | None:
 
 
 def tokenize_row(model: str, device: str, dtype: str, timeout: float, count: int = 8000,
-                 batch_size: int = 32, before: bool = False) -> dict:
+                 batch_size: int = 32, before: bool = False, graphs: bool = False) -> dict:
     """``vqserve bench tokenize`` in a child, within ``timeout`` seconds: ``count`` images,
     several seconds of device work, so the steady rate shows beside the run's start-up."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tokenize.json"
         cmd = [sys.executable, "-m", "vqserve", "bench", "tokenize", "--model", model, "--device", device,
                "--dtype", dtype, "--rounds", "1", "--count", str(count), "--batch-size", str(batch_size),
-               "--loader-rows", "0", "--json", str(out), "--before" if before else "--no-before"]
+               "--loader-rows", "0", "--json", str(out), "--before" if before else "--no-before",
+               *(["--cuda-graphs"] if graphs else [])]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -239,13 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", default="v1:raw:1,v1:raw:16,oip:raw:16,v1:jpeg:16",
                    help="protocol:payload:images per call, comma-separated")
     p.add_argument("--layouts", default="single=--frontends 0;split=--frontends auto;"
-                                         "split-2workers=--frontends auto --model-workers 2",
+                                         "split-graphs=--frontends auto --cuda-graphs",
                    help="server layouts: NAME=serve flags, ';'-separated (single: today's one process)")
     p.add_argument("--tokenize-seconds", type=float, default=120.0, help="0 skips tokenize")
     p.add_argument("--tokenize-count", type=int, default=8000, help="images per tokenize run")
     p.add_argument("--tokenize-batch", type=int, default=32, help="tokenize --batch-size")
     p.add_argument("--tokenize-before", action="store_true",
                    help="also time tokenize's serial engine (doubles the tokenize time)")
+    p.add_argument("--tokenize-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CUDA, also tokenize with --cuda-graphs")
     p.add_argument("--skip-tokens", action="store_true", help="skip section 1 (tokens against CPU fp32)")
     p.add_argument("--noise-tiles", type=int, default=512,
                    help="photo crops whose fp32 tokens are compared with CPU fp32, ties told apart (0: skip)")
@@ -298,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
                 best[dtype] = (batch, rate)
         del runtime
 
+    if device.startswith("cuda") and not synthetic:
+        _log("2b. CUDA graphs (replayed eager kernels, pinned uploads) against eager")
+        result["cuda_graphs"] = graphs_rows(args.model, device, photos, dtypes, best)
+        for row in result["cuda_graphs"]:
+            _log(f"  {row}")
+
     _log("3. served, clients in several processes")
     cases = parse_cases(args.cases)
     result["served"] = []
@@ -317,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tokenize_seconds > 0:
         _log("4. tokenize end to end vs raw")
-        result["tokenize"] = [tokenize_row(args.model, device, dtype, args.tokenize_seconds, args.tokenize_count,
-                                           args.tokenize_batch, args.tokenize_before)
-                              for dtype in dtypes]
+        graphs = [False, True] if device.startswith("cuda") and args.tokenize_graphs and not synthetic else [False]
+        result["tokenize"] = [{**tokenize_row(args.model, device, dtype, args.tokenize_seconds, args.tokenize_count,
+                                              args.tokenize_batch, args.tokenize_before, graphs=g), "cuda_graphs": g}
+                              for dtype in dtypes for g in graphs]
         for row in result["tokenize"]:
             _log(f"  {({k: v for k, v in row.items() if not isinstance(v, (dict, list))})}")
 
@@ -347,6 +378,14 @@ def report(result: dict) -> str:
         lines.append(f"fp32 noise: {noise['differing']} of {noise['tokens']:,} tokens differ from CPU fp32 "
                      f"({noise['rate']:.1e}) in {noise['images_differing']} of {noise['tiles']} photo crops; "
                      f"{noise['ties']} fp32 ties, {noise['not_ties']} not")
+    for row in result.get("cuda_graphs", []):
+        if "error" in row:
+            lines.append(f"cuda graphs {row['dtype']}: error {row['error'][-200:]}")
+            continue
+        speeds = ", ".join(f"batch {r['batch']} x{r['ratio']:.2f}" for r in row.get("rows", []))
+        lines.append(f"cuda graphs {row['dtype']}: tokens {'= eager' if row.get('tokens_equal') else 'DIFFER'}"
+                     f", pixels {({True: '= eager', False: 'DIFFER'}).get(row.get('pixels_equal'), '-')}"
+                     f"; graphs / eager img/s: {speeds}")
     best = {}
     for row in result.get("in_process", []):
         if row["dtype"] not in best or row["throughput"] > best[row["dtype"]]["throughput"]:
@@ -365,10 +404,10 @@ def report(result: dict) -> str:
                      f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}{same}")
     for row in result.get("tokenize", []):
         if "error" in row:
-            lines.append(f"tokenize {row['dtype']}: error {row['error'][-300:]}")
+            lines.append(f"tokenize {row['dtype']}{' graphs' if row.get('cuda_graphs') else ''}: error {row['error'][-300:]}")
             continue
         before = row.get("before") or {}
-        lines.append(f"tokenize {row['dtype']}: end to end {row['end_to_end_images_per_s']:.0f} img/s, raw "
+        lines.append(f"tokenize {row['dtype']}{' graphs' if row.get('cuda_graphs') else ''}: end to end {row['end_to_end_images_per_s']:.0f} img/s, raw "
                      f"{row['raw_images_per_s']:.0f}, ratio {row['ratio_median']:.2f}; decode capacity "
                      f"{row.get('decode_capacity_images_per_s', 0):.0f} img/s, e2e / min(raw, decode) "
                      f"{row.get('ratio_to_bound_median', 0):.2f} ({row.get('bottleneck')}-bound); steady "

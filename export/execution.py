@@ -82,6 +82,10 @@ class ExecutionPlan:
     # result of a full micro-batch. A few requests then cost their bucket, not a whole padded
     # micro-batch (one-image requests on a GPU at micro-batch 64 ran at 0.22 of the device).
     bucketed: tuple[str, ...] = ()
+    # on CUDA, replay each call shape's kernels from a CUDA graph captured from the eager code,
+    # uploading through pinned buffers (export/cuda_graphs.py): the same kernels, so the same
+    # tokens, with a fraction of the Python per call
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         for name in ("micro_batch", "workers", "intra_op_threads"):
@@ -125,6 +129,7 @@ class ExecutionPlan:
         micro = f"micro_batch={self.micro_batch}" + (f" ({sizes})" if sizes else "")
         lone = f" lone-unpadded={'+'.join(self.lone_unpadded)}" if self.lone_unpadded else ""
         lone += f" buckets={'+'.join(self.bucketed)}" if self.bucketed else ""
+        lone += " cuda-graphs" if self.cuda_graphs else ""
         return (f"{micro}{lone} workers={self.workers} "
                 f"intra_op_threads={self.intra_op_threads}")
 
@@ -150,9 +155,13 @@ def default_plan(device: str) -> ExecutionPlan:
 
 
 def plan_for(device: str, micro_batch: int | None = None, workers: int | None = None,
-             threads: int | None = None, base: ExecutionPlan | None = None) -> ExecutionPlan:
+             threads: int | None = None, base: ExecutionPlan | None = None,
+             cuda_graphs: bool | None = None) -> ExecutionPlan:
     """``base`` (default: :func:`default_plan`) with the caller's settings (None or 0 keeps
-    the base's). A micro-batch given by hand applies to every image size."""
+    the base's). A micro-batch given by hand applies to every image size. ``cuda_graphs``
+    True on a device other than CUDA is a one-line ValueError."""
+    if cuda_graphs and not str(device).startswith("cuda"):
+        raise ValueError(f"--cuda-graphs needs a CUDA device, not {device}: CUDA graphs replay GPU kernels")
     plan = base or default_plan(device)
     by_pixels = () if micro_batch else plan.micro_batch_by_pixels
     # other intra-op threads or micro-batch than measured: a call of one is no longer known to agree
@@ -162,7 +171,8 @@ def plan_for(device: str, micro_batch: int | None = None, workers: int | None = 
     buckets = () if changed and not device.startswith("synthetic") else plan.bucketed
     return ExecutionPlan(micro_batch=micro_batch or plan.micro_batch, workers=workers or plan.workers,
                          intra_op_threads=threads or plan.intra_op_threads, micro_batch_by_pixels=by_pixels,
-                         lone_unpadded=lone, bucketed=buckets)
+                         lone_unpadded=lone, bucketed=buckets,
+                         cuda_graphs=plan.cuda_graphs if cuda_graphs is None else cuda_graphs)
 
 
 _threads_lock = threading.Lock()
@@ -197,6 +207,10 @@ class PlannedRuntime:
     ``source``, to ``info.extra['plan_line']``)."""
 
     def __init__(self, inner, plan: ExecutionPlan, source: str = ""):
+        if plan.cuda_graphs:  # the same kernels replayed from graphs (refused off CUDA)
+            from vqserve.export.cuda_graphs import GraphedRuntime
+
+            inner = GraphedRuntime(inner)
         self.inner = inner
         self.plan = plan
         self.source = source

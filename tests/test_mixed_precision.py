@@ -135,14 +135,18 @@ def test_precision_frontier_measures_the_served_path(tiny_checkpoint, photos, tm
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (TF32 exists there only)")
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-def test_every_cuda_runtime_turns_tf32_off_whatever_ran_before(tiny_checkpoint, photos, dtype):
+def test_every_cuda_runtime_turns_tf32_off_whatever_ran_before(tiny_checkpoint, dtype):
     """Regression (H100, `vqserve bench gpu`): a bf16 server's tokens differed from bf16
     in-process after an fp32 load, because only fp32 runtimes turned the process-wide TF32
     flags off, and a bf16 encoder's kept fp32 layers ran in TF32 or not by what ran before."""
     import numpy as np
 
+    from vqserve.bench.serving import (
+        bench_photos,  # built in: a GPU node need not have scikit-image
+    )
     from vqserve.export.runtime import EagerRuntime
 
+    photos = bench_photos(64)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     first = EagerRuntime(tiny_checkpoint, dtype=dtype, device="cuda")
     assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The tests that need CUDA (they skip elsewhere), run on a GPU machine that has torch:
+# installs this checkout and pytest from .whl/ (no network), then runs them from a copy of
+# tests/ (so the installed vqserve is imported, not the source folders).
+#   scripts/gpu_tests.sh OUT_DIR [pytest args...]
+set -euo pipefail
+out=${1:?usage: scripts/gpu_tests.sh OUT_DIR [pytest args]}; shift
+site=${VQSERVE_SITE:-/tmp/vqserve-site}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" \
+    ${WHEELS:-.whl/*.whl} . 2>&1 | tail -3
+export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+copy=$(mktemp -d); cp -r tests pyproject.toml "$copy"/
+cd "$copy"
+python3 -m pytest -q -p no:cacheprovider \
+    tests/test_cuda_graphs.py "tests/test_mixed_precision.py::test_every_cuda_runtime_turns_tf32_off_whatever_ran_before" \
+    "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -30

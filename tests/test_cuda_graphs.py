@@ -1,0 +1,205 @@
+"""CUDA graphs for the eager runtime: refused off CUDA; on a GPU, the eager tokens and pixels."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vqserve.export.cuda_graphs import GraphedRuntime, graphs_equal_eager
+from vqserve.export.runtime import load_runtime
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def images(n: int, size: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+
+
+def test_refuses_a_cpu_runtime(tiny_checkpoint):
+    with pytest.raises(ValueError, match="CUDA device; this one runs on cpu") as err:
+        GraphedRuntime(load_runtime(tiny_checkpoint, device="cpu"))
+    assert "\n" not in str(err.value)
+
+
+def test_refuses_an_exported_runtime():
+    fake = SimpleNamespace(info=SimpleNamespace(backend="onnx", device="cuda"))
+    with pytest.raises(ValueError, match="eager runtime only, not a onnx runtime") as err:
+        GraphedRuntime(fake)
+    assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def eager(request):
+    return load_runtime("default", dtype=request.param, device="cuda")
+
+
+def assert_same(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a, b)
+
+
+@cuda
+def test_tokens_and_pixels_equal_eager(eager):
+    graphed = GraphedRuntime(eager)
+    assert graphed.info.extra["cuda_graphs"] and graphed.info.exact == eager.info.exact
+    assert "cuda_graphs" not in eager.info.extra
+    for size in (64, 256):
+        for n in (1, 4):
+            for seed in (0, 1, 2):  # the first call captures, the others replay on new data
+                batch = images(n, size, seed)
+                tokens = eager.encode(batch)
+                assert_same(graphed.encode(batch), tokens)
+                assert_same(graphed.decode(tokens), eager.decode(tokens))
+    assert graphed.calls.stats()["uncapturable"] == 0
+    graphed.close()
+
+
+@cuda
+def test_two_threads_answer_as_one(eager):
+    graphed = GraphedRuntime(eager)
+    batches = [images(4, 64, seed) for seed in range(6)] * 4
+    want = [eager.encode(b) for b in batches]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(graphed.encode, batches))
+        pixels = list(pool.map(graphed.decode, want))
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    for p, w in zip(pixels, want, strict=True):
+        assert_same(p, eager.decode(w))
+    assert 1 <= graphed.calls.stats()["slots"] <= 2
+    graphed.close()
+
+
+@cuda
+def test_more_threads_than_slots_capturing_while_others_replay(eager):
+    graphed = GraphedRuntime(eager, max_slots=3)
+    batches = [images(n, size, seed) for seed, (n, size) in
+               enumerate([(1, 64), (4, 64), (2, 128), (1, 256), (4, 128)] * 3)] * 2
+    want = [eager.encode(b) for b in batches]
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        got = list(pool.map(graphed.encode, batches))
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    stats = graphed.calls.stats()
+    assert stats["slots"] <= 3 and stats["uncapturable"] == 0
+    graphed.close()
+
+
+def raised(fn, *args) -> tuple[type, str]:
+    with pytest.raises(ValueError) as err:
+        fn(*args)
+    return type(err.value), str(err.value)
+
+
+@cuda
+def test_bad_input_raises_the_eager_error(eager):
+    graphed = GraphedRuntime(eager)
+    good = images(2, 64)
+    bad_images = [good.astype(np.float32), good[..., :2], good[:, :60], good[:, :, :4], good[:0], good[0]]
+    for bad in bad_images:
+        assert raised(graphed.encode, bad) == raised(eager.encode, bad)
+    tokens = eager.encode(good).astype(np.int64)
+    out_of_range = tokens.copy()
+    out_of_range[0, 0, 0] = eager.info.codebook_size
+    for bad in [out_of_range, tokens - tokens.max() - 1, tokens.astype(np.float32), tokens[0]]:
+        assert raised(graphed.decode, bad) == raised(eager.decode, bad)
+    assert graphed.calls.stats()["graphs"] == 0  # nothing was captured for bad input
+    assert_same(graphed.encode(good), eager.encode(good))  # and the device is still fine
+    graphed.close()
+
+
+@cuda
+def test_more_shapes_than_the_cap_still_answer(eager):
+    graphed = GraphedRuntime(eager, max_graphs=2)
+    for _ in range(2):
+        for size in (32, 64, 96, 128):  # multiples of the factor (8)
+            batch = images(2, size, size)
+            assert_same(graphed.encode(batch), eager.encode(batch))
+    assert graphed.calls.stats()["graphs"] == 2
+    graphed.close()
+
+
+@cuda
+def test_graphs_equal_eager_report(eager):
+    report = graphs_equal_eager(eager, images(3, 64), batch_sizes=(1, 4), rounds=1, seconds=0.05)
+    assert "error" not in report, report
+    assert report["tokens_equal"] is True and report["pixels_equal"] is True
+    assert [row["batch"] for row in report["rows"]] == [1, 4]
+    assert all(row["graphs_img_s"] > 0 and row["eager_img_s"] > 0 for row in report["rows"])
+
+
+def test_graphs_equal_eager_reports_an_error(tiny_checkpoint):
+    report = graphs_equal_eager(load_runtime(tiny_checkpoint, device="cpu"), images(1, 64))
+    assert "CUDA device" in report["error"] and report["rows"] == []
+
+
+def _syncs(x):  # .item() waits for the device: illegal while capturing (the capture fails)
+    if x.sum().item() < 0:
+        raise AssertionError
+
+
+def _raises_in_capture(x):  # a Python error inside the capture (the capture itself ends)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("not capturable")
+
+
+@cuda
+@pytest.mark.parametrize("failure", [_syncs, _raises_in_capture])
+def test_an_uncapturable_shape_runs_eager(eager, failure):
+    graphed = GraphedRuntime(eager)
+    captured = graphed.calls._encode_graph
+
+    def body(x):
+        failure(x)
+        return captured(x)
+
+    graphed.calls._encode_graph = body
+    batch = images(2, 64)
+    for _ in range(2):
+        assert_same(graphed.encode(batch), eager.encode(batch))
+    # the slot that saw the failure is dropped; the shape is remembered and runs eager
+    assert graphed.calls.stats() == {"slots": 0, "graphs": 0, "uncapturable": 1}
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    graphed.calls._encode_graph = captured  # the device and the allocator still capture
+    for seed in (1, 2):
+        other = images(4, 64, seed)
+        assert_same(graphed.encode(other), eager.encode(other))
+    tokens = eager.encode(batch)
+    assert_same(graphed.decode(tokens), eager.decode(tokens))
+    assert graphed.calls.stats() == {"slots": 1, "graphs": 2, "uncapturable": 1}
+    graphed.close()
+
+
+def test_the_plan_carries_cuda_graphs_and_refuses_them_off_cuda():
+    from vqserve.export.execution import ExecutionPlan, plan_for
+
+    plan = plan_for("cuda", cuda_graphs=True)
+    assert plan.cuda_graphs and "cuda-graphs" in plan.describe()
+    assert ExecutionPlan.from_dict(plan.to_dict()) == plan
+    assert plan_for("cuda", base=plan).cuda_graphs, "a plan's graphs are kept unless the caller says"
+    assert not plan_for("cuda").cuda_graphs
+    for device in ("cpu", "synthetic:0"):
+        with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device"):
+            plan_for(device, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("argv", [["serve", "--cuda-graphs", "--device", "cpu"],
+                                  ["serve", "--cuda-graphs", "--model", "synthetic:200"],
+                                  ["tokenize", "in", "--out", "out", "--cuda-graphs", "--device", "cpu"]])
+def test_cli_refuses_cuda_graphs_without_cuda_in_one_line(argv, tmp_path):
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    (tmp_path / "in").mkdir()
+    Image.fromarray(images(1, 64)[0]).save(tmp_path / "in" / "a.png")
+    done = subprocess.run([sys.executable, "-m", "vqserve", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "--cuda-graphs needs --device cuda" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists(), "refused before anything is written"
