@@ -7,16 +7,17 @@ GPU time is scarce, so one run measures, side by side on the same device:
    alone vs in one call of all) and equal in power-of-two buckets to calls of 64; and the
    **fp32 noise** on ``--noise-tiles`` photo crops: how many device tokens differ from CPU
    fp32, and whether each is an fp32 tie (``model/ties.py``, on float64 latents);
-2. **in-process** images/s per dtype and batch: the runtime alone, the ceiling; and **CUDA
-   graphs** (``--cuda-graphs``: each call shape's eager kernels replayed from a graph, pinned
-   uploads) against eager: tokens, pixels and images/s at 1 image per call and larger;
+2. **in-process** images/s per dtype and batch: the runtime run by the server's plan (CUDA
+   graphs included), the ceiling; and **CUDA graphs** (each call shape's eager kernels
+   replayed from a graph, pinned uploads: the CUDA default) against eager: tokens, pixels
+   and images/s at 1 image per call and larger;
 3. **served** images/s of ``vqserve serve --device cuda`` with clients in several processes
    (``bench/load.py``): v1 and OIP, raw and JPEG (q90), 1 and 16 images per call, for the
    single-process server (``--frontends 0``) and the front-end/executor layout
-   (``--frontends auto``), and that layout with ``--cuda-graphs``, each dtype served at its
-   best in-process batch;
-4. **tokenize** end to end vs the raw runtime (``vqserve bench tokenize``), eager and with
-   ``--cuda-graphs``;
+   (``--frontends auto``), and that layout with ``--no-cuda-graphs``, each dtype served at
+   its best in-process batch;
+4. **tokenize** end to end vs the raw runtime (``vqserve bench tokenize``), with CUDA graphs
+   and with ``--no-cuda-graphs``;
 5. achieved **TFLOP/s** (the encoder's FLOPs per image, counted once, times images/s).
 
 It prints one table and writes ``--json``. Runs on any CUDA machine; ``--device cpu`` or
@@ -224,7 +225,7 @@ def encoder_gflop(model: str, device: str, size: int) -> float | None:
 
 
 def tokenize_row(model: str, device: str, dtype: str, timeout: float, count: int = 8000,
-                 batch_size: int = 32, before: bool = False, graphs: bool = False) -> dict:
+                 batch_size: int = 32, before: bool = False, graphs: bool = True) -> dict:
     """``vqserve bench tokenize`` in a child, within ``timeout`` seconds: ``count`` images,
     several seconds of device work, so the steady rate shows beside the run's start-up."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,7 +233,7 @@ def tokenize_row(model: str, device: str, dtype: str, timeout: float, count: int
         cmd = [sys.executable, "-m", "vqserve", "bench", "tokenize", "--model", model, "--device", device,
                "--dtype", dtype, "--rounds", "1", "--count", str(count), "--batch-size", str(batch_size),
                "--loader-rows", "0", "--json", str(out), "--before" if before else "--no-before",
-               *(["--cuda-graphs"] if graphs else [])]
+               *([] if graphs else ["--no-cuda-graphs"])]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", default="v1:raw:1,v1:raw:16,oip:raw:16,v1:jpeg:16",
                    help="protocol:payload:images per call, comma-separated")
     p.add_argument("--layouts", default="single=--frontends 0;split=--frontends auto;"
-                                         "split-graphs=--frontends auto --cuda-graphs",
+                                         "split-eager=--frontends auto --no-cuda-graphs",
                    help="server layouts: NAME=serve flags, ';'-separated (single: today's one process)")
     p.add_argument("--tokenize-seconds", type=float, default=120.0, help="0 skips tokenize")
     p.add_argument("--tokenize-count", type=int, default=8000, help="images per tokenize run")
@@ -269,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenize-before", action="store_true",
                    help="also time tokenize's serial engine (doubles the tokenize time)")
     p.add_argument("--tokenize-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="on CUDA, also tokenize with --cuda-graphs")
+                   help="on CUDA, also tokenize with --no-cuda-graphs")
     p.add_argument("--skip-tokens", action="store_true", help="skip section 1 (tokens against CPU fp32)")
     p.add_argument("--noise-tiles", type=int, default=512,
                    help="photo crops whose fp32 tokens are compared with CPU fp32, ties told apart (0: skip)")
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tokenize_seconds > 0:
         _log("4. tokenize end to end vs raw")
-        graphs = [False, True] if device.startswith("cuda") and args.tokenize_graphs and not synthetic else [False]
+        graphs = [True, False] if device.startswith("cuda") and args.tokenize_graphs and not synthetic else [True]
         result["tokenize"] = [{**tokenize_row(args.model, device, dtype, args.tokenize_seconds, args.tokenize_count,
                                               args.tokenize_batch, args.tokenize_before, graphs=g), "cuda_graphs": g}
                               for dtype in dtypes for g in graphs]
@@ -404,10 +405,10 @@ def report(result: dict) -> str:
                      f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}{same}")
     for row in result.get("tokenize", []):
         if "error" in row:
-            lines.append(f"tokenize {row['dtype']}{' graphs' if row.get('cuda_graphs') else ''}: error {row['error'][-300:]}")
+            lines.append(f"tokenize {row['dtype']}{'' if row.get('cuda_graphs', True) else ' eager'}: error {row['error'][-300:]}")
             continue
         before = row.get("before") or {}
-        lines.append(f"tokenize {row['dtype']}{' graphs' if row.get('cuda_graphs') else ''}: end to end {row['end_to_end_images_per_s']:.0f} img/s, raw "
+        lines.append(f"tokenize {row['dtype']}{'' if row.get('cuda_graphs', True) else ' eager'}: end to end {row['end_to_end_images_per_s']:.0f} img/s, raw "
                      f"{row['raw_images_per_s']:.0f}, ratio {row['ratio_median']:.2f}; decode capacity "
                      f"{row.get('decode_capacity_images_per_s', 0):.0f} img/s, e2e / min(raw, decode) "
                      f"{row.get('ratio_to_bound_median', 0):.2f} ({row.get('bottleneck')}-bound); steady "

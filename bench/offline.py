@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loader-rows", type=int, default=20_000,
                     help="rows of the token folder the loader is timed on (the photos' rows, replicated; 0: skip)")
     ap.add_argument("--loader-batch", type=int, default=64)
-    ap.add_argument("--cuda-graphs", action="store_true",
-                    help="run the model as tokenize --cuda-graphs does (raw and end to end alike)")
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="run the model as tokenize --no-cuda-graphs does (raw and end to end alike)")
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="write the figures as JSON to PATH (no PATH or -: print them instead of the table)")
     args = ap.parse_args(argv)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     # as tokenize runs them: the overlapped engine's, and the serial engine's (the plan's own workers)
     # (the serial engine ran one device: the first)
     before_runtimes = {d: pipeline.planned_runtime(r, d, workers, serial=True) for d, r in list(runtimes.items())[:1]}
-    runtimes = {d: pipeline.planned_runtime(r, d, workers, cuda_graphs=args.cuda_graphs) for d, r in runtimes.items()}
+    runtimes = {d: pipeline.planned_runtime(r, d, workers, cuda_graphs=not args.no_cuda_graphs) for d, r in runtimes.items()}
     count = args.count or (960 if accelerator else 96)
     pre = images.Preprocess(mode="size", size=args.size, factor=info["factor"])
     scratch = Path(tempfile.mkdtemp(prefix="vqserve-bench-tokenize-"))
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "images": n, "size": args.size, "batch_size": args.batch_size, "workers": workers,
             "backend": info["backend"], "dtype": info["dtype"], "device": info["device"], "devices": devices,
-            "cuda_graphs": args.cuda_graphs,
+            "cuda_graphs": any(getattr(r.plan, "cuda_graphs", False) for r in runtimes.values()),
             "torch_threads": __import__("torch").get_num_threads(), "rounds": args.rounds,
             "raw_images_per_s": _median(raw), "end_to_end_images_per_s": _median(e2e),
             "ratio_median": _median([e / r for e, r in zip(e2e, raw, strict=True)]),

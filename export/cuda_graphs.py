@@ -26,8 +26,9 @@ How the pieces are kept safe:
   slot share its pool: a slot replays one graph at a time, every call waits for its stream
   before the slot is given back, and every graph's static output stays alive, so no replay
   can overwrite memory another graph still needs. Slots never share a pool.
-* **bounded**: at most ``max_graphs`` capture attempts per slot; other shapes run eager
-  (unbounded image sizes cannot exhaust GPU memory). A shape whose capture raises is
+* **bounded**: at most ``max_graphs`` capture attempts per slot, and captures stop once the
+  graphs' memory pools hold ``MEMORY_SHARE`` of the GPU's memory; other shapes run eager
+  (a graph keeps its activations' memory for good, so unbounded image sizes must not). A shape whose capture raises is
   remembered and runs eager: a call never fails because of graphs.
 * **captures exclusive**: a process-wide gate is held shared by every call that launches
   device work here (replay or eager) and exclusively by a capture, and
@@ -58,6 +59,7 @@ from vqserve.model.tokenizer import TokenizerBase, float_to_pixels, pixels_to_fl
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 16  # capture attempts per slot (shapes); beyond, a new shape runs eager
+MEMORY_SHARE = 0.25  # of the GPU's memory that the graphs of one runtime may hold; beyond, eager
 MAX_SLOTS = 4    # concurrent graphed calls (PlannedRuntime runs 2 on CUDA); beyond, eager
 WARMUP = 3       # eager iterations on the capture stream before capturing (PyTorch's recipe)
 
@@ -190,6 +192,8 @@ class GraphedCalls:
         self._graphable = {m: getattr(type(self.tokenizer), m) is getattr(TokenizerBase, m)
                            for m in ("encode", "decode")}
         self._lock = threading.Lock()
+        self._graph_bytes = 0  # what captures added to the device memory reserved
+        self._memory_budget = int(MEMORY_SHARE * torch.cuda.get_device_properties(self.device).total_memory)
         self._free: list[_Slot] = []
         self._made = 0
         self._generation = 0
@@ -241,7 +245,7 @@ class GraphedCalls:
         try:
             entry = slot.graphs.get(key)
             if entry is None:
-                if slot.attempts >= self.max_graphs:
+                if slot.attempts >= self.max_graphs or self._graph_bytes >= self._memory_budget:
                     return None
                 slot.attempts += 1
                 entry = self._capture(slot, key, body, array)
@@ -262,6 +266,9 @@ class GraphedCalls:
         graph, began = None, False
         try:
             with _GATE.exclusive(), torch.cuda.device(self.device), torch.no_grad():
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()  # as torch.cuda.graph does: what grows next is the capture's
+                reserved = torch.cuda.memory_reserved(self.device)
                 host_in = torch.empty(array.shape, dtype=_torch_dtype(array.dtype), pin_memory=True)
                 host_in.numpy()[...] = array
                 slot.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -277,6 +284,7 @@ class GraphedCalls:
                     began = True
                     static_out = body(static_in)
                 host_out = torch.empty(static_out.shape, dtype=static_out.dtype, pin_memory=True)
+                self._graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
         except Exception as exc:  # an op that cannot be captured: this shape runs eager
             self._uncapturable.add(key)
             log.warning("CUDA graph capture of %s %s failed, it runs eager: %s: %s",
@@ -315,12 +323,13 @@ class GraphedCalls:
             self._made = 0
             self._generation += 1
             self._uncapturable.clear()
+            self._graph_bytes = 0
 
     def stats(self) -> dict:
-        """Slots made, graphs held by idle slots, shapes found uncapturable."""
+        """Slots made, graphs held by idle slots, shapes found uncapturable, bytes captured."""
         with self._lock:
             return {"slots": self._made, "graphs": sum(len(s.graphs) for s in self._free),
-                    "uncapturable": len(self._uncapturable)}
+                    "uncapturable": len(self._uncapturable), "graph_bytes": self._graph_bytes}
 
 
 class GraphedRuntime:
@@ -352,6 +361,30 @@ class GraphedRuntime:
 
     def close(self) -> None:
         self.calls.reset()
+
+
+def graphed_if_equal(inner, sizes=(1, 4)) -> tuple[object, str]:
+    """``(runtime, why)``: ``inner`` through CUDA graphs where it can be (an eager runtime on
+    CUDA) and the graphs gave eager's tokens and pixels on a few check images at the call
+    sizes ``sizes``; else ``inner`` itself and why not (one line). A plan's ``cuda_graphs``
+    is a preference: what cannot be graphed, or is found to differ, runs eager, so tokens
+    never depend on it. The check costs a capture per size (a fraction of a second)."""
+    try:
+        graphed = GraphedRuntime(inner)
+    except ValueError as exc:
+        return inner, str(exc)
+    factor = int(inner.info.factor)
+    side = factor * max(1, -(-64 // factor))
+    check = np.random.default_rng(7).integers(0, 256, (max(sizes), side, side, 3), dtype=np.uint8)
+    for n in sizes:
+        want = inner.encode(check[:n])
+        if not np.array_equal(graphed.encode(check[:n]), want) or (
+                inner.info.decodes and not np.array_equal(graphed.decode(want), inner.decode(want))):
+            graphed.close()
+            why = f"CUDA graphs gave other results than eager at a call of {n}: running eager"
+            log.warning(why)
+            return inner, why
+    return graphed, ""
 
 
 def _images_per_s(fn: Callable, batch: np.ndarray, seconds: float) -> float:

@@ -84,7 +84,8 @@ class ExecutionPlan:
     bucketed: tuple[str, ...] = ()
     # on CUDA, replay each call shape's kernels from a CUDA graph captured from the eager code,
     # uploading through pinned buffers (export/cuda_graphs.py): the same kernels, so the same
-    # tokens, with a fraction of the Python per call
+    # tokens, with a fraction of the Python per call. A preference: a runtime that cannot be
+    # graphed (not eager, not CUDA) or whose graphs differ from eager on the check runs eager
     cuda_graphs: bool = False
 
     def __post_init__(self):
@@ -143,14 +144,17 @@ def label_of(backend: str, dtype: str) -> str:
 def default_plan(device: str) -> ExecutionPlan:
     """CPU: single images, one thread each, one call per core. CUDA (and its stand-in,
     ``synthetic:N``): fixed calls of 8 (kernel choice depends on the batch shape there, so
-    the shape never changes), two at once. The stand-in's tokens are integer sums per image,
+    the shape never changes), two at once; on CUDA replayed from CUDA graphs of the eager
+    kernels (``cuda_graphs``: the same tokens, checked at start; H200, 256x256, 16-image
+    requests: fp32 served 1,037 -> 1,158 img/s, bf16 3,584 -> 3,808). The stand-in's tokens are integer sums per image,
     the same in a call of any size by construction, so its short calls take buckets (what
     ``--plan auto`` gives a GPU where it measures them equal)."""
     if device.startswith("synthetic"):
         return ExecutionPlan(micro_batch=8, workers=default_model_workers(device), intra_op_threads=1,
                              bucketed=("decode", "encode"))
     if device.startswith("cuda"):
-        return ExecutionPlan(micro_batch=8, workers=default_model_workers(device), intra_op_threads=1)
+        return ExecutionPlan(micro_batch=8, workers=default_model_workers(device), intra_op_threads=1,
+                             cuda_graphs=True)
     return ExecutionPlan(micro_batch=1, workers=default_model_workers(device), intra_op_threads=1)
 
 
@@ -158,8 +162,8 @@ def plan_for(device: str, micro_batch: int | None = None, workers: int | None = 
              threads: int | None = None, base: ExecutionPlan | None = None,
              cuda_graphs: bool | None = None) -> ExecutionPlan:
     """``base`` (default: :func:`default_plan`) with the caller's settings (None or 0 keeps
-    the base's). A micro-batch given by hand applies to every image size. ``cuda_graphs``
-    True on a device other than CUDA is a one-line ValueError."""
+    the base's). A micro-batch given by hand applies to every image size. ``cuda_graphs``:
+    False turns them off, True on a device other than CUDA is a one-line ValueError."""
     if cuda_graphs and not str(device).startswith("cuda"):
         raise ValueError(f"--cuda-graphs needs a CUDA device, not {device}: CUDA graphs replay GPU kernels")
     plan = base or default_plan(device)
@@ -207,10 +211,13 @@ class PlannedRuntime:
     ``source``, to ``info.extra['plan_line']``)."""
 
     def __init__(self, inner, plan: ExecutionPlan, source: str = ""):
-        if plan.cuda_graphs:  # the same kernels replayed from graphs (refused off CUDA)
-            from vqserve.export.cuda_graphs import GraphedRuntime
+        self.graphs_refused = ""
+        if plan.cuda_graphs:  # the same kernels replayed from graphs, where they give eager's results
+            from vqserve.export.cuda_graphs import graphed_if_equal
 
-            inner = GraphedRuntime(inner)
+            inner, self.graphs_refused = graphed_if_equal(inner)
+            if self.graphs_refused:  # what runs is eager: the plan and identity say so
+                plan = dataclasses.replace(plan, cuda_graphs=False)
         self.inner = inner
         self.plan = plan
         self.source = source

@@ -62,7 +62,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 DTYPES = ("fp32", "bf16", "fp16")
 CALIBRATION_SIDES = (64, 256)
 MICRO_BATCHES = (1, 2, 4, 8)
-PLANNER_VERSION = 8        # bump when the measurement or the choice rule changes
+PLANNER_VERSION = 9        # bump when the measurement or the choice rule changes
 ROUNDS = 3                 # interleaved timing rounds: every candidate once per round
 STALE_EXPORT_S = 3600      # a staging folder of an export this old was left by a killed process
 MAX_CALL_PIXELS = 4 << 20  # candidates above this many pixels per call are not tried
@@ -530,6 +530,10 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
         chosen, plan = _choose(rows, results, tuple(sides), workers)
         check()
         plan = _certified(raws[chosen.label], plan, say)
+        if str(device).startswith("cuda") and chosen.backend == "eager":
+            # the chosen kernels replayed from CUDA graphs: the same tokens (checked where the plan
+            # is loaded, export/cuda_graphs.py), less Python per call than the eager timing above
+            plan = dataclasses.replace(plan, cuda_graphs=True)
     finally:
         for raw in raws.values():
             if hasattr(raw, "close"):

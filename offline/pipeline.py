@@ -419,7 +419,7 @@ def default_workers(device: str) -> int:
 
 
 def planned_runtime(runtime, device: str, decode_workers: int, model_workers: int = 0, base=None,
-                    source: str = "", serial: bool = False, cuda_graphs: bool = False):
+                    source: str = "", serial: bool = False, cuda_graphs: bool = True):
     """The runtime run by the same execution plan as the server (``base``: the one ``--plan
     auto`` measured, else the device's default; one intra-op thread per model call, fixed
     micro-batches per image size; vqserve.export.execution), so a file gets the server's
@@ -434,7 +434,7 @@ def planned_runtime(runtime, device: str, decode_workers: int, model_workers: in
         model_workers = max(1, available_cores() - decode_workers)
     if not model_workers and not serial and device.startswith(("cuda", "synthetic")):
         model_workers = 1
-    plan = plan_for(device, workers=model_workers or None, base=base, cuda_graphs=cuda_graphs or None)
+    plan = plan_for(device, workers=model_workers or None, base=base, cuda_graphs=None if cuda_graphs else False)
     return PlannedRuntime(runtime, plan, source)
 
 

@@ -80,7 +80,7 @@ class ServerConfig:
     model_workers: int | None = None  # model calls at once, one thread each; None: default_plan(device)
     self_check: bool = True          # measure batch invariance at start (GetModelInfo.determinism)
     threads: int | None = None       # intra-op threads per model call; None: the plan's (1 on CPU)
-    cuda_graphs: bool = False        # replay each call shape from a CUDA graph (export/cuda_graphs.py)
+    cuda_graphs: bool = True         # False: never replay calls from CUDA graphs (export/cuda_graphs.py)
     plan: str = "default"            # "auto": the cached plan, else serve the safe plan and measure in
     #                                  the background; "default": default_plan(device); else a plan
     #                                  file (`vqserve plan --out`). `vqserve serve` defaults to auto.
@@ -849,7 +849,7 @@ class TokenizerServer:
         batch-invariance certificate (checked before any client sees its tokens)."""
         cfg = self.config
         plan = self._plan(runtime.info.device, base)
-        if cfg.micro_batch or cfg.model_workers or cfg.threads or cfg.cuda_graphs:
+        if cfg.micro_batch or cfg.model_workers or cfg.threads or not cfg.cuda_graphs:
             source += "+flags"
         certificate = None
         if cfg.self_check:
@@ -885,7 +885,7 @@ class TokenizerServer:
         """The measured plan (``base``) or the device's default, with the settings the user gave."""
         cfg = self.config
         return plan_for(device, cfg.micro_batch, cfg.model_workers, cfg.threads, base=base,
-                        cuda_graphs=True if cfg.cuda_graphs else None)
+                        cuda_graphs=None if cfg.cuda_graphs else False)
 
     def _artifacts(self):
         """Where exports made for a plan go: the plan cache's ``artifacts/``."""

@@ -174,23 +174,37 @@ def test_an_uncapturable_shape_runs_eager(eager, failure):
     graphed.close()
 
 
-def test_the_plan_carries_cuda_graphs_and_refuses_them_off_cuda():
-    from vqserve.export.execution import ExecutionPlan, plan_for
+def test_cuda_plans_take_graphs_and_other_devices_do_not():
+    from vqserve.export.execution import ExecutionPlan, default_plan, plan_for
 
-    plan = plan_for("cuda", cuda_graphs=True)
-    assert plan.cuda_graphs and "cuda-graphs" in plan.describe()
+    plan = plan_for("cuda")
+    assert plan.cuda_graphs and "cuda-graphs" in plan.describe(), "the CUDA default: graphs"
     assert ExecutionPlan.from_dict(plan.to_dict()) == plan
-    assert plan_for("cuda", base=plan).cuda_graphs, "a plan's graphs are kept unless the caller says"
-    assert not plan_for("cuda").cuda_graphs
+    assert not plan_for("cuda", cuda_graphs=False).cuda_graphs, "--no-cuda-graphs"
+    assert plan_for("cuda", base=ExecutionPlan(4, 2)).cuda_graphs is False, "a measured plan's choice is kept"
+    assert not default_plan("cpu").cuda_graphs and not default_plan("synthetic:0").cuda_graphs
     for device in ("cpu", "synthetic:0"):
         with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device"):
             plan_for(device, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("argv", [["serve", "--cuda-graphs", "--device", "cpu"],
-                                  ["serve", "--cuda-graphs", "--model", "synthetic:200"],
-                                  ["tokenize", "in", "--out", "out", "--cuda-graphs", "--device", "cpu"]])
-def test_cli_refuses_cuda_graphs_without_cuda_in_one_line(argv, tmp_path):
+def test_a_runtime_that_cannot_be_graphed_runs_eager_and_says_so(tiny_checkpoint):
+    """A plan's graphs are a preference: a CPU runtime (or an export) under a plan that asks
+    for them runs as it is, and the plan it reports has no graphs."""
+    from vqserve.export.execution import ExecutionPlan, PlannedRuntime
+
+    runtime = load_runtime(tiny_checkpoint, device="cpu")
+    planned = PlannedRuntime(runtime, ExecutionPlan(2, 1, cuda_graphs=True))
+    assert planned.inner is runtime and not planned.plan.cuda_graphs
+    assert "CUDA device" in planned.graphs_refused and "cuda-graphs" not in planned.info.extra["plan_line"]
+    batch = images(3, 64)
+    np.testing.assert_array_equal(planned.encode(batch), runtime.encode(batch))
+
+
+@pytest.mark.parametrize("argv", [["serve", "--no-cuda-graphs", "--model", "synthetic:0", "--port", "-5"],
+                                  ["tokenize", "in", "--out", "out", "--no-cuda-graphs", "--engine", "ray"]])
+def test_cli_no_cuda_graphs(argv, tmp_path):
+    """The flag parses everywhere (a CPU ignores it); Ray actors run the plan as measured."""
     import subprocess
     import sys
 
@@ -201,5 +215,21 @@ def test_cli_refuses_cuda_graphs_without_cuda_in_one_line(argv, tmp_path):
     done = subprocess.run([sys.executable, "-m", "vqserve", *argv], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
-    assert "--cuda-graphs needs --device cuda" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    want = "--port" if argv[0] == "serve" else "--no-cuda-graphs is for the local engine"
+    assert want in done.stderr
     assert not (tmp_path / "out").exists(), "refused before anything is written"
+
+
+@cuda
+def test_graphed_if_equal_graphs_an_eager_cuda_runtime(eager):
+    from vqserve.export.cuda_graphs import graphed_if_equal
+    from vqserve.export.execution import PlannedRuntime, plan_for
+
+    graphed, why = graphed_if_equal(eager)
+    assert isinstance(graphed, GraphedRuntime) and why == ""
+    planned = PlannedRuntime(eager, plan_for("cuda"))
+    assert planned.plan.cuda_graphs and "cuda-graphs" in planned.info.extra["plan_line"]
+    batch = images(5, 256, seed=3)
+    eager_plan = PlannedRuntime(eager, plan_for("cuda", cuda_graphs=False))
+    np.testing.assert_array_equal(planned.encode(batch), eager_plan.encode(batch))

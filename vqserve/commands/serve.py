@@ -58,7 +58,7 @@ ENV_VARS = {
     "no_self_check": "VQSERVE_NO_SELF_CHECK", "plan": "VQSERVE_PLAN", "plan_cache": "VQSERVE_PLAN_CACHE",
     "min_agreement": "VQSERVE_MIN_AGREEMENT", "threads": "VQSERVE_THREADS",
     "plan_budget_s": "VQSERVE_PLAN_BUDGET_S", "frontends": "VQSERVE_FRONTENDS",
-    "cuda_graphs": "VQSERVE_CUDA_GRAPHS",
+    "no_cuda_graphs": "VQSERVE_NO_CUDA_GRAPHS",
 }
 # The flag that moves each port, for the one-line "port in use" error.
 PORT_FLAGS = {"gRPC": "port", "metrics": "metrics_port"}
@@ -159,10 +159,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                    help="intra-op threads inside one model call (0 = the plan's: 1). More than 1 "
                         "splits one image's arithmetic across threads, which can change bf16/fp16 "
                         "tokens with the batch: the start-up self-check measures it")
-    x.add_argument("--cuda-graphs", action="store_true",
-                   help="CUDA only: capture each model call shape once as a CUDA graph of the eager "
-                        "kernels and replay it, uploading through pinned memory: the same kernels, so the "
-                        "same tokens (the start-up check compares), with little Python per call").type = switch
+    x.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, launch every kernel from Python instead of replaying each call shape "
+                        "from a CUDA graph of the same eager kernels (the default there: the same tokens, "
+                        "compared with eager when the plan loads, with pinned uploads and little Python "
+                        "per call)").type = switch
     x.add_argument("--no-self-check", action="store_true",
                    help="skip the start-up check that tokens do not depend on the batch "
                         "(about a second on CPU; GetModelInfo then says 'not checked')").type = switch
@@ -234,9 +235,6 @@ def config_from_args(args: argparse.Namespace):
     if args.metrics_tls and not args.tls_cert:
         raise UsageError("--metrics-tls (VQSERVE_METRICS_TLS) needs --tls-cert and --tls-key: "
                          "/metrics uses the same pair")
-    if args.cuda_graphs and (args.device == "cpu" or args.model.startswith("synthetic:")):
-        raise UsageError(f"--cuda-graphs needs --device cuda (this server runs on "
-                         f"{'the stand-in device' if args.device != 'cpu' else 'cpu'}): CUDA graphs replay GPU kernels")
     if args.max_queue < args.max_batch_size:
         raise ValueError(f"--max-queue ({args.max_queue}) must be >= --max-batch-size ({args.max_batch_size}), "
                          "or full-size requests could never be queued")
@@ -254,7 +252,7 @@ def config_from_args(args: argparse.Namespace):
         threads=args.threads or None, plan=args.plan, plan_cache=args.plan_cache,
         min_agreement=min_agreement_for(args.dtype, args.min_agreement), plan_budget_s=args.plan_budget_s,
         frontends=resolve_frontends(args.frontends, args.model, args.device),
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=not args.no_cuda_graphs,
     )
 
 

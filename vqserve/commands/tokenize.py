@@ -84,10 +84,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--threads", type=int, default=0,
                    help="model calls running at once, each on one thread, so tokens never "
                         "depend on this number (default: the CPU cores the decode workers leave)")
-    r.add_argument("--cuda-graphs", action="store_true",
-                   help="CUDA only: replay each model call shape from a CUDA graph of the eager kernels, "
-                        "uploading through pinned memory (the same kernels, so the same tokens; less "
-                        "Python per batch)")
+    r.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, launch every kernel from Python instead of replaying each batch shape "
+                        "from a CUDA graph of the same eager kernels (the default there: the same tokens, "
+                        "less Python per batch)")
     r.add_argument("--plan", type=plan_choice, default=None, metavar="auto|default|FILE",
                    help="auto (default; or VQSERVE_PLAN): the execution plan `vqserve plan` or a server "
                         "measured for this hardware and model (read from the same cache; where none is "
@@ -182,10 +182,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     device = devices[0]
-    if args.cuda_graphs and not all(d.startswith("cuda") for d in devices):
-        raise UsageError(f"--cuda-graphs needs --device cuda, not {args.device}: CUDA graphs replay GPU kernels")
-    if args.cuda_graphs and args.engine == "ray":
-        raise UsageError("--cuda-graphs runs with the local engine (--engine local)")
+    if args.no_cuda_graphs and args.engine == "ray":
+        raise UsageError("--no-cuda-graphs is for the local engine; Ray actors run the plan as measured")
     chosen = _chosen_plan(args, device)
     dtype = None if args.dtype == "auto" else args.dtype
 
@@ -234,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             runtimes = {d: pipeline.planned_runtime(r, d, workers, args.threads,
                                                     base=chosen.plan if chosen else None,
                                                     source=chosen.source if chosen else "safe", serial=serial,
-                                                    cuda_graphs=args.cuda_graphs)
+                                                    cuda_graphs=not args.no_cuda_graphs)
                         for d, r in runtimes.items()}
             result = pipeline.run_local(job, runtimes, workers=workers, fail_fast=args.fail_fast,
                                         progress=False if args.no_progress else None, serial=serial)
