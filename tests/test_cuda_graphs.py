@@ -162,7 +162,8 @@ def test_an_uncapturable_shape_runs_eager(eager, failure):
     for _ in range(2):
         assert_same(graphed.encode(batch), eager.encode(batch))
     # the slot that saw the failure is dropped; the shape is remembered and runs eager
-    assert graphed.calls.stats() == {"slots": 0, "graphs": 0, "uncapturable": 1}
+    assert {k: v for k, v in graphed.calls.stats().items() if k != "graph_bytes"} == \
+        {"slots": 0, "graphs": 0, "uncapturable": 1}
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     graphed.calls._encode_graph = captured  # the device and the allocator still capture
     for seed in (1, 2):
@@ -170,7 +171,8 @@ def test_an_uncapturable_shape_runs_eager(eager, failure):
         assert_same(graphed.encode(other), eager.encode(other))
     tokens = eager.encode(batch)
     assert_same(graphed.decode(tokens), eager.decode(tokens))
-    assert graphed.calls.stats() == {"slots": 1, "graphs": 2, "uncapturable": 1}
+    assert {k: v for k, v in graphed.calls.stats().items() if k != "graph_bytes"} == \
+        {"slots": 1, "graphs": 2, "uncapturable": 1}
     graphed.close()
 
 
