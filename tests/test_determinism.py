@@ -90,7 +90,8 @@ def test_plan_pads_to_a_fixed_shape_and_keeps_order():
     assert out[:, 0, 0].tolist() == list(range(10))
     assert rec.shapes == [4, 4, 4]  # 10 images: 4 + 4 + (2 padded to 4)
     assert planned.info.extra["plan"] == {"micro_batch": 4, "workers": 2, "intra_op_threads": 1,
-                                          "micro_batch_by_pixels": [], "lone_unpadded": [], "bucketed": []}
+                                          "micro_batch_by_pixels": [], "lone_unpadded": [], "bucketed": [],
+                                          "cuda_graphs": False}
     assert "plan" not in rec.info.extra  # the inner runtime's info is not modified
 
     rec.shapes = []  # a bucketed plan pads a short call to the next power of two only

@@ -50,7 +50,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="also write the decision as a plan file, for `vqserve serve --plan FILE` and "
                              "`vqserve tokenize --plan FILE` on every machine of this kind")
     parser.add_argument("--sizes", default="64,256", help="calibration image sides (default 64,256)")
-    parser.add_argument("--micro-batches", default="1,2,4,8", help="micro-batches to try (default 1,2,4,8)")
+    parser.add_argument("--micro-batches", default=None,
+                        help="micro-batches to try (default 1,2,4,8 on CPU; 1,2,4,8,16,32,64 on CUDA)")
     parser.add_argument("--min-agreement", type=float, default=None,
                         help="with --dtype auto: least share of tokens equal to fp32's for bf16/fp16 "
                              "(default 0.995)")
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--seconds must be positive, --rounds at least 1 and --budget-s at least 0")
     min_agreement = min_agreement_for(args.dtype, args.min_agreement)
     sizes = _ints(args.sizes, "--sizes")
-    micro = _ints(args.micro_batches, "--micro-batches")
+    micro = _ints(args.micro_batches, "--micro-batches") if args.micro_batches else None
     check_model_exists(args.model, "VQSERVE_MODEL")
     from vqserve.export.planner import EXPORT_BACKENDS, PlanCancelled, choose_plan
     from vqserve.export.runtime import load_runtime, resolve_device
