@@ -1,5 +1,8 @@
 """Assemble the grpc.aio server: both APIs on one port, health, reflection, TLS, auth,
-Prometheus ``/metrics``, structured logs, and a SIGTERM drain.
+Prometheus ``/metrics``, structured logs, and a SIGTERM drain. The parts live beside it:
+auth and the stream cap in ``serve/gates.py``, health and reflection in
+``serve/discovery.py``, the JSON logs in ``serve/logs.py``, the engine, batcher, front-ends
+and device executor in their own modules; this one wires them and runs the lifecycle.
 
 Lifecycle: the port is bound and health answers NOT_SERVING while the model loads (in a
 worker thread); then SERVING. On SIGTERM/SIGINT health goes NOT_SERVING, the server
@@ -15,16 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hmac
-import inspect
-import json
 import logging
 import os
 import shutil
 import signal
 import socket
 import ssl
-import sys
 import tempfile
 import threading
 import time
@@ -32,22 +31,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from vqserve import __version__
 from vqserve.export.determinism import start_up_check
 from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
 from vqserve.serve import service_oip, service_v1
+from vqserve.serve.discovery import (
+    REFLECTION_SERVICES,
+    DrainingHealthServicer,
+    add_health,
+    add_reflection,
+)
 from vqserve.serve.engine import Engine, default_batch_pixels
-from vqserve.serve.errors import BadMessage, Tracker, safe_deserializer
+from vqserve.serve.errors import Tracker
+from vqserve.serve.gates import BearerTokenAuth, StreamGate
+from vqserve.serve.logs import JsonFormatter, log, setup_logging
+from vqserve.serve.logs import event as _event
 from vqserve.serve.metrics import Metrics
 from vqserve.serve.planning import DEFAULT_PLAN_BUDGET_S, BackgroundPlan, plan_argv, run_in_daemon
 
-log = logging.getLogger("vqserve.serve")
-
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
+__all__ = ["JsonFormatter", "ServerConfig", "ServerThread", "StreamGate", "TokenizerServer", "log",
+           "serve_until_signal", "setup_logging"]
 
 
 @dataclass
@@ -138,473 +143,6 @@ def check_port_free(role: str, host: str, port: int) -> None:
             if exc.errno == errno.EADDRNOTAVAIL:
                 raise PortInUseError(role, host, port, "cannot be bound: the address is not "
                                                        "one of this machine's") from None
-
-
-# ---- structured logs ----------------------------------------------------------------------
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, event/msg and any ``extra={"fields":...}``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", {}) or {})
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
-def setup_logging(level: str = "info", stream=None) -> None:
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("vqserve")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
-
-
-def _event(event: str, msg: str = "", level: int = logging.INFO, **fields) -> None:
-    log.log(level, msg or event, extra={"fields": {"event": event, **fields}})
-
-
-# ---- auth -----------------------------------------------------------------------------------
-class BearerTokenAuth(grpc.aio.ServerInterceptor):
-    """Require ``authorization: Bearer <token>`` on every RPC except health checks.
-
-    The token is in the call's metadata, which arrives before its message: a refused call
-    is answered without its message ever being read (see :func:`_deny`)."""
-
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)  # a lookup only: None -> UNIMPLEMENTED, as with a token
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
-            return handler
-        metadata = dict(details.invocation_metadata or ())
-        got = metadata.get("authorization", "")
-        if isinstance(got, str):
-            got = got.encode()
-        if hmac.compare_digest(got, self._expected):
-            return handler
-        return _deny(handler, details.method)
-
-
-UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
-
-
-def _deny(handler, method: str):
-    """A handler answering UNAUTHENTICATED without reading the request.
-
-    Always request-streaming, with no parser: gRPC reads a unary request into Python before
-    the handler runs (and the method's parser would then copy it again), so four tokenless
-    60 MB Encode calls raised the peak RSS by ~450-600 MB. A streaming handler that never
-    iterates its requests reads nothing; on the wire a unary call and a one-message stream
-    are the same, so the client sees a plain UNAUTHENTICATED either way."""
-
-    async def refuse(request_iterator, context):
-        _event("unauthenticated", level=logging.WARNING, method=method)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-
-    if handler.response_streaming:
-        async def refuse_streaming(request_iterator, context):
-            await refuse(request_iterator, context)
-            yield  # pragma: no cover - an async generator that aborts before its first answer
-
-        return grpc.stream_stream_rpc_method_handler(refuse_streaming)
-    return grpc.stream_unary_rpc_method_handler(refuse)
-
-
-def _same_kind(handler, behaviour):
-    """A method handler of ``handler``'s kind (unary/stream each way) and (de)serializers,
-    running ``behaviour`` instead: how the interceptors replace or wrap a method."""
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(behaviour, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(behaviour, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(behaviour, **kw)
-    return grpc.stream_stream_rpc_method_handler(behaviour, **kw)
-
-
-# ---- streams: a cap per service, and an end on drain -------------------------------------------
-class _DrainableRequests:
-    """The request side of a client-streaming call, which :meth:`end` closes early.
-
-    ``grpc.aio``'s ``server.stop(grace)`` waits for every open call, and an idle stream
-    never finishes on its own: one open EncodeStream held a SIGTERM drain for the whole
-    grace period. Ending the request side lets the handler answer what it already read and
-    return; a read in progress is cancelled (its message, if any, was never accepted)."""
-
-    def __init__(self, requests):
-        self._it = requests.__aiter__()
-        self._read: asyncio.Future | None = None
-        self.ended = False  # end() was called
-        self.cut = False    # ... and it stopped a read: the client's stream was not read to its end
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if self.ended:
-            self.cut = True
-            raise StopAsyncIteration
-        self._read = asyncio.ensure_future(self._it.__anext__())
-        try:
-            return await self._read
-        except asyncio.CancelledError:
-            if self.ended and not asyncio.current_task().cancelling():  # end(), not the client
-                self.cut = True
-                raise StopAsyncIteration from None
-            raise
-        finally:
-            self._read = None
-
-    def end(self) -> None:
-        self.ended = True
-        if self._read is not None:
-            self._read.cancel()
-
-
-class StreamGate(grpc.aio.ServerInterceptor):
-    """At most ``limit`` open streaming calls per service, and an end to them on drain.
-
-    Each open stream costs memory and a read-ahead window, and 2,000 idle ones were accepted
-    with no limit: one over the cap is refused at once with RESOURCE_EXHAUSTED (counted in
-    ``vqserve_requests_total``), never queued. Services count apart, so unauthenticated
-    health watches cannot crowd out token-holding EncodeStream clients. On :meth:`drain`,
-    client streams stop reading and end with UNAVAILABLE once every request they had read
-    is answered, so an idle stream no longer holds a shutdown for the whole grace period.
-    """
-
-    DRAINING = "server is draining; reconnect (to another replica) and resend requests with no answer"
-
-    def __init__(self, limit: int, metrics: Metrics, services: tuple[str, ...] = ()):
-        """``services``: those whose ``vqserve_streams_open`` series exist from the start (0)."""
-        self.limit = limit
-        self.metrics = metrics
-        self.open: dict[str, int] = {}
-        for service in services:
-            metrics.streams_open.labels(service).set(0)
-        self.draining = False
-        self._requests: set[_DrainableRequests] = set()
-
-    def drain(self) -> None:
-        self.draining = True
-        for requests in list(self._requests):
-            requests.end()
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or not (handler.request_streaming or handler.response_streaming):
-            return handler
-        service, _, method = details.method.lstrip("/").partition("/")
-        return _gated(handler, self, service, method)
-
-    def admit(self, service: str, method: str) -> str | None:
-        """Count a new stream in; the refusal message when ``service`` is at its cap."""
-        if self.open.get(service, 0) >= self.limit:
-            self.metrics.requests.labels(method, "RESOURCE_EXHAUSTED").inc()
-            self.metrics.errors.labels(method, "RESOURCE_EXHAUSTED").inc()
-            return (f"too many open streams: {service} allows {self.limit} at once (--max-streams); "
-                    "close a stream or retry later")
-        self.open[service] = self.open.get(service, 0) + 1
-        self.metrics.streams_open.labels(service).set(self.open[service])
-        return None
-
-    def release(self, service: str) -> None:
-        self.open[service] -= 1
-        self.metrics.streams_open.labels(service).set(self.open[service])
-
-
-def _gated(handler, gate: StreamGate, service: str, method: str):
-    """``handler`` with its behaviour wrapped in :class:`StreamGate`'s admission and drain."""
-    inner = handler.stream_stream or handler.stream_unary or handler.unary_stream
-    client_streaming = handler.request_streaming
-
-    def enter(request):
-        if client_streaming:
-            request = _DrainableRequests(request)
-            if gate.draining:
-                request.ended = True
-            gate._requests.add(request)
-        return request
-
-    def leave(request, context) -> None:
-        if client_streaming:
-            gate._requests.discard(request)
-            if request.cut:  # a client that had closed its side got every answer: plain OK
-                context.set_code(grpc.StatusCode.UNAVAILABLE)
-                context.set_details(StreamGate.DRAINING)
-        gate.release(service)
-
-    if inspect.isasyncgenfunction(inner):
-        async def behaviour(request, context):
-            if refused := gate.admit(service, method):
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
-            request = enter(request)
-            try:
-                async for response in inner(request, context):
-                    yield response
-            finally:
-                leave(request, context)
-    else:
-        async def behaviour(request, context):
-            if refused := gate.admit(service, method):
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
-            request = enter(request)
-            try:
-                return await inner(request, context)
-            finally:
-                leave(request, context)
-
-    return _same_kind(handler, behaviour)
-
-
-class DrainingHealthServicer(health.aio.HealthServicer):
-    """grpc's health servicer, except that ``Watch`` streams end after they sent NOT_SERVING
-    when the server drains. The stock ``Watch`` never returns, so one open watch (a load
-    balancer, a mesh sidecar) held every shutdown for the full grace period."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._status: dict[str, int] = {"": health_pb2.HealthCheckResponse.SERVING}
-        self._changed = asyncio.Event()
-        self._ending = False
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def set(self, service: str, status) -> None:
-        if not self._ending:  # the parent ignores changes after enter_graceful_shutdown too
-            self._status[service] = status
-        await super().set(service, status)
-        self._wake()
-
-    async def enter_graceful_shutdown(self) -> None:
-        """NOT_SERVING for every service (sent to each watcher), then end every watch."""
-        await super().enter_graceful_shutdown()
-        self._status = dict.fromkeys(self._status, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._ending = True
-        self._wake()
-
-    async def Watch(self, request, context) -> None:
-        last = None
-        while True:
-            changed = self._changed
-            status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-            if status != last:
-                await context.write(health_pb2.HealthCheckResponse(status=status))
-                last = status
-            if self._ending:
-                return
-            await changed.wait()
-
-    async def List(self, request, context) -> health_pb2.HealthListResponse:
-        """Every service's status. The health proto declares ``List``, and the stock servicer
-        answered it UNIMPLEMENTED ("Method not implemented!")."""
-        return health_pb2.HealthListResponse(statuses={
-            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._status.items()})
-
-
-def add_health(servicer: DrainingHealthServicer, server: grpc.aio.Server) -> None:
-    """Register ``grpc.health.v1.Health`` like ``health_pb2_grpc.add_HealthServicer_to_server``,
-    but with request parsers that never raise: bytes that are not the method's message got
-    UNKNOWN with the parser's text; now INVALID_ARGUMENT (see :func:`_refusing_unparsed`)."""
-    methods = {"Check": (grpc.unary_unary_rpc_method_handler, health_pb2.HealthCheckRequest,
-                         health_pb2.HealthCheckResponse),
-               "List": (grpc.unary_unary_rpc_method_handler, health_pb2.HealthListRequest,
-                        health_pb2.HealthListResponse),
-               "Watch": (grpc.unary_stream_rpc_method_handler, health_pb2.HealthCheckRequest,
-                         health_pb2.HealthCheckResponse)}
-    handlers = {
-        name: factory(_refusing_unparsed(getattr(servicer, name)), request_deserializer=safe_deserializer(request),
-                      response_serializer=response.SerializeToString)
-        for name, (factory, request, response) in methods.items()
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(health.SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(health.SERVICE_NAME, handlers)
-
-
-def _refusing_unparsed(behaviour):
-    """``behaviour`` (a unary-request method: it returns its answer, or writes a stream of
-    them with ``context.write``) behind a check that its request parsed: a
-    :class:`BadMessage` gets INVALID_ARGUMENT before ``behaviour`` sees it."""
-
-    async def checked(request, context):
-        if isinstance(request, BadMessage):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error()))
-        return await behaviour(request, context)
-
-    return checked
-
-
-# ---- reflection -------------------------------------------------------------------------------
-REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
-REFLECTION_SERVICES = (REFLECTION_V1, reflection.SERVICE_NAME)  # v1 first: what newer clients ask for
-# No proto file or symbol name comes near this; a longer one is refused before any lookup, and
-# the answer, which echoes the request, stays far inside the message limit.
-MAX_REFLECTION_NAME = 4096
-
-
-def _v1_reflection_file() -> descriptor_pb2.FileDescriptorProto:
-    """``grpc/reflection/v1/reflection.proto``, made from grpcio-reflection's v1alpha file,
-    which has no v1: upstream's v1 proto has the same messages, fields and numbers under the
-    package ``grpc.reflection.v1`` (wire-identical), so only names and options change."""
-    proto = descriptor_pb2.FileDescriptorProto.FromString(reflection_pb2.DESCRIPTOR.serialized_pb)
-    old, new = "." + proto.package + ".", ".grpc.reflection.v1."
-    proto.name, proto.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
-    proto.options.Clear()
-    proto.options.go_package = "google.golang.org/grpc/reflection/grpc_reflection_v1"
-    proto.options.java_multiple_files = True
-    proto.options.java_package = "io.grpc.reflection.v1"
-    proto.options.java_outer_classname = "ServerReflectionProto"
-
-    def rename(holder, attribute: str) -> None:  # set only where set: scalars carry no type_name
-        value = getattr(holder, attribute)
-        if value.startswith(old):
-            setattr(holder, attribute, new + value[len(old):])
-
-    messages = list(proto.message_type)
-    while messages:
-        message = messages.pop()
-        messages.extend(message.nested_type)
-        for field in message.field:
-            rename(field, "type_name")
-    for service in proto.service:
-        for method in service.method:
-            rename(method, "input_type")
-            rename(method, "output_type")
-    return proto
-
-
-def _reflection_pool():
-    """One pool holding every served service's file (the OIP stubs live in a private pool),
-    both reflection versions included."""
-    from google.protobuf import descriptor_pool
-
-    from vqserve.serve._proto import grpc_predict_v2_pb2, tokenizer_pb2
-
-    pool = descriptor_pool.DescriptorPool()
-    for module in (tokenizer_pb2, grpc_predict_v2_pb2, health_pb2, reflection_pb2):
-        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
-    pool.Add(_v1_reflection_file())
-    return pool
-
-
-class ReflectionService:
-    """Server reflection over ``pool``, for one version of the protocol (``request_cls`` and
-    ``response_cls`` are that version's messages).
-
-    It replaces grpcio-reflection's servicer, which serves only v1alpha and parses with a
-    raising parser: fuzzed bytes got UNKNOWN ("Unexpected DecodeError") and ended the
-    stream. Here every message gets one answer, in order, and the stream goes on; a message
-    that does not parse, asks nothing, or names something longer than
-    :data:`MAX_REFLECTION_NAME` gets an ``error_response`` with INVALID_ARGUMENT (as the
-    protocol answers a request kind it does not know, and as EncodeStream answers a bad
-    message); an unknown name gets NOT_FOUND."""
-
-    def __init__(self, pool, services: tuple[str, ...], request_cls, response_cls):
-        self.pool = pool
-        self.services = tuple(sorted(services))
-        self.request_cls, self.response_cls = request_cls, response_cls
-
-    async def ServerReflectionInfo(self, request_iterator, context):
-        async for request in request_iterator:
-            yield self.answer(request)
-
-    def answer(self, request):
-        """The one response to ``request`` (a parsed message or a :class:`BadMessage`)."""
-        if isinstance(request, BadMessage):
-            return self._error(None, grpc.StatusCode.INVALID_ARGUMENT, str(request.error()))
-        if too_long := self._too_long(request):
-            return self._error(None, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{too_long}: is longer than {MAX_REFLECTION_NAME} characters, more than any "
-                               "proto name; the request is not echoed")
-        kind = request.WhichOneof("message_request")
-        try:
-            if kind == "list_services":
-                return self.response_cls(original_request=request, list_services_response={
-                    "service": [{"name": name} for name in self.services]})
-            if kind == "file_by_filename":
-                return self._files(request, self.pool.FindFileByName(request.file_by_filename))
-            if kind == "file_containing_symbol":
-                return self._files(request, self.pool.FindFileContainingSymbol(request.file_containing_symbol))
-            if kind == "file_containing_extension":
-                ask = request.file_containing_extension
-                message = self.pool.FindMessageTypeByName(ask.containing_type)
-                extension = self.pool.FindExtensionByNumber(message, ask.extension_number)
-                return self._files(request, self.pool.FindFileContainingSymbol(extension.full_name))
-            if kind == "all_extension_numbers_of_type":
-                message = self.pool.FindMessageTypeByName(request.all_extension_numbers_of_type)
-                numbers = sorted(e.number for e in self.pool.FindAllExtensions(message))
-                return self.response_cls(original_request=request, all_extension_numbers_response={
-                    "base_type_name": message.full_name, "extension_number": numbers})
-        except (KeyError, TypeError, ValueError):  # the pool's "no such name" (KeyError)
-            return self._error(request, grpc.StatusCode.NOT_FOUND, f"{kind}: nothing of that name is served")
-        return self._error(request, grpc.StatusCode.INVALID_ARGUMENT,
-                           "message_request: set one of list_services, file_by_filename, "
-                           "file_containing_symbol, file_containing_extension, all_extension_numbers_of_type")
-
-    @staticmethod
-    def _too_long(request) -> str | None:
-        for name, value in (("host", request.host), ("file_by_filename", request.file_by_filename),
-                            ("file_containing_symbol", request.file_containing_symbol),
-                            ("file_containing_extension.containing_type",
-                             request.file_containing_extension.containing_type),
-                            ("all_extension_numbers_of_type", request.all_extension_numbers_of_type),
-                            ("list_services", request.list_services)):
-            if len(value) > MAX_REFLECTION_NAME:
-                return name
-        return None
-
-    def _files(self, request, descriptor):
-        """``descriptor``'s file first, then every file it imports, directly or not (what a
-        client needs to build the types, as grpcio-reflection answers)."""
-        files, todo = {}, [descriptor]
-        while todo:
-            file = todo.pop(0)
-            if file.name not in files:
-                files[file.name] = file
-                todo.extend(file.dependencies)
-        protos = []
-        for file in files.values():
-            proto = descriptor_pb2.FileDescriptorProto()
-            file.CopyToProto(proto)
-            protos.append(proto.SerializeToString())
-        return self.response_cls(original_request=request,
-                                 file_descriptor_response={"file_descriptor_proto": protos})
-
-    def _error(self, request, code: grpc.StatusCode, message: str):
-        response = self.response_cls(error_response={"error_code": code.value[0], "error_message": message})
-        if request is not None:
-            response.original_request.CopyFrom(request)
-        return response
-
-
-def add_reflection(server: grpc.aio.Server, services: tuple[str, ...]) -> None:
-    """Serve ``grpc.reflection.v1`` and ``v1alpha`` over one pool, listing ``services`` (both
-    reflection services are added to them), with request parsers that never raise."""
-    from google.protobuf import message_factory
-
-    pool = _reflection_pool()
-    services = (*services, *REFLECTION_SERVICES)
-    for name in REFLECTION_SERVICES:
-        package = name.rpartition(".")[0]
-        request_cls, response_cls = (message_factory.GetMessageClass(pool.FindMessageTypeByName(
-            f"{package}.{message}")) for message in ("ServerReflectionRequest", "ServerReflectionResponse"))
-        servicer = ReflectionService(pool, services, request_cls, response_cls)
-        handlers = {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-            servicer.ServerReflectionInfo, request_deserializer=safe_deserializer(request_cls),
-            response_serializer=response_cls.SerializeToString)}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-        server.add_registered_method_handlers(name, handlers)
 
 
 # ---- the server -----------------------------------------------------------------------------
