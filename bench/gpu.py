@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenize-batch", type=int, default=32, help="tokenize --batch-size")
     p.add_argument("--tokenize-before", action="store_true",
                    help="also time tokenize's serial engine (doubles the tokenize time)")
-    p.add_argument("--tokenize-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="on CUDA, also tokenize with --no-cuda-graphs")
+    p.add_argument("--tokenize-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CUDA, also tokenize with --no-cuda-graphs (eager kernel launches)")
     p.add_argument("--skip-tokens", action="store_true", help="skip section 1 (tokens against CPU fp32)")
     p.add_argument("--noise-tiles", type=int, default=512,
                    help="photo crops whose fp32 tokens are compared with CPU fp32, ties told apart (0: skip)")
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tokenize_seconds > 0:
         _log("4. tokenize end to end vs raw")
-        graphs = [True, False] if device.startswith("cuda") and args.tokenize_graphs and not synthetic else [True]
+        graphs = [True, False] if device.startswith("cuda") and args.tokenize_eager and not synthetic else [True]
         result["tokenize"] = [{**tokenize_row(args.model, device, dtype, args.tokenize_seconds, args.tokenize_count,
                                               args.tokenize_batch, args.tokenize_before, graphs=g), "cuda_graphs": g}
                               for dtype in dtypes for g in graphs]

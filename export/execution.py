@@ -146,9 +146,9 @@ def default_plan(device: str) -> ExecutionPlan:
     ``synthetic:N``): fixed calls of 8 (kernel choice depends on the batch shape there, so
     the shape never changes), two at once; on CUDA replayed from CUDA graphs of the eager
     kernels (``cuda_graphs``: the same tokens, checked at start; H200, 256x256, 16-image
-    requests: fp32 served 1,037 -> 1,158 img/s, bf16 3,584 -> 3,808). The stand-in's tokens are integer sums per image,
-    the same in a call of any size by construction, so its short calls take buckets (what
-    ``--plan auto`` gives a GPU where it measures them equal)."""
+    requests: fp32 served 1,037 -> 1,158 img/s, bf16 3,584 -> 3,808). The stand-in's tokens
+    are integer sums per image, the same in a call of any size by construction, so its short
+    calls take buckets (what ``--plan auto`` gives a GPU where it measures them equal)."""
     if device.startswith("synthetic"):
         return ExecutionPlan(micro_batch=8, workers=default_model_workers(device), intra_op_threads=1,
                              bucketed=("decode", "encode"))
@@ -165,7 +165,7 @@ def plan_for(device: str, micro_batch: int | None = None, workers: int | None = 
     the base's). A micro-batch given by hand applies to every image size. ``cuda_graphs``:
     False turns them off, True on a device other than CUDA is a one-line ValueError."""
     if cuda_graphs and not str(device).startswith("cuda"):
-        raise ValueError(f"--cuda-graphs needs a CUDA device, not {device}: CUDA graphs replay GPU kernels")
+        raise ValueError(f"CUDA graphs need a CUDA device, not {device}: they replay GPU kernels")
     plan = base or default_plan(device)
     by_pixels = () if micro_batch else plan.micro_batch_by_pixels
     # other intra-op threads or micro-batch than measured: a call of one is no longer known to agree

@@ -186,7 +186,7 @@ def test_cuda_plans_take_graphs_and_other_devices_do_not():
     assert plan_for("cuda", base=ExecutionPlan(4, 2)).cuda_graphs is False, "a measured plan's choice is kept"
     assert not default_plan("cpu").cuda_graphs and not default_plan("synthetic:0").cuda_graphs
     for device in ("cpu", "synthetic:0"):
-        with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device"):
+        with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
             plan_for(device, cuda_graphs=True)
 
 
