@@ -13,9 +13,10 @@ GPU time is scarce, so one run measures, side by side on the same device:
    and images/s at 1 image per call and larger;
 3. **served** images/s of ``vqserve serve --device cuda`` with clients in several processes
    (``bench/load.py``): v1 and OIP, raw and JPEG (q90), 1 and 16 images per call, for the
-   single-process server (``--frontends 0``) and the front-end/executor layout
-   (``--frontends auto``), and that layout with ``--no-cuda-graphs``, each dtype served at
-   its best in-process batch;
+   front-end/executor layout (``--frontends auto``; ``--layouts`` adds others, e.g. one
+   process), and that layout with ``--no-cuda-graphs``, each dtype served at
+   its best in-process batch, and (``--planned``) by the plan ``vqserve plan`` measures on
+   the machine, which is what ``--plan auto`` serves;
 4. **tokenize** end to end vs the raw runtime (``vqserve bench tokenize``), with CUDA graphs
    and with ``--no-cuda-graphs``;
 5. achieved **TFLOP/s** (the encoder's FLOPs per image, counted once, times images/s).
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -205,6 +207,25 @@ def graphs_rows(model: str, device: str, photos: np.ndarray, dtypes: list[str],
     return rows
 
 
+def measured_plan(model: str, device: str, dtype: str, folder: str, timeout: float) -> dict:
+    """``vqserve plan --dtype DTYPE --out FILE`` in a child: the plan ``--plan auto`` would
+    serve on this machine (``file``, ``plan``, ``line``), or ``error``."""
+    out = Path(folder) / f"plan-{dtype}.json"
+    cmd = [sys.executable, "-m", "vqserve", "plan", "--model", model, "--device", device, "--dtype", dtype,
+           "--out", str(out), "--plan-cache", str(Path(folder) / "cache")]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"vqserve plan did not finish in {timeout:.0f} s"}
+    if done.returncode != 0 or not out.is_file():
+        return {"error": (done.stdout + done.stderr)[-500:]}
+    from vqserve.export.execution import ExecutionPlan
+
+    data = json.loads(out.read_text())
+    return {"file": str(out), "plan": data["plan"], "measure_s": data.get("measure_s"),
+            "line": ExecutionPlan.from_dict(data["plan"]).describe()}
+
+
 def encoder_gflop(model: str, device: str, size: int) -> float | None:
     """GFLOP per image of the encoder at ``size``, counted by torch (None if it cannot)."""
     try:
@@ -256,23 +277,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", default="fp32,bf16", help="served and timed precisions (tokens: also fp16, tf32)")
     p.add_argument("--size", type=int, default=256)
     p.add_argument("--batches", default="8,32,64", help="in-process batch sizes")
-    p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    p.add_argument("--seconds", type=float, default=2.5, help="per measurement")
     p.add_argument("--procs", type=int, default=8, help="client processes")
     p.add_argument("--threads", type=int, default=8, help="callers per client process")
     p.add_argument("--cases", default="v1:raw:1,v1:raw:16,oip:raw:16,v1:jpeg:16",
                    help="protocol:payload:images per call, comma-separated")
-    p.add_argument("--layouts", default="single=--frontends 0;split=--frontends auto;"
-                                         "split-eager=--frontends auto --no-cuda-graphs",
-                   help="server layouts: NAME=serve flags, ';'-separated (single: today's one process)")
+    p.add_argument("--layouts", default="split=--frontends auto;split-eager=--frontends auto --no-cuda-graphs",
+                   help="server layouts: NAME=serve flags, ';'-separated, each after --plan default "
+                        "--micro-batch BEST (e.g. add 'single=--frontends 0' for one process; left out by "
+                        "default to keep the whole run within 6 minutes)")
     p.add_argument("--tokenize-seconds", type=float, default=120.0, help="0 skips tokenize")
-    p.add_argument("--tokenize-count", type=int, default=8000, help="images per tokenize run")
+    p.add_argument("--tokenize-count", type=int, default=6000, help="images per tokenize run")
     p.add_argument("--tokenize-batch", type=int, default=32, help="tokenize --batch-size")
     p.add_argument("--tokenize-before", action="store_true",
                    help="also time tokenize's serial engine (doubles the tokenize time)")
     p.add_argument("--tokenize-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, also tokenize with --no-cuda-graphs (eager kernel launches)")
+    p.add_argument("--planned", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CUDA, also serve each dtype by the plan `vqserve plan` measures here (what "
+                        "--plan auto serves), beside the fixed plans")
     p.add_argument("--skip-tokens", action="store_true", help="skip section 1 (tokens against CPU fp32)")
-    p.add_argument("--noise-tiles", type=int, default=512,
+    p.add_argument("--noise-tiles", type=int, default=256,
                    help="photo crops whose fp32 tokens are compared with CPU fp32, ties told apart (0: skip)")
     p.add_argument("--json", help="write every figure to this file")
     return p
@@ -286,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     synthetic = args.model.startswith("synthetic:")
     photos = bench_photos(args.size)
     result: dict = {"model": args.model, "device": device, "size": args.size}
+    plan_dir = tempfile.mkdtemp(prefix="vqserve-bench-gpu-")  # plan files the "planned" servers read
     if device.startswith("cuda"):
         import torch
 
@@ -337,10 +363,19 @@ def main(argv: list[str] | None = None) -> int:
         many = np.resize(photos, (max(c.images for c in cases), *photos.shape[1:]))
         # the tokens the server must give: this dtype run by the plan it serves with (calls of
         # `micro`); eager bf16 at another batch size may round differently on a GPU
-        from vqserve.export.execution import PlannedRuntime, plan_for
+        from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
 
-        expected = PlannedRuntime(load(args.model, dtype, device), plan_for(device, micro_batch=micro)).encode(many)
+        raw = load(args.model, dtype, device)
         layouts = parse_layouts(args.layouts, ["--plan", "default", "--micro-batch", str(micro)])
+        expected = dict.fromkeys(layouts, PlannedRuntime(raw, plan_for(device, micro_batch=micro)).encode(many))
+        if args.planned and device.startswith("cuda") and not synthetic:
+            choice = measured_plan(args.model, device, dtype, plan_dir, 240.0)
+            result.setdefault("plans", []).append({"dtype": dtype, **choice})
+            _log(f"  {dtype} plan: {choice.get('line') or choice.get('error')}")
+            if "file" in choice:  # what --plan auto serves: its own plan, tokens by that plan
+                layouts["planned"] = ["--plan", choice["file"], "--frontends", "auto"]
+                planned = ExecutionPlan.from_dict(choice["plan"])
+                expected["planned"] = PlannedRuntime(raw, planned).encode(many)
         rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.threads, args.seconds,
                                rounds=1, device=device, dtype=dtype, log=lambda m, d=dtype: _log(f"  {d}{m}"),
                                expected=expected, warmup=1.0)
@@ -355,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in result["tokenize"]:
             _log(f"  {({k: v for k, v in row.items() if not isinstance(v, (dict, list))})}")
 
+    shutil.rmtree(plan_dir, ignore_errors=True)
     result["seconds"] = time.perf_counter() - started
     print(report(result))
     if args.json:
@@ -394,6 +430,9 @@ def report(result: dict) -> str:
     for dtype, row in best.items():
         tf = f", {row['tflops']:.1f} TFLOP/s" if row.get("tflops") else ""
         lines.append(f"in-process {dtype}: best {row['throughput']:.0f} img/s at batch {row['batch']}{tf}")
+    for row in result.get("plans", []):
+        lines.append(f"plan {row['dtype']} (vqserve plan, served as 'planned'): "
+                     f"{row.get('line') or 'error ' + str(row.get('error'))[-200:]}")
     lines.append(f"{'served':<8}{'layout':<16}{'case':<16}{'img/s':>9}{'/in-proc':>10}{'p99 ms':>9}{'CPU µs/img':>12}")
     for row in result.get("served", []):
         if "error" in row:

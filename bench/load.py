@@ -244,12 +244,14 @@ def reply_tokens(case: LoadCase, reply: bytes) -> np.ndarray | None:
 def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadCase], images: np.ndarray,
                     procs: int, threads: int, seconds: float, rounds: int = 2, device: str = "auto",
                     dtype: str | None = None, floor: bool = False, log=print,
-                    expected: np.ndarray | None = None, warmup: float = 0.5) -> list[dict]:
+                    expected: np.ndarray | dict[str, np.ndarray] | None = None,
+                    warmup: float = 0.5) -> list[dict]:
     """Every layout's server started at once, then each case measured on each layout in
     interleaved rounds (the order rotates), keeping each point's best round: the ratios
     between layouts are taken under the same conditions. ``floor``: an echo server (gRPC
     alone, no model) measured alongside, v1 cases only. ``expected``: the tokens of
-    ``images`` the server must answer (raw cases; ``tokens_equal_in_process`` in each row).
+    ``images`` the server must answer (raw cases; ``tokens_equal_in_process`` in each row),
+    or a dict of them by layout name (a layout missing from it is not compared).
     A layout whose server does not start is one row with its ``error``."""
     import argparse
 
@@ -282,10 +284,11 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
                     proc, port = echo if name == "grpc-floor" else servers[name]
                     row = run_load(f"127.0.0.1:{port}", case, images, procs, threads, seconds, warmup, proc.pid)
                     reply = row.pop("first_reply", b"")
-                    if expected is not None and case.payload == "raw" and name != "grpc-floor":
+                    want = expected.get(name) if isinstance(expected, dict) else expected
+                    if want is not None and case.payload == "raw" and name != "grpc-floor":
                         got = reply_tokens(case, reply)
                         row["tokens_equal_in_process"] = got is not None and bool(
-                            np.array_equal(got, expected[:case.images]))
+                            np.array_equal(got, want[:case.images]))
                     row.update(layout=name, round=r + 1)
                     key = (name, case.label)
                     if key not in best or row["throughput"] > best[key]["throughput"]:

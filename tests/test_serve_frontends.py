@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -421,3 +422,16 @@ def test_bench_gpu_noise_tells_ties_from_corruption(tiny_checkpoint, monkeypatch
     assert row["differing"] == 3 and row["images_differing"] == 3
     assert row["ties"] == 0 and row["not_ties"] == 3
     assert torch.get_num_threads() == threads  # the float64 pass put the process's thread count back
+
+
+def test_bench_gpu_measures_the_plan_it_serves_as_planned(tiny_checkpoint, tmp_path):
+    """`vqserve bench gpu --planned` serves each dtype by the plan `vqserve plan` measures
+    on the machine (what --plan auto serves): the child's plan file, read back."""
+    from vqserve.bench.gpu import measured_plan
+    from vqserve.export.execution import ExecutionPlan
+
+    choice = measured_plan(tiny_checkpoint, "cpu", "fp32", str(tmp_path), 600.0)
+    assert "error" not in choice, choice
+    assert Path(choice["file"]).is_file() and choice["line"] == ExecutionPlan.from_dict(choice["plan"]).describe()
+    broken = measured_plan(str(tmp_path / "no-such-model"), "cpu", "fp32", str(tmp_path), 600.0)
+    assert "file" not in broken and broken["error"]
