@@ -190,16 +190,15 @@ def throughput(runtime, photos: np.ndarray, batch: int, seconds: float, callers:
     return rate
 
 
-def graphs_rows(model: str, device: str, photos: np.ndarray, dtypes: list[str],
-                best: dict[str, tuple[int, float]]) -> list[dict]:
-    """Per dtype: CUDA-graph replay against eager, tokens (and pixels) and images/s at 1 image
-    per call and at the dtype's best batch (``export/cuda_graphs.py``)."""
+def graphs_rows(runtimes: dict, photos: np.ndarray, best: dict[str, tuple[int, float]]) -> list[dict]:
+    """Per dtype (``runtimes``: each dtype's eager runtime): CUDA-graph replay against eager,
+    tokens (and pixels) and images/s at 1 image per call and at the dtype's best batch
+    (``export/cuda_graphs.py``)."""
     from vqserve.export.cuda_graphs import graphs_equal_eager
 
     rows = []
-    for dtype in dtypes:
+    for dtype, runtime in runtimes.items():
         try:
-            runtime = load(model, dtype, device)
             sizes = tuple(sorted({1, 8, best.get(dtype, (8, 0))[0]}))
             rows.append({"dtype": dtype, **graphs_equal_eager(runtime, photos, batch_sizes=sizes, rounds=2, seconds=0.75)})
         except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the rest of the run
@@ -249,6 +248,7 @@ def tokenize_row(model: str, device: str, dtype: str, timeout: float, count: int
                  batch_size: int = 32, before: bool = False, graphs: bool = True) -> dict:
     """``vqserve bench tokenize`` in a child, within ``timeout`` seconds: ``count`` images,
     several seconds of device work, so the steady rate shows beside the run's start-up."""
+    asked = {"dtype": dtype, "cuda_graphs": graphs}  # what a failed run was asked; a run reports its own
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tokenize.json"
         cmd = [sys.executable, "-m", "vqserve", "bench", "tokenize", "--model", model, "--device", device,
@@ -258,15 +258,15 @@ def tokenize_row(model: str, device: str, dtype: str, timeout: float, count: int
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"dtype": dtype, "error": f"did not finish in {timeout:.0f} s"}
+            return {**asked, "error": f"did not finish in {timeout:.0f} s"}
         if out.is_file():
-            return {"dtype": dtype, **json.loads(out.read_text())}
+            return {**asked, **json.loads(out.read_text())}
         if done.returncode == 0 and "{" in done.stdout:  # an older bench tokenize prints its JSON
             try:
-                return {"dtype": dtype, **json.loads(done.stdout[done.stdout.index("{"):])}
+                return {**asked, **json.loads(done.stdout[done.stdout.index("{"):])}
             except ValueError:
                 pass
-        return {"dtype": dtype, "error": (done.stdout + done.stderr)[-800:]}
+        return {**asked, "error": (done.stdout + done.stderr)[-800:]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     _log("2. in-process images/s")
     best: dict[str, tuple[int, float]] = {}
     result["in_process"] = []
+    runtimes = {}  # each dtype's runtime, loaded once for sections 2, 2b and 3
     for dtype in dtypes if not synthetic else ["fp32"]:
-        runtime = load(args.model, dtype, device)
+        runtime = runtimes[dtype] = load(args.model, dtype, device)
         for batch in [int(b) for b in args.batches.split(",")]:
             one = throughput(runtime, photos, batch, args.seconds, callers=1)
             rate = max(one, throughput(runtime, photos, batch, args.seconds))
@@ -347,11 +348,10 @@ def main(argv: list[str] | None = None) -> int:
                  + (f" ({rate * gflop / 1e3:.1f} TFLOP/s)" if gflop else ""))
             if dtype not in best or rate > best[dtype][1]:
                 best[dtype] = (batch, rate)
-        del runtime
 
     if device.startswith("cuda") and not synthetic:
         _log("2b. CUDA graphs (replayed eager kernels, pinned uploads) against eager")
-        result["cuda_graphs"] = graphs_rows(args.model, device, photos, dtypes, best)
+        result["cuda_graphs"] = graphs_rows(runtimes, photos, best)
         for row in result["cuda_graphs"]:
             _log(f"  {row}")
 
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         # `micro`); eager bf16 at another batch size may round differently on a GPU
         from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
 
-        raw = load(args.model, dtype, device)
+        raw = runtimes[dtype]
         layouts = parse_layouts(args.layouts, ["--plan", "default", "--micro-batch", str(micro)])
         expected = dict.fromkeys(layouts, PlannedRuntime(raw, plan_for(device, micro_batch=micro)).encode(many))
         if args.planned and device.startswith("cuda") and not synthetic:
@@ -384,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokenize_seconds > 0:
         _log("4. tokenize end to end vs raw")
         graphs = [True, False] if device.startswith("cuda") and args.tokenize_eager and not synthetic else [True]
-        result["tokenize"] = [{**tokenize_row(args.model, device, dtype, args.tokenize_seconds, args.tokenize_count,
-                                              args.tokenize_batch, args.tokenize_before, graphs=g), "cuda_graphs": g}
+        result["tokenize"] = [tokenize_row(args.model, device, dtype, args.tokenize_seconds, args.tokenize_count,
+                                           args.tokenize_batch, args.tokenize_before, graphs=g)
                               for dtype in dtypes for g in graphs]
         for row in result["tokenize"]:
             _log(f"  {({k: v for k, v in row.items() if not isinstance(v, (dict, list))})}")
@@ -444,10 +444,10 @@ def report(result: dict) -> str:
                      f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}{same}")
     for row in result.get("tokenize", []):
         if "error" in row:
-            lines.append(f"tokenize {row['dtype']}{'' if row.get('cuda_graphs', True) else ' eager'}: error {row['error'][-300:]}")
+            lines.append(f"tokenize {row['dtype']}{' (CUDA graphs)' if row.get('cuda_graphs') else ''}: error {row['error'][-300:]}")
             continue
         before = row.get("before") or {}
-        lines.append(f"tokenize {row['dtype']}{'' if row.get('cuda_graphs', True) else ' eager'}: end to end {row['end_to_end_images_per_s']:.0f} img/s, raw "
+        lines.append(f"tokenize {row['dtype']}{' (CUDA graphs)' if row.get('cuda_graphs') else ''}: end to end {row['end_to_end_images_per_s']:.0f} img/s, raw "
                      f"{row['raw_images_per_s']:.0f}, ratio {row['ratio_median']:.2f}; decode capacity "
                      f"{row.get('decode_capacity_images_per_s', 0):.0f} img/s, e2e / min(raw, decode) "
                      f"{row.get('ratio_to_bound_median', 0):.2f} ({row.get('bottleneck')}-bound); steady "

@@ -107,15 +107,6 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
-def pinned_upload(array: np.ndarray, device) -> torch.Tensor:
-    """``array`` on ``device`` through a page-locked staging copy (one host memcpy, then an
-    asynchronous DMA on the current stream). PyTorch's pinned allocator keeps the staging
-    block until the copy has completed, so the caller may drop it at once."""
-    host = torch.empty(array.shape, dtype=_torch_dtype(array.dtype), pin_memory=True)
-    host.numpy()[...] = array
-    return host.to(device, non_blocking=True)
-
-
 @dataclasses.dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -363,12 +354,28 @@ class GraphedRuntime:
         self.calls.reset()
 
 
+_CHECKED_LOCK = threading.Lock()
+
+
 def graphed_if_equal(inner, sizes=(1, 4)) -> tuple[object, str]:
     """``(runtime, why)``: ``inner`` through CUDA graphs where it can be (an eager runtime on
     CUDA) and the graphs gave eager's tokens and pixels on a few check images at the call
     sizes ``sizes``; else ``inner`` itself and why not (one line). A plan's ``cuda_graphs``
     is a preference: what cannot be graphed, or is found to differ, runs eager, so tokens
-    never depend on it. The check costs a capture per size (a fraction of a second)."""
+    never depend on it. The check costs a capture per size (a fraction of a second).
+
+    Decided once per runtime: every plan over it (the start-up check's, the one that serves)
+    gets the same graphed runtime, so the check runs once and its graphs are held once."""
+    with _CHECKED_LOCK:
+        decided = getattr(inner, "_cuda_graphs_decided", None)
+        if decided is None:
+            decided = _check_graphs(inner, sizes)
+            if isinstance(inner, EagerRuntime):  # only these can be graphed; others decide at once
+                inner._cuda_graphs_decided = decided
+        return decided
+
+
+def _check_graphs(inner, sizes) -> tuple[object, str]:
     try:
         graphed = GraphedRuntime(inner)
     except ValueError as exc:

@@ -4,10 +4,7 @@
 #   scripts/gpu_check.sh OUT_DIR [bench gpu flags...]
 set -euo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [flags]}; shift
-site=${VQSERVE_SITE:-/tmp/vqserve-site}
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" \
-    ${WHEELS:-.whl/*.whl} . 2>&1 | tail -3
-export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_install.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch, grpc; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'grpcio', grpc.__version__)"
 cd /tmp  # the installed vqserve, not the source folders

@@ -5,10 +5,7 @@
 #   scripts/gpu_tests.sh OUT_DIR [pytest args...]
 set -euo pipefail
 out=${1:?usage: scripts/gpu_tests.sh OUT_DIR [pytest args]}; shift
-site=${VQSERVE_SITE:-/tmp/vqserve-site}
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" \
-    ${WHEELS:-.whl/*.whl} . 2>&1 | tail -3
-export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_install.sh"
 copy=$(mktemp -d); cp -r tests pyproject.toml "$copy"/
 cd "$copy"
 python3 -m pytest -q -p no:cacheprovider \

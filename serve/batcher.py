@@ -155,9 +155,7 @@ class Batcher:
         self._accepting = True
         # filling padded calls (module docstring): only where the slots share one device
         device = str(getattr(getattr(runtime, "info", None), "device", ""))
-        self._fills = plan is not None and device.startswith(("cuda", "synthetic"))
-        self._padded = {m: m not in plan.bucketed for m in methods} if plan is not None else {}
-        self._lone = set(plan.lone_unpadded) if plan is not None else set()
+        self._fill_plan = plan if plan is not None and device.startswith(("cuda", "synthetic")) else None
         self._call_s: dict[tuple, float] = {}  # moving average of each queue's call time
         self._last_event = 0.0  # last arrival or finished call (monotonic)
         self._idle_since = 0.0  # when the last running call finished
@@ -262,7 +260,8 @@ class Batcher:
         if rows >= cap or not self._accepting:
             return 0.0
         due = q[0].enqueued + self.max_delay_s
-        if self._fills and self._padded.get(key[0]) and cap > 1 and not (rows == 1 and key[0] in self._lone):
+        plan = self._fill_plan
+        if plan and cap > 1 and key[0] not in plan.bucketed and not (rows == 1 and key[0] in plan.lone_unpadded):
             if self._free < self.slots:
                 return float("inf")  # the device is busy: the queue fills meanwhile
             call_s = self._call_s.get(key, 0.004)
@@ -270,23 +269,21 @@ class Batcher:
             due = max(due, min(self._last_event + settle, self._idle_since + call_s))
         return due
 
-    def _ready(self, now: float) -> tuple | None:
-        """The key of the queue a free slot should run now (oldest head first), or None."""
-        best, best_t = None, None
+    def _ready(self, now: float) -> tuple[tuple | None, float | None]:
+        """The key of the queue a free slot should run now (oldest head first), or None and
+        the seconds until the soonest queue is due (None: until an arrival or a finished call
+        wakes the scheduler)."""
+        best, best_t, soonest = None, None, float("inf")
         for key, q in self._queues.items():
             if not q:
                 continue
-            head = q[0].enqueued
-            if now >= self._due(key, q) and (best_t is None or head < best_t):
-                best, best_t = key, head
-        return best
-
-    def _next_due(self, now: float) -> float | None:
-        dues = [self._due(key, q) for key, q in self._queues.items() if q]
-        dues = [d for d in dues if d != float("inf")]
-        if not dues:
-            return None  # a finished call or an arrival wakes the scheduler
-        return max(0.0, min(dues) - now)
+            head, due = q[0].enqueued, self._due(key, q)
+            if now >= due:
+                if best_t is None or head < best_t:
+                    best, best_t = key, head
+            else:
+                soonest = min(soonest, due)
+        return best, (None if soonest == float("inf") else soonest - now)
 
     def _take(self, key: tuple, now: float) -> list[Segment]:
         """Up to one call's rows from the queue, splitting the last request if it is larger."""
@@ -317,12 +314,11 @@ class Batcher:
     async def _schedule(self) -> None:
         while True:
             now = time.monotonic()
-            key = self._ready(now) if self._free > 0 else None
+            key, timeout = self._ready(now) if self._free > 0 else (None, None)
             if key is None:
                 if not self._accepting and not self._running and not any(self._queues.values()):
                     return
                 self._wakeup.clear()
-                timeout = self._next_due(now) if self._free > 0 else None
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
                 continue

@@ -19,8 +19,8 @@ from vqserve.serve.batcher import Batcher
 class GatedDevice(SyntheticRuntime):
     """The stand-in device whose first call waits for ``release``; records each call's rows."""
 
-    def __init__(self, device: str = "synthetic:0"):
-        super().__init__("synthetic:0", device=device)
+    def __init__(self):
+        super().__init__("synthetic:0")
         self.release = threading.Event()
         self.calls: list[int] = []
         self.lock = threading.Lock()
@@ -45,7 +45,7 @@ async def _until(predicate, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def _scenario(device: str, plan: ExecutionPlan, info_device: str | None = None):
+def _scenario(plan: ExecutionPlan, info_device: str | None = None):
     """A full call of 4 in flight (gated), then three single images, a pause, and a fourth:
     which calls started while the first was still running?"""
     inner = GatedDevice()
@@ -73,7 +73,7 @@ def _scenario(device: str, plan: ExecutionPlan, info_device: str | None = None):
 
 
 def test_short_padded_calls_wait_while_the_shared_device_is_busy():
-    during_short, during_full, outs, calls = _scenario("synthetic", ExecutionPlan(4, 2))
+    during_short, during_full, outs, calls = _scenario(ExecutionPlan(4, 2))
     assert during_short == [4], "three images padded to a call of 4 must not start beside a running call"
     assert during_full == [4, 4], "a full call starts on the free slot at once"
     assert calls == [4, 4]
@@ -83,13 +83,13 @@ def test_short_padded_calls_wait_while_the_shared_device_is_busy():
 
 
 def test_on_a_cpu_each_slot_is_a_core_and_short_calls_start_at_once():
-    during_short, _, _, calls = _scenario("cpu", ExecutionPlan(4, 2), info_device="cpu")
+    during_short, _, _, calls = _scenario(ExecutionPlan(4, 2), info_device="cpu")
     assert during_short == [4, 4], "on a CPU the second slot is a core of its own: no waiting"
     assert calls == [4, 4, 4], "three padded, then the fourth padded alone"
 
 
 def test_bucketed_short_calls_cost_their_bucket_and_start_at_once():
-    during_short, _, _, calls = _scenario("synthetic", ExecutionPlan(4, 2, bucketed=("encode",)))
+    during_short, _, _, calls = _scenario(ExecutionPlan(4, 2, bucketed=("encode",)))
     assert during_short == [4, 4], "a bucketed short call costs its own rows: no reason to wait"
 
 

@@ -235,3 +235,14 @@ def test_graphed_if_equal_graphs_an_eager_cuda_runtime(eager):
     batch = images(5, 256, seed=3)
     eager_plan = PlannedRuntime(eager, plan_for("cuda", cuda_graphs=False))
     np.testing.assert_array_equal(planned.encode(batch), eager_plan.encode(batch))
+
+
+@cuda
+def test_plans_over_one_runtime_share_its_graphs_and_its_check(eager):
+    """The start-up check's plans and the serving plan over one runtime: one equality check,
+    one set of graphs (they used to capture and hold their own, each)."""
+    from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
+
+    first = PlannedRuntime(eager, plan_for("cuda"))
+    second = PlannedRuntime(eager, ExecutionPlan(4, 1, cuda_graphs=True))
+    assert isinstance(first.inner, GraphedRuntime) and second.inner is first.inner
