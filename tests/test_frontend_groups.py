@@ -1,0 +1,188 @@
+"""A front-end sends requests to the device executor in groups (serve/frontend.py).
+
+The executor here is the real one (``ExecutorService`` over a real ``Engine`` and batcher
+on a Unix socket, the arena shared through its descriptor); the model is ``synthetic:N``,
+the stand-in accelerator, because this machine has no GPU. Each test checks what a caller
+gets (its own tokens, errors, cancellation) and how many requests crossed to the executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vqserve.export.synthetic import SyntheticRuntime, block_tokens
+from vqserve.serve.engine import Engine
+from vqserve.serve.executor import ExecutorService
+from vqserve.serve.frontend import RemoteBatcher
+from vqserve.serve.metrics import Metrics
+from vqserve.serve.server import ServerState
+
+
+def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+
+
+async def _connected(micros: float, device: str, max_batch_pixels: int | None = None, **remote_options):
+    """A real executor over synthetic:``micros`` and a front-end's batcher connected to it."""
+    metrics = Metrics()
+    state = ServerState(metrics)
+    state.engine = Engine(SyntheticRuntime(f"synthetic:{micros}", device=device), metrics, max_batch_size=32,
+                          max_batch_pixels=max_batch_pixels)
+    state.engine.batcher.start()
+    state.ready = True
+    service = ExecutorService(state)
+    await service.start()
+    remote = RemoteBatcher(service.path, 16 << 20, **remote_options)
+    await remote.connect(timeout=30)
+    return service, state, remote
+
+
+async def _closed(service, state, remote) -> None:
+    await remote.close()
+    await service.close()
+    await state.engine.close()
+
+
+def test_requests_of_one_turn_cross_as_one_and_each_gets_its_own_tokens():
+    images = _images(8)
+
+    async def main():
+        parts = await _connected(0, "synthetic:groups-a")
+        remote = parts[2]
+        answers = await asyncio.gather(*(remote.submit("encode", images[i:i + 1]) for i in range(8)))
+        counts = remote.groups_sent, remote.requests_sent, remote.arena.used
+        await _closed(*parts)
+        return answers, counts
+
+    answers, (groups, requests, used) = asyncio.run(main())
+    for i, answer in enumerate(answers):
+        np.testing.assert_array_equal(answer, block_tokens(images[i:i + 1]))
+    assert (groups, requests) == (1, 8)
+    assert used == 0  # the group's block came back
+
+
+def test_requests_wait_for_the_group_at_the_executor_and_leave_together():
+    """Window 1: while one group is at the executor, the next requests gather into one."""
+    images = _images(6, seed=1)
+
+    async def main():
+        parts = await _connected(1_000_000, "synthetic:groups-b")  # 16 ms per 32x32 image
+        remote = parts[2]
+        first = asyncio.ensure_future(remote.submit("encode", images[:1]))
+        await asyncio.sleep(0)  # the first leaves alone at the end of this turn
+        await asyncio.sleep(0)
+        assert remote.groups_sent == 1
+        rest = [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(1, 6)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert remote.groups_sent == 1 and remote.queued == 6  # held, not sent
+        answers = await asyncio.gather(first, *rest)
+        counts = remote.groups_sent, remote.requests_sent
+        await _closed(*parts)
+        return answers, counts
+
+    answers, counts = asyncio.run(main())
+    assert counts == (2, 6)
+    for i, answer in enumerate(answers):
+        np.testing.assert_array_equal(answer, block_tokens(images[i:i + 1]))
+
+
+def test_a_full_group_leaves_at_once_and_larger_requests_are_not_held():
+    images = _images(12, seed=2)
+
+    async def main():
+        parts = await _connected(0, "synthetic:groups-c", max_group_rows=8)
+        remote = parts[2]
+        calls = [remote.submit("encode", images[i:i + 4]) for i in range(0, 12, 4)]
+        answers = await asyncio.gather(*calls)
+        counts = remote.groups_sent, remote.requests_sent
+        await _closed(*parts)
+        return answers, counts
+
+    answers, counts = asyncio.run(main())
+    assert counts == (2, 3)  # 4 + 4 rows fill a group; the third request opens the next
+    np.testing.assert_array_equal(np.concatenate(answers), block_tokens(images))
+
+
+def test_a_caller_that_goes_away_leaves_its_group_and_the_others_are_answered():
+    images = _images(4, seed=3)
+
+    async def main():
+        parts = await _connected(1_000_000, "synthetic:groups-d")  # 16 ms per 32x32 image
+        remote = parts[2]
+        first = asyncio.ensure_future(remote.submit("encode", images[:1]))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        held = [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(1, 4)]
+        await asyncio.sleep(0)
+        held[1].cancel()  # before its group leaves
+        answers = await asyncio.gather(first, held[0], held[2])
+        with pytest.raises(asyncio.CancelledError):
+            await held[1]
+        counts = remote.groups_sent, remote.requests_sent, remote.arena.used
+        await _closed(*parts)
+        return answers, counts
+
+    answers, (groups, requests, used) = asyncio.run(main())
+    assert (groups, requests, used) == (2, 3, 0)
+    for answer, i in zip(answers, (0, 1, 3), strict=True):
+        np.testing.assert_array_equal(answer, block_tokens(images[i:i + 1]))
+
+
+def test_a_group_whose_callers_all_left_is_cancelled_at_the_executor_and_its_block_returns():
+    """The executor runs one 128x128 image per call here (its pixel budget), 250 ms each: the
+    group of seven is cancelled while its first row runs, and the other six never do."""
+    images = _images(8, size=128, seed=4)
+    per_image = 1.0 * (128 * 128) / (256 * 256)
+
+    async def main():
+        parts = await _connected(1_000_000, "synthetic:groups-e", max_batch_pixels=128 * 128)
+        service, state, remote = parts
+        first = asyncio.ensure_future(remote.submit("encode", images[:1]))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        second = [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(1, 8)]
+        await first  # its reply lets the seven leave, as one group
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert remote.groups_sent == 2
+        for task in second:
+            task.cancel()
+        await asyncio.gather(*second, return_exceptions=True)
+        for _ in range(500):  # the executor's CANCELLED reply frees the block
+            if remote.arena.used == 0:
+                break
+            await asyncio.sleep(0.01)
+        used, busy = remote.arena.used, state.engine.runtime.device.busy_s
+        await _closed(*parts)
+        return used, busy
+
+    used, busy = asyncio.run(main())
+    assert used == 0
+    assert busy <= 3 * per_image + 1e-9  # the first, and at most the group's row running at the cancel
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, 3, 5]), min_size=1, max_size=10), st.sampled_from([16, 32]))
+def test_any_mix_of_request_sizes_gets_the_tokens_of_its_own_images(rows, size):
+    images = _images(sum(rows), size=size, seed=len(rows))
+    bounds = np.cumsum([0, *rows])
+
+    async def main():
+        parts = await _connected(0, f"synthetic:groups-p{size}", max_group_rows=6)
+        remote = parts[2]
+        answers = await asyncio.gather(*(remote.submit("encode", images[a:b])
+                                         for a, b in zip(bounds[:-1], bounds[1:], strict=True)))
+        used = remote.arena.used
+        await _closed(*parts)
+        return answers, used
+
+    answers, used = asyncio.run(main())
+    assert used == 0
+    for answer, a, b in zip(answers, bounds[:-1], bounds[1:], strict=True):
+        np.testing.assert_array_equal(answer, block_tokens(images[a:b]))
