@@ -41,10 +41,18 @@ MAX_RANK = 8
 
 
 def wire_dtype(name: str, field: str) -> np.dtype:
+    dtype = _LITTLE_ENDIAN.get(name)  # every request names one: no string work for the usual names
+    if dtype is not None:
+        return dtype
     name = (name or "").strip().lower()
     if name not in WIRE_DTYPES:
         raise BadInput(f"{field}.dtype", f"must be one of {sorted(WIRE_DTYPES)}, got {name!r}")
     return np.dtype(name).newbyteorder("<")
+
+
+_LITTLE_ENDIAN = {name: np.dtype(name).newbyteorder("<") for name in WIRE_DTYPES}
+# numpy works dtype.name out on every access (~2 µs); every answer needs one
+_NAMES = {np.dtype(name).newbyteorder(order): np.dtype(name).name for name in WIRE_DTYPES for order in "<="}
 
 
 def check_shape(shape: Sequence[int], field: str) -> tuple[int, ...]:
@@ -77,7 +85,7 @@ def array_to_bytes(array: np.ndarray) -> tuple[list[int], str, bytes]:
     array = np.asarray(array)
     dt = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
     data = np.ascontiguousarray(array, dtype=dt).tobytes()
-    return list(array.shape), dt.name, data
+    return list(array.shape), _NAMES.get(dt) or dt.name, data
 
 
 # ---- encoded images ---------------------------------------------------------------------

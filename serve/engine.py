@@ -180,15 +180,16 @@ class Engine:
     def check_encode_reply(self, images: np.ndarray, overhead: int = 0) -> None:
         b, h, w, _ = images.shape
         f, q = self.info.factor, self.info.codes_per_position
-        payload = b * (h // f) * (w // f) * q * self.index_dtype.itemsize
-        self.check_reply(payload + REPLY_OVERHEAD + overhead,
-                         f"{b} x {h // f}x{w // f}x{q} {self.index_dtype.name} indices")
+        nbytes = b * (h // f) * (w // f) * q * self.index_dtype.itemsize + REPLY_OVERHEAD + overhead
+        if self.max_message_bytes is not None and nbytes > self.max_message_bytes:  # the text only then
+            self.check_reply(nbytes, f"{b} x {h // f}x{w // f}x{q} {self.index_dtype.name} indices")
 
     def check_decode_reply(self, indices: np.ndarray, overhead: int = 0) -> None:
         b, h, w = indices.shape[:3]
         f = self.info.factor
-        self.check_reply(b * h * f * w * f * 3 + REPLY_OVERHEAD + overhead,
-                         f"{b} x {h * f}x{w * f} RGB uint8 images, raw")
+        nbytes = b * h * f * w * f * 3 + REPLY_OVERHEAD + overhead
+        if self.max_message_bytes is not None and nbytes > self.max_message_bytes:
+            self.check_reply(nbytes, f"{b} x {h * f}x{w * f} RGB uint8 images, raw")
 
     # ---- the serving path -------------------------------------------------------------
     async def encode(self, images: np.ndarray, deadline: float | None = None,
