@@ -192,6 +192,10 @@ class RemoteBatcher:
 
     def _send(self, group: _Group) -> None:
         """Write the group's pixels into one block and its header onto the socket."""
+        now = time.monotonic()
+        for m in group.members:  # held past its deadline: it ends here, the others go on
+            if m.deadline is not None and m.deadline <= now and not m.future.done():
+                m.future.set_exception(DeadlineExpired("the deadline passed before the request reached the model"))
         members = [m for m in group.members if not m.future.done()]
         if not members:
             return

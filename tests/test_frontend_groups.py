@@ -9,6 +9,7 @@ gets (its own tokens, errors, cancellation) and how many requests crossed to the
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vqserve.export.synthetic import SyntheticRuntime, block_tokens
+from vqserve.serve.batcher import DeadlineExpired
 from vqserve.serve.engine import Engine
 from vqserve.serve.executor import ExecutorService
 from vqserve.serve.frontend import RemoteBatcher
@@ -186,3 +188,26 @@ def test_any_mix_of_request_sizes_gets_the_tokens_of_its_own_images(rows, size):
     assert used == 0
     for answer, a, b in zip(answers, bounds[:-1], bounds[1:], strict=True):
         np.testing.assert_array_equal(answer, block_tokens(images[a:b]))
+
+
+def test_a_request_held_past_its_deadline_ends_there_and_its_group_goes_on():
+    images = _images(3, seed=5)
+
+    async def main():
+        parts = await _connected(1_000_000, "synthetic:groups-f")  # 16 ms per 32x32 image
+        remote = parts[2]
+        first = asyncio.ensure_future(remote.submit("encode", images[:1]))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        late = asyncio.ensure_future(remote.submit("encode", images[1:2], time.monotonic() + 0.001))
+        kept = asyncio.ensure_future(remote.submit("encode", images[2:3], time.monotonic() + 60))
+        answers = await asyncio.gather(first, kept)
+        with pytest.raises(DeadlineExpired):
+            await late
+        counts = remote.groups_sent, remote.requests_sent
+        await _closed(*parts)
+        return answers, counts
+
+    answers, counts = asyncio.run(main())
+    assert counts == (2, 2)  # the late one never crossed
+    np.testing.assert_array_equal(answers[1], block_tokens(images[2:3]))
