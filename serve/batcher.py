@@ -180,6 +180,11 @@ class Batcher:
     def queued(self) -> int:
         return self._queued_rows
 
+    def fills_calls(self, method: str) -> bool:
+        """Whether a short call of ``method`` waits for more requests to fill it (the
+        padded-call rule above): whoever sends requests here should then not hold them back."""
+        return self._fill_plan is not None and method not in self._fill_plan.bucketed
+
     def rows_per_call(self, method: str, item_shape: tuple[int, ...]) -> int:
         """How many items of this shape one model call holds: the plan's micro-batch for
         the shape; without a plan, the count limit lowered by the pixel budget (never < 1)."""

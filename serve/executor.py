@@ -58,8 +58,10 @@ def identity_payload(engine) -> dict:
     """What a front-end needs to answer GetModelInfo and check requests like this process."""
     info = engine.runtime.info.to_dict()
     certificate = engine.determinism
+    fills = getattr(engine.batcher, "fills_calls", lambda method: False)
     return {"info": info, "determinism": certificate.to_dict() if certificate is not None else None,
-            "max_batch_pixels": engine.max_batch_pixels}
+            "max_batch_pixels": engine.max_batch_pixels,
+            "fill_methods": [method for method in ("encode", "decode") if fills(method)]}
 
 
 class _Link:

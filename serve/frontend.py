@@ -74,21 +74,28 @@ class RemoteBatcher:
     ``max_group_rows`` rows), and each caller gets its own rows of the one answer. A group
     leaves at the end of the event-loop turn when fewer than ``window`` groups of its kind
     are at the executor; otherwise it takes the requests that arrive until one comes back
-    (or until it is full, when it leaves at once). Why: a front-end receives requests one
-    per turn, so without this each one-image request cost the executor its own header,
-    queue entry, future, reply and codebook count, and each process its own wake-ups. On
-    2 cores with ``synthetic:200`` and 16 one-image callers that per-request work, not the
-    device, set the pace; groups of ~7 cut the server's CPU per image by a third and served
-    10 % more (docs/SERVING.md). The executor batches groups as it batched requests (a
-    group is a request of several rows, which its batcher may split between calls), so
-    tokens do not change: the plan's certificate says its calls are batch-invariant.
-    A window of 1 measured best there (2 and 3 made groups of ~3 and served less); a
-    group's cap is ``--max-batch-size``, so larger requests leave at once. A caller that
+    (or until it is full, when it leaves at once).
+
+    Why: a front-end receives requests about one per turn, so each one-image request cost
+    the executor its own header, queue entry, future, reply and codebook count, and both
+    processes their own wake-ups. On 2 cores with ``synthetic:200`` and 16 one-image
+    callers that work, not the device, set the pace. Why a window of 2 (double buffering:
+    one group on the device, the next waiting for it): with 1 the CPU-bound case above did
+    best (0.30-0.31 of the device against 0.29 with 2, and 0.26-0.28 before groups), but a
+    device-bound one (``synthetic:2000``, the same callers) fell from 0.70-0.80 to 0.53-0.63,
+    because the device then idled while each group's answer went back and the next group
+    came; with 2 it stayed at 0.67-0.83 (docs/SERVING.md).
+
+    Where the executor's plan pads short calls and waits for requests to fill them (the
+    batcher's fill rule), that method's requests are never held: they leave every turn,
+    since holding them would leave those calls half empty. A group is batched like a
+    request of several rows (the executor's batcher may split it between calls), so tokens
+    do not change: the plan's certificate says its calls are batch-invariant. A caller that
     goes away leaves its group if the group has not left; once it has, the executor drops
     the group's rows not yet run when no caller of it waits any more."""
 
     def __init__(self, socket_path: str, arena_bytes: int, on_info=None, max_group_rows: int = 32,
-                 window: int = 1):
+                 window: int = 2):
         self.socket_path = socket_path
         self.arena = Arena(arena_bytes, name="vqserve-frontend")
         self.on_info = on_info or (lambda payload: None)
@@ -99,6 +106,7 @@ class RemoteBatcher:
         self._in_flight: dict[tuple, int] = {}  # groups sent per key, not answered yet
         self.window = max(1, int(window))
         self._turn_scheduled = False
+        self._never_held: frozenset[str] = frozenset()  # methods whose short calls wait to fill there
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._out: wire.Outbox | None = None
@@ -157,7 +165,7 @@ class RemoteBatcher:
             group = None
         if group is None:
             group = self._open[key] = _Group(method, key)
-        if not self._turn_scheduled and self._in_flight.get(key, 0) < self.window:
+        if not self._turn_scheduled and self._may_leave(key):
             self._turn_scheduled = True
             asyncio.get_running_loop().call_soon(self._send_open)
         member = _Member(asyncio.get_running_loop().create_future(), np.ascontiguousarray(array), rows, deadline)
@@ -186,9 +194,15 @@ class RemoteBatcher:
         """The end of the turn: the open groups whose window has room leave."""
         self._turn_scheduled = False
         for key, group in list(self._open.items()):
-            if self._in_flight.get(key, 0) < self.window:
+            if self._may_leave(key):
                 del self._open[key]
                 self._send(group)
+
+    def _may_leave(self, key: tuple) -> bool:
+        """Whether the open group of ``key`` leaves at the end of this turn: the window has
+        room, or the executor's plan pads short calls of this method and waits for requests
+        to fill them (holding requests back then would leave those calls half empty)."""
+        return key[0] in self._never_held or self._in_flight.get(key, 0) < self.window
 
     def _send(self, group: _Group) -> None:
         """Write the group's pixels into one block and its header onto the socket."""
@@ -267,6 +281,7 @@ class RemoteBatcher:
         (its block is freed in every case: the executor is done with it)."""
         if status == wire.INFO:
             self.info = json.loads(message)
+            self._never_held = frozenset(self.info.get("fill_methods") or ())
             self.on_info(self.info)
             self._info_ready.set()
             return

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vqserve.export.execution import ExecutionPlan, PlannedRuntime
 from vqserve.export.synthetic import SyntheticRuntime, block_tokens
 from vqserve.serve.batcher import DeadlineExpired
 from vqserve.serve.engine import Engine
@@ -29,12 +30,16 @@ def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
 
 
-async def _connected(micros: float, device: str, max_batch_pixels: int | None = None, **remote_options):
-    """A real executor over synthetic:``micros`` and a front-end's batcher connected to it."""
+async def _connected(micros: float, device: str, max_batch_pixels: int | None = None, plan=None,
+                     **remote_options):
+    """A real executor over synthetic:``micros`` (run by ``plan`` if given) and a front-end's
+    batcher connected to it."""
     metrics = Metrics()
     state = ServerState(metrics)
-    state.engine = Engine(SyntheticRuntime(f"synthetic:{micros}", device=device), metrics, max_batch_size=32,
-                          max_batch_pixels=max_batch_pixels)
+    runtime = SyntheticRuntime(f"synthetic:{micros}", device=device)
+    if plan is not None:
+        runtime = PlannedRuntime(runtime, plan)
+    state.engine = Engine(runtime, metrics, max_batch_size=32, max_batch_pixels=max_batch_pixels)
     state.engine.batcher.start()
     state.ready = True
     service = ExecutorService(state)
@@ -69,11 +74,12 @@ def test_requests_of_one_turn_cross_as_one_and_each_gets_its_own_tokens():
 
 
 def test_requests_wait_for_the_group_at_the_executor_and_leave_together():
-    """Window 1: while one group is at the executor, the next requests gather into one."""
+    """Window 1: while one group is at the executor, the next requests gather into one
+    (with the default window, 2, the same happens behind two groups: the next test)."""
     images = _images(6, seed=1)
 
     async def main():
-        parts = await _connected(1_000_000, "synthetic:groups-b")  # 16 ms per 32x32 image
+        parts = await _connected(1_000_000, "synthetic:groups-b", window=1)  # 16 ms per 32x32 image
         remote = parts[2]
         first = asyncio.ensure_future(remote.submit("encode", images[:1]))
         await asyncio.sleep(0)  # the first leaves alone at the end of this turn
@@ -92,6 +98,43 @@ def test_requests_wait_for_the_group_at_the_executor_and_leave_together():
     assert counts == (2, 6)
     for i, answer in enumerate(answers):
         np.testing.assert_array_equal(answer, block_tokens(images[i:i + 1]))
+
+
+def _held_after_two_in_flight(plan=None) -> tuple[int, int]:
+    """Two single requests leave one turn apart, then four more arrive: (groups, requests)
+    sent to the executor by the time the first two are still running."""
+    images = _images(6, seed=6)
+
+    async def main():
+        parts = await _connected(1_000_000, f"synthetic:groups-w{plan is not None}", plan=plan)
+        remote = parts[2]
+        tasks = []
+        for i in range(2):
+            tasks.append(asyncio.ensure_future(remote.submit("encode", images[i:i + 1])))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        tasks += [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(2, 6)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        counts = remote.groups_sent, remote.requests_sent
+        answers = await asyncio.gather(*tasks)
+        for i, answer in enumerate(answers):
+            np.testing.assert_array_equal(answer, block_tokens(images[i:i + 1]))
+        await _closed(*parts)
+        return counts
+
+    return asyncio.run(main())
+
+
+def test_by_default_two_groups_of_a_kind_are_at_the_executor_and_the_rest_wait():
+    assert _held_after_two_in_flight() == (2, 2)
+
+
+def test_requests_are_never_held_where_the_plan_fills_padded_calls():
+    """A plan without buckets pads short calls on a shared device, and its batcher waits for
+    requests to fill them: a front-end must not hold those requests back."""
+    padded = ExecutionPlan(micro_batch=8, workers=1, intra_op_threads=1)
+    assert _held_after_two_in_flight(padded) == (3, 6)
 
 
 def test_a_full_group_leaves_at_once_and_larger_requests_are_not_held():
@@ -115,7 +158,7 @@ def test_a_caller_that_goes_away_leaves_its_group_and_the_others_are_answered():
     images = _images(4, seed=3)
 
     async def main():
-        parts = await _connected(1_000_000, "synthetic:groups-d")  # 16 ms per 32x32 image
+        parts = await _connected(1_000_000, "synthetic:groups-d", window=1)  # 16 ms per 32x32 image
         remote = parts[2]
         first = asyncio.ensure_future(remote.submit("encode", images[:1]))
         await asyncio.sleep(0)
@@ -143,7 +186,7 @@ def test_a_group_whose_callers_all_left_is_cancelled_at_the_executor_and_its_blo
     per_image = 1.0 * (128 * 128) / (256 * 256)
 
     async def main():
-        parts = await _connected(1_000_000, "synthetic:groups-e", max_batch_pixels=128 * 128)
+        parts = await _connected(1_000_000, "synthetic:groups-e", max_batch_pixels=128 * 128, window=1)
         service, state, remote = parts
         first = asyncio.ensure_future(remote.submit("encode", images[:1]))
         await asyncio.sleep(0)
@@ -194,7 +237,7 @@ def test_a_request_held_past_its_deadline_ends_there_and_its_group_goes_on():
     images = _images(3, seed=5)
 
     async def main():
-        parts = await _connected(1_000_000, "synthetic:groups-f")  # 16 ms per 32x32 image
+        parts = await _connected(1_000_000, "synthetic:groups-f", window=1)  # 16 ms per 32x32 image
         remote = parts[2]
         first = asyncio.ensure_future(remote.submit("encode", images[:1]))
         await asyncio.sleep(0)

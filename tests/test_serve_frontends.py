@@ -261,7 +261,7 @@ def test_a_frontend_that_cannot_start_is_one_line(tmp_path):
                            "--tls-cert", str(bad), "--tls-key", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert done.stderr.strip().splitlines()[-1].startswith("vqserve serve: error:")
+    assert done.stderr.strip().splitlines()[-1].startswith("vqserve serve: error:"), done.stderr
 
 
 # ---- the pieces ----------------------------------------------------------------------------
