@@ -55,10 +55,12 @@ def default_frontends(device: str, cores: int) -> int:
 
 
 def identity_payload(engine) -> dict:
-    """What a front-end needs to answer GetModelInfo and check requests like this process."""
+    """What a front-end needs to answer GetModelInfo and check requests like this process,
+    and the methods whose short calls this batcher holds to fill (a front-end never holds
+    those requests back: serve/frontend.py)."""
     info = engine.runtime.info.to_dict()
     certificate = engine.determinism
-    fills = getattr(engine.batcher, "fills_calls", lambda method: False)
+    fills = engine.batcher.fills_calls
     return {"info": info, "determinism": certificate.to_dict() if certificate is not None else None,
             "max_batch_pixels": engine.max_batch_pixels,
             "fill_methods": [method for method in ("encode", "decode") if fills(method)]}
