@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -311,7 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     synthetic = args.model.startswith("synthetic:")
     photos = bench_photos(args.size)
     result: dict = {"model": args.model, "device": device, "size": args.size}
-    plan_dir = tempfile.mkdtemp(prefix="vqserve-bench-gpu-")  # plan files the "planned" servers read
     if device.startswith("cuda"):
         import torch
 
@@ -368,17 +366,19 @@ def main(argv: list[str] | None = None) -> int:
         raw = runtimes[dtype]
         layouts = parse_layouts(args.layouts, ["--plan", "default", "--micro-batch", str(micro)])
         expected = dict.fromkeys(layouts, PlannedRuntime(raw, plan_for(device, micro_batch=micro)).encode(many))
-        if args.planned and device.startswith("cuda") and not synthetic:
-            choice = measured_plan(args.model, device, dtype, plan_dir, 240.0)
-            result.setdefault("plans", []).append({"dtype": dtype, **choice})
-            _log(f"  {dtype} plan: {choice.get('line') or choice.get('error')}")
-            if "file" in choice:  # what --plan auto serves: its own plan, tokens by that plan
-                layouts["planned"] = ["--plan", choice["file"], "--frontends", "auto"]
-                planned = ExecutionPlan.from_dict(choice["plan"])
-                expected["planned"] = PlannedRuntime(raw, planned).encode(many)
-        rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.threads, args.seconds,
-                               rounds=1, device=device, dtype=dtype, log=lambda m, d=dtype: _log(f"  {d}{m}"),
-                               expected=expected, warmup=1.0)
+        # a temporary folder holds the plan file the "planned" servers read, until they stop
+        with tempfile.TemporaryDirectory(prefix="vqserve-bench-gpu-") as plan_dir:
+            if args.planned and device.startswith("cuda") and not synthetic:
+                choice = measured_plan(args.model, device, dtype, plan_dir, 240.0)
+                result.setdefault("plans", []).append({"dtype": dtype, **choice})
+                _log(f"  {dtype} plan: {choice.get('line') or choice.get('error')}")
+                if "file" in choice:  # what --plan auto serves: its own plan, tokens by that plan
+                    layouts["planned"] = ["--plan", choice["file"], "--frontends", "auto"]
+                    planned = ExecutionPlan.from_dict(choice["plan"])
+                    expected["planned"] = PlannedRuntime(raw, planned).encode(many)
+            rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.threads, args.seconds,
+                                   rounds=1, device=device, dtype=dtype, log=lambda m, d=dtype: _log(f"  {d}{m}"),
+                                   expected=expected, warmup=1.0)
         result["served"] += [{**row, "dtype": dtype, "micro_batch": micro} for row in rows]
 
     if args.tokenize_seconds > 0:
@@ -390,7 +390,6 @@ def main(argv: list[str] | None = None) -> int:
         for row in result["tokenize"]:
             _log(f"  {({k: v for k, v in row.items() if not isinstance(v, (dict, list))})}")
 
-    shutil.rmtree(plan_dir, ignore_errors=True)
     result["seconds"] = time.perf_counter() - started
     print(report(result))
     if args.json:

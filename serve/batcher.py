@@ -265,8 +265,7 @@ class Batcher:
         if rows >= cap or not self._accepting:
             return 0.0
         due = q[0].enqueued + self.max_delay_s
-        plan = self._fill_plan
-        if plan and cap > 1 and key[0] not in plan.bucketed and not (rows == 1 and key[0] in plan.lone_unpadded):
+        if cap > 1 and self.fills_calls(key[0]) and not (rows == 1 and key[0] in self._fill_plan.lone_unpadded):
             if self._free < self.slots:
                 return float("inf")  # the device is busy: the queue fills meanwhile
             call_s = self._call_s.get(key, 0.004)

@@ -165,14 +165,15 @@ class Engine:
             raise BadInput(f"{field}.data", rule)
         return indices.astype(self.index_dtype, copy=False)
 
-    def check_reply(self, nbytes: int, what: str) -> None:
+    def check_reply(self, nbytes: int, what) -> None:
         """Refuse an answer of ``nbytes`` that gRPC could not send: it would drop the reply
-        after the work was done (and the request would be counted as OK)."""
+        after the work was done (and the request would be counted as OK). ``what`` describes
+        the answer, or is a function that does (made only for a refusal: it runs per request)."""
         limit = self.max_message_bytes
         if limit is None or nbytes <= limit:
             return
         raise ReplyTooLarge(
-            f"the response would be about {nbytes} bytes ({what}), more than the message limit "
+            f"the response would be about {nbytes} bytes ({what() if callable(what) else what}), more than the message limit "
             f"of {limit} bytes (--max-message-mb {limit / (1 << 20):g}); send fewer images per "
             "request (the Python client splits by --batch-size), or raise --max-message-mb on "
             "the server and the client")
@@ -181,15 +182,13 @@ class Engine:
         b, h, w, _ = images.shape
         f, q = self.info.factor, self.info.codes_per_position
         nbytes = b * (h // f) * (w // f) * q * self.index_dtype.itemsize + REPLY_OVERHEAD + overhead
-        if self.max_message_bytes is not None and nbytes > self.max_message_bytes:  # the text only then
-            self.check_reply(nbytes, f"{b} x {h // f}x{w // f}x{q} {self.index_dtype.name} indices")
+        self.check_reply(nbytes, lambda: f"{b} x {h // f}x{w // f}x{q} {self.index_dtype.name} indices")
 
     def check_decode_reply(self, indices: np.ndarray, overhead: int = 0) -> None:
         b, h, w = indices.shape[:3]
         f = self.info.factor
-        nbytes = b * h * f * w * f * 3 + REPLY_OVERHEAD + overhead
-        if self.max_message_bytes is not None and nbytes > self.max_message_bytes:
-            self.check_reply(nbytes, f"{b} x {h * f}x{w * f} RGB uint8 images, raw")
+        self.check_reply(b * h * f * w * f * 3 + REPLY_OVERHEAD + overhead,
+                         lambda: f"{b} x {h * f}x{w * f} RGB uint8 images, raw")
 
     # ---- the serving path -------------------------------------------------------------
     async def encode(self, images: np.ndarray, deadline: float | None = None,

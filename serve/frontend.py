@@ -61,9 +61,12 @@ class _Group:
     method: str
     key: tuple
     members: list[_Member] = dataclasses.field(default_factory=list)
-    rows: int = 0
     req_id: int = 0  # once sent
     block: tuple[int, int, int] = (0, 0, 0)  # offset, size, answer bytes: once sent
+
+    @property
+    def rows(self) -> int:
+        return sum(m.rows for m in self.members)
 
 
 class RemoteBatcher:
@@ -165,12 +168,10 @@ class RemoteBatcher:
             group = None
         if group is None:
             group = self._open[key] = _Group(method, key)
-        if not self._turn_scheduled and self._may_leave(key):
-            self._turn_scheduled = True
-            asyncio.get_running_loop().call_soon(self._send_open)
+        if self._may_leave(key):
+            self._end_of_turn()
         member = _Member(asyncio.get_running_loop().create_future(), np.ascontiguousarray(array), rows, deadline)
         group.members.append(member)
-        group.rows += rows
         try:
             return await member.future
         except asyncio.CancelledError:
@@ -184,11 +185,16 @@ class RemoteBatcher:
         if not group.req_id:
             if member in group.members:
                 group.members.remove(member)
-                group.rows -= member.rows
             return
         if group.req_id in self._pending and all(m.future.done() for m in group.members) \
                 and self._writer is not None and not self._writer.is_closing():
             self._out.send(wire.pack_request(group.req_id, wire.CANCEL, "uint8", (), None, 0, 0, 0))
+
+    def _end_of_turn(self) -> None:
+        """Send the open groups that may leave once this event-loop turn ends (once a turn)."""
+        if not self._turn_scheduled:
+            self._turn_scheduled = True
+            asyncio.get_running_loop().call_soon(self._send_open)
 
     def _send_open(self) -> None:
         """The end of the turn: the open groups whose window has room leave."""
@@ -213,8 +219,9 @@ class RemoteBatcher:
         members = [m for m in group.members if not m.future.done()]
         if not members:
             return
+        group.members = members
         first = members[0].array
-        item_shape, rows = first.shape[1:], sum(m.rows for m in members)
+        item_shape, rows = first.shape[1:], group.rows
         shape = (rows, *item_shape)
         answer_shape, answer_dtype = self._answer_of(group.method, shape)
         answer_bytes = math.prod(answer_shape) * np.dtype(answer_dtype).itemsize
@@ -226,7 +233,7 @@ class RemoteBatcher:
             self._fail(members, QueueFull("the server is overloaded (its shared pixel memory is full); retry "
                                           "with backoff"))
             return
-        group.members, group.req_id, group.block = members, next(self._ids), (offset, size, answer_bytes)
+        group.req_id, group.block = next(self._ids), (offset, size, answer_bytes)
         deadlines = [m.deadline for m in members]
         deadline = None if None in deadlines else max(deadlines)  # each caller's own is gRPC's to keep
         try:
@@ -289,9 +296,8 @@ class RemoteBatcher:
         if group is None:
             return
         self._in_flight[group.key] -= 1
-        if group.key in self._open and not self._turn_scheduled:
-            self._turn_scheduled = True  # the requests held for this window leave at the end of the turn
-            asyncio.get_running_loop().call_soon(self._send_open)
+        if group.key in self._open:  # the requests held for this window
+            self._end_of_turn()
         offset, size, answer_bytes = group.block
         try:
             if status == wire.OK:

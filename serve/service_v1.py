@@ -88,7 +88,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):
         """Run ``fn`` and refuse an answer gRPC could not send (a PNG answer's size is known
         only now): gRPC would fail the call after the fact and, in a stream, end the stream."""
         response = await fn(request, context)
-        self.engine.check_reply(response.ByteSize(), f"a {type(response).__name__}")
+        self.engine.check_reply(response.ByteSize(), lambda: f"a {type(response).__name__}")
         return response
 
     # ---- unary ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ gets (its own tokens, errors, cancellation) and how many requests crossed to the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -30,10 +31,11 @@ def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
 
 
-async def _connected(micros: float, device: str, max_batch_pixels: int | None = None, plan=None,
-                     **remote_options):
+@contextlib.asynccontextmanager
+async def _executor(micros: float, device: str, max_batch_pixels: int | None = None, plan=None,
+                    **remote_options):
     """A real executor over synthetic:``micros`` (run by ``plan`` if given) and a front-end's
-    batcher connected to it."""
+    batcher connected to it: ``(state, remote)``, all closed at the end."""
     metrics = Metrics()
     state = ServerState(metrics)
     runtime = SyntheticRuntime(f"synthetic:{micros}", device=device)
@@ -45,26 +47,35 @@ async def _connected(micros: float, device: str, max_batch_pixels: int | None = 
     service = ExecutorService(state)
     await service.start()
     remote = RemoteBatcher(service.path, 16 << 20, **remote_options)
-    await remote.connect(timeout=30)
-    return service, state, remote
+    try:
+        await remote.connect(timeout=30)
+        yield state, remote
+    finally:
+        await remote.close()
+        await service.close()
+        await state.engine.close()
 
 
-async def _closed(service, state, remote) -> None:
-    await remote.close()
-    await service.close()
-    await state.engine.close()
+async def _turns(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def _sent(remote: RemoteBatcher, array: np.ndarray, deadline: float | None = None) -> asyncio.Future:
+    """``remote.submit`` as a task, returned once its group has left when it may (two turns:
+    the submit, then the end of its turn)."""
+    task = asyncio.ensure_future(remote.submit("encode", array, deadline))
+    await _turns(2)
+    return task
 
 
 def test_requests_of_one_turn_cross_as_one_and_each_gets_its_own_tokens():
     images = _images(8)
 
     async def main():
-        parts = await _connected(0, "synthetic:groups-a")
-        remote = parts[2]
-        answers = await asyncio.gather(*(remote.submit("encode", images[i:i + 1]) for i in range(8)))
-        counts = remote.groups_sent, remote.requests_sent, remote.arena.used
-        await _closed(*parts)
-        return answers, counts
+        async with _executor(0, "synthetic:groups-a") as (_state, remote):
+            answers = await asyncio.gather(*(remote.submit("encode", images[i:i + 1]) for i in range(8)))
+            return answers, (remote.groups_sent, remote.requests_sent, remote.arena.used)
 
     answers, (groups, requests, used) = asyncio.run(main())
     for i, answer in enumerate(answers):
@@ -79,20 +90,14 @@ def test_requests_wait_for_the_group_at_the_executor_and_leave_together():
     images = _images(6, size=96, seed=1)
 
     async def main():
-        parts = await _connected(1_000_000, "synthetic:groups-b", window=1)  # 140 ms per 96x96 image
-        remote = parts[2]
-        first = asyncio.ensure_future(remote.submit("encode", images[:1]))
-        await asyncio.sleep(0)  # the first leaves alone at the end of this turn
-        await asyncio.sleep(0)
-        assert remote.groups_sent == 1
-        rest = [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(1, 6)]
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert remote.groups_sent == 1 and remote.queued == 6  # held, not sent
-        answers = await asyncio.gather(first, *rest)
-        counts = remote.groups_sent, remote.requests_sent
-        await _closed(*parts)
-        return answers, counts
+        async with _executor(1_000_000, "synthetic:groups-b", window=1) as (_state, remote):  # 140 ms per 96x96
+            first = await _sent(remote, images[:1])  # it leaves alone
+            assert remote.groups_sent == 1
+            rest = [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(1, 6)]
+            await _turns(3)
+            assert remote.groups_sent == 1 and remote.queued == 6  # held, not sent
+            answers = await asyncio.gather(first, *rest)
+            return answers, (remote.groups_sent, remote.requests_sent)
 
     answers, counts = asyncio.run(main())
     assert counts == (2, 6)
@@ -107,21 +112,14 @@ def _held_after_two_in_flight(plan=None, micros: float = 1_000_000) -> tuple[int
     images = _images(6, size=96, seed=6)
 
     async def main():
-        parts = await _connected(micros, f"synthetic:groups-w{plan is not None}", plan=plan)
-        remote = parts[2]
-        tasks = []
-        for i in range(2):
-            tasks.append(asyncio.ensure_future(remote.submit("encode", images[i:i + 1])))
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-        tasks += [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(2, 6)]
-        for _ in range(3):
-            await asyncio.sleep(0)
-        counts = remote.groups_sent, remote.requests_sent
-        answers = await asyncio.gather(*tasks)
+        async with _executor(micros, f"synthetic:groups-w{plan is not None}", plan=plan) as (_state, remote):
+            tasks = [await _sent(remote, images[i:i + 1]) for i in range(2)]
+            tasks += [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(2, 6)]
+            await _turns(3)
+            counts = remote.groups_sent, remote.requests_sent
+            answers = await asyncio.gather(*tasks)
         for i, answer in enumerate(answers):
             np.testing.assert_array_equal(answer, block_tokens(images[i:i + 1]))
-        await _closed(*parts)
         return counts
 
     return asyncio.run(main())
@@ -142,13 +140,9 @@ def test_a_full_group_leaves_at_once_and_larger_requests_are_not_held():
     images = _images(12, seed=2)
 
     async def main():
-        parts = await _connected(0, "synthetic:groups-c", max_group_rows=8)
-        remote = parts[2]
-        calls = [remote.submit("encode", images[i:i + 4]) for i in range(0, 12, 4)]
-        answers = await asyncio.gather(*calls)
-        counts = remote.groups_sent, remote.requests_sent
-        await _closed(*parts)
-        return answers, counts
+        async with _executor(0, "synthetic:groups-c", max_group_rows=8) as (_state, remote):
+            answers = await asyncio.gather(*(remote.submit("encode", images[i:i + 4]) for i in range(0, 12, 4)))
+            return answers, (remote.groups_sent, remote.requests_sent)
 
     answers, counts = asyncio.run(main())
     assert counts == (2, 3)  # 4 + 4 rows fill a group; the third request opens the next
@@ -159,20 +153,15 @@ def test_a_caller_that_goes_away_leaves_its_group_and_the_others_are_answered():
     images = _images(4, size=96, seed=3)
 
     async def main():
-        parts = await _connected(1_000_000, "synthetic:groups-d", window=1)  # 140 ms per 96x96 image
-        remote = parts[2]
-        first = asyncio.ensure_future(remote.submit("encode", images[:1]))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        held = [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(1, 4)]
-        await asyncio.sleep(0)
-        held[1].cancel()  # before its group leaves
-        answers = await asyncio.gather(first, held[0], held[2])
-        with pytest.raises(asyncio.CancelledError):
-            await held[1]
-        counts = remote.groups_sent, remote.requests_sent, remote.arena.used
-        await _closed(*parts)
-        return answers, counts
+        async with _executor(1_000_000, "synthetic:groups-d", window=1) as (_state, remote):  # 140 ms per 96x96
+            first = await _sent(remote, images[:1])
+            held = [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(1, 4)]
+            await _turns(1)
+            held[1].cancel()  # before its group leaves
+            answers = await asyncio.gather(first, held[0], held[2])
+            with pytest.raises(asyncio.CancelledError):
+                await held[1]
+            return answers, (remote.groups_sent, remote.requests_sent, remote.arena.used)
 
     answers, (groups, requests, used) = asyncio.run(main())
     assert (groups, requests, used) == (2, 3, 0)
@@ -187,26 +176,21 @@ def test_a_group_whose_callers_all_left_is_cancelled_at_the_executor_and_its_blo
     per_image = 1.0 * (128 * 128) / (256 * 256)
 
     async def main():
-        parts = await _connected(1_000_000, "synthetic:groups-e", max_batch_pixels=128 * 128, window=1)
-        service, state, remote = parts
-        first = asyncio.ensure_future(remote.submit("encode", images[:1]))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        second = [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(1, 8)]
-        await first  # its reply lets the seven leave, as one group
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert remote.groups_sent == 2
-        for task in second:
-            task.cancel()
-        await asyncio.gather(*second, return_exceptions=True)
-        for _ in range(500):  # the executor's CANCELLED reply frees the block
-            if remote.arena.used == 0:
-                break
-            await asyncio.sleep(0.01)
-        used, busy = remote.arena.used, state.engine.runtime.device.busy_s
-        await _closed(*parts)
-        return used, busy
+        async with _executor(1_000_000, "synthetic:groups-e", max_batch_pixels=128 * 128,
+                             window=1) as (state, remote):
+            first = await _sent(remote, images[:1])
+            second = [asyncio.ensure_future(remote.submit("encode", images[i:i + 1])) for i in range(1, 8)]
+            await first  # its reply lets the seven leave, as one group
+            await _turns(3)
+            assert remote.groups_sent == 2
+            for task in second:
+                task.cancel()
+            await asyncio.gather(*second, return_exceptions=True)
+            for _ in range(500):  # the executor's CANCELLED reply frees the block
+                if remote.arena.used == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return remote.arena.used, state.engine.runtime.device.busy_s
 
     used, busy = asyncio.run(main())
     assert used == 0
@@ -220,13 +204,10 @@ def test_any_mix_of_request_sizes_gets_the_tokens_of_its_own_images(rows, size):
     bounds = np.cumsum([0, *rows])
 
     async def main():
-        parts = await _connected(0, f"synthetic:groups-p{size}", max_group_rows=6)
-        remote = parts[2]
-        answers = await asyncio.gather(*(remote.submit("encode", images[a:b])
-                                         for a, b in zip(bounds[:-1], bounds[1:], strict=True)))
-        used = remote.arena.used
-        await _closed(*parts)
-        return answers, used
+        async with _executor(0, f"synthetic:groups-p{size}", max_group_rows=6) as (_state, remote):
+            answers = await asyncio.gather(*(remote.submit("encode", images[a:b])
+                                             for a, b in zip(bounds[:-1], bounds[1:], strict=True)))
+            return answers, remote.arena.used
 
     answers, used = asyncio.run(main())
     assert used == 0
@@ -238,19 +219,14 @@ def test_a_request_held_past_its_deadline_ends_there_and_its_group_goes_on():
     images = _images(3, seed=5)
 
     async def main():
-        parts = await _connected(1_000_000, "synthetic:groups-f", window=1)  # 16 ms per 32x32 image
-        remote = parts[2]
-        first = asyncio.ensure_future(remote.submit("encode", images[:1]))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        late = asyncio.ensure_future(remote.submit("encode", images[1:2], time.monotonic() + 0.001))
-        kept = asyncio.ensure_future(remote.submit("encode", images[2:3], time.monotonic() + 60))
-        answers = await asyncio.gather(first, kept)
-        with pytest.raises(DeadlineExpired):
-            await late
-        counts = remote.groups_sent, remote.requests_sent
-        await _closed(*parts)
-        return answers, counts
+        async with _executor(1_000_000, "synthetic:groups-f", window=1) as (_state, remote):  # 16 ms per 32x32
+            first = await _sent(remote, images[:1])
+            late = asyncio.ensure_future(remote.submit("encode", images[1:2], time.monotonic() + 0.001))
+            kept = asyncio.ensure_future(remote.submit("encode", images[2:3], time.monotonic() + 60))
+            answers = await asyncio.gather(first, kept)
+            with pytest.raises(DeadlineExpired):
+                await late
+            return answers, (remote.groups_sent, remote.requests_sent)
 
     answers, counts = asyncio.run(main())
     assert counts == (2, 2)  # the late one never crossed
