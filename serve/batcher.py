@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from vqserve.serve.model_threads import ModelThreads
 
 
 class QueueFull(Exception):
@@ -149,7 +150,7 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
         self._queues: dict[tuple, collections.deque[_Item]] = {}
         self._queued_rows = 0
-        self._executor = concurrent.futures.ThreadPoolExecutor(self.slots, thread_name_prefix="vqserve-infer")
+        self._threads = ModelThreads(self.slots)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._accepting = True
@@ -174,7 +175,7 @@ class Batcher:
             self._wakeup.set()
             await self._task
             self._task = None
-        self._executor.shutdown(wait=True)
+        self._threads.close()
 
     @property
     def queued(self) -> int:
@@ -342,7 +343,6 @@ class Batcher:
         self._wakeup.set()
 
     async def _execute(self, method: str, segments: list[Segment]) -> None:
-        loop = asyncio.get_running_loop()
         fn = self._fns[method]
         start = time.monotonic()
         waits = [start - it.enqueued for it, a, _ in segments if a == 0]
@@ -357,7 +357,7 @@ class Batcher:
             return out, time.perf_counter() - t0
 
         try:
-            out, infer_s = await loop.run_in_executor(self._executor, call)
+            out, infer_s = await self._threads.run(call)
         except Exception as exc:  # noqa: BLE001 - the runtime's error goes to its requests
             self._observe(BatchStats(method, rows, requests, waits, time.monotonic() - start, ok=False))
             if requests == 1:
