@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.bench.load import compare_layouts, parse_cases, parse_layouts
+from vqserve.bench.load import compare_layouts, mean_text, parse_cases, parse_layouts
 from vqserve.bench.serving import bench_photos
 
 
@@ -432,7 +432,8 @@ def report(result: dict) -> str:
     for row in result.get("plans", []):
         lines.append(f"plan {row['dtype']} (vqserve plan, served as 'planned'): "
                      f"{row.get('line') or 'error ' + str(row.get('error'))[-200:]}")
-    lines.append(f"{'served':<8}{'layout':<16}{'case':<16}{'img/s':>9}{'/in-proc':>10}{'p99 ms':>9}{'CPU µs/img':>12}")
+    lines.append(f"{'served':<8}{'layout':<16}{'case':<16}{'img/s':>9}{'/in-proc':>10}{'p99 ms':>9}{'CPU µs/img':>12}"
+                 f"{'img/call':>10}{'req/group':>11}")
     for row in result.get("served", []):
         if "error" in row:
             lines.append(f"{row['dtype']:<8}{row['layout']:<16}error: {row['error'][-200:]}")
@@ -440,7 +441,8 @@ def report(result: dict) -> str:
         ratio = row["throughput"] / best[row["dtype"]]["throughput"] if row["dtype"] in best else float("nan")
         same = {True: "  tokens = in-process", False: "  TOKENS DIFFER"}.get(row.get("tokens_equal_in_process"), "")
         lines.append(f"{row['dtype']:<8}{row['layout']:<16}{row['case']:<16}{row['throughput']:9.0f}{ratio:10.2f}"
-                     f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}{same}")
+                     f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}"
+                     f"{mean_text(row.get('images_per_call')):>10}{mean_text(row.get('requests_per_group')):>11}{same}")
     for row in result.get("tokenize", []):
         if "error" in row:
             lines.append(f"tokenize {row['dtype']}{' (CUDA graphs)' if row.get('cuda_graphs') else ''}: error {row['error'][-300:]}")

@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,10 +124,44 @@ def _client_process(target: str, method: str, request: bytes, threads: int, star
     out.close()
 
 
+BATCHING = ("vqserve_batch_size", "vqserve_group_size")
+
+
+def batching_totals(metrics_port: int | None) -> dict[str, float]:
+    """The ``_sum`` and ``_count`` of the server's rows-per-model-call and requests-per-group
+    histograms (all methods together) from its ``/metrics``; {} where it does not answer."""
+    if not metrics_port:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in BATCHING:
+            for sample in family.samples:
+                if sample.name.endswith(("_sum", "_count")):
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def mean_between(before: dict, after: dict, histogram: str) -> float | None:
+    """The mean of what ``histogram`` observed between two :func:`batching_totals`."""
+    count = after.get(f"{histogram}_count", 0.0) - before.get(f"{histogram}_count", 0.0)
+    if count <= 0:
+        return None
+    return (after.get(f"{histogram}_sum", 0.0) - before.get(f"{histogram}_sum", 0.0)) / count
+
+
 def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, threads: int,
-             duration: float, warmup: float, server_pid: int | None = None) -> dict:
+             duration: float, warmup: float, server_pid: int | None = None,
+             metrics_port: int | None = None) -> dict:
     """One closed-loop measurement: ``procs`` x ``threads`` callers for ``duration`` s
-    after ``warmup`` s; the server's tree CPU is read at the window's edges."""
+    after ``warmup`` s; the server's tree CPU, and with ``metrics_port`` its images per
+    model call and requests per front-end group, are read at the window's edges."""
     method, request = request_bytes(case, images)
     ctx = mp.get_context("spawn")  # no inherited gRPC state
     start_at = time.time() + warmup + 1.0  # spawn takes a moment
@@ -141,11 +176,14 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, thread
         pipes.append(recv)
         children.append(p)
     cpu0 = cpu1 = 0.0
-    if server_pid:
+    batching0 = batching1 = {}
+    if server_pid or metrics_port:
         time.sleep(max(0.0, start_at - time.time()))
-        cpu0 = tree_cpu_seconds(server_pid)
+        cpu0 = tree_cpu_seconds(server_pid) if server_pid else 0.0
+        batching0 = batching_totals(metrics_port)
         time.sleep(max(0.0, stop_at - time.time()))
-        cpu1 = tree_cpu_seconds(server_pid)
+        cpu1 = tree_cpu_seconds(server_pid) if server_pid else 0.0
+        batching1 = batching_totals(metrics_port)
     lats: list[float] = []
     first = b""
     errors: list[str] = []
@@ -165,6 +203,8 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, thread
             "procs": procs, "threads": threads, "calls": calls, "throughput": imgs / duration,
             "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
             "server_cpu_us_per_image": (cpu1 - cpu0) / imgs * 1e6 if imgs and server_pid else None,
+            "images_per_call": mean_between(batching0, batching1, "vqserve_batch_size"),
+            "requests_per_group": mean_between(batching0, batching1, "vqserve_group_size"),
             "first_reply": first, "errors": errors}
 
 
@@ -282,7 +322,8 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
                     if name == "grpc-floor" and case.protocol != "v1":
                         continue
                     proc, port = echo if name == "grpc-floor" else servers[name]
-                    row = run_load(f"127.0.0.1:{port}", case, images, procs, threads, seconds, warmup, proc.pid)
+                    row = run_load(f"127.0.0.1:{port}", case, images, procs, threads, seconds, warmup, proc.pid,
+                                   getattr(proc, "metrics_port", None))
                     reply = row.pop("first_reply", b"")
                     want = expected.get(name) if isinstance(expected, dict) else expected
                     if want is not None and case.payload == "raw" and name != "grpc-floor":
@@ -321,16 +362,24 @@ def capacity_of(model: str) -> float | None:
     return rate if rate != float("inf") else None
 
 
+def mean_text(value: float | None) -> str:
+    """A mean for a table: one decimal, or "-" where nothing was observed."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def layouts_table(rows: list[dict], capacity: float | None, size: int) -> str:
+    """One line per (layout, case): img/call is the images per model call, req/group the
+    requests per group a front-end sent the executor ("-": none, e.g. one process)."""
     scale = (size * size) / (256 * 256)
     cap = capacity / scale if capacity else None
     lines = [f"{'layout':<16}{'case':<16}{'img/s':>9}" + (f"{'/capacity':>11}" if cap else "")
-             + f"{'p50 ms':>9}{'p99 ms':>9}{'server CPU µs/img':>19}"]
+             + f"{'p50 ms':>9}{'p99 ms':>9}{'server CPU µs/img':>19}{'img/call':>10}{'req/group':>11}"]
     for row in rows:
         if "error" in row:
             lines.append(f"{row['layout']:<16}the server did not start: {row['error'][-200:]}")
             continue
         lines.append(f"{row['layout']:<16}{row['case']:<16}{row['throughput']:9.0f}"
                      + (f"{row['throughput'] / cap:11.2f}" if cap else "")
-                     + f"{row['p50_ms']:9.1f}{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:19.0f}")
+                     + f"{row['p50_ms']:9.1f}{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:19.0f}"
+                     + f"{mean_text(row.get('images_per_call')):>10}{mean_text(row.get('requests_per_group')):>11}")
     return "\n".join(lines)

@@ -335,7 +335,7 @@ def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | No
                  extra: list[str] | None = None, log: list[str] | None = None,
                  pythonpath: str | None = None):
     """A ``vqserve serve`` subprocess on a free loopback port, metrics on as deployed;
-    returns (process, port). ``max_delay_ms`` None keeps the server's default; ``extra``:
+    returns (process, port), the process carrying ``metrics_port``. ``max_delay_ms`` None keeps the server's default; ``extra``:
     more flags (later ones win); ``log``: collects the server's stderr lines; ``pythonpath``:
     run the vqserve installed there instead of this one."""
     cmd = [sys.executable, "-m", "vqserve", "serve", "--model", model, "--backend", args.backend,
@@ -354,7 +354,9 @@ def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | No
         for line in proc.stderr:
             log.append(line)
             if '"event": "serving"' in line:
-                port.append(json.loads(line)["port"])
+                record = json.loads(line)
+                proc.metrics_port = record.get("metrics_port")  # for the benches that read /metrics
+                port.append(record["port"])
                 ready.set()
         ready.set()
 

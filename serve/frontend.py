@@ -98,10 +98,11 @@ class RemoteBatcher:
     the group's rows not yet run when no caller of it waits any more."""
 
     def __init__(self, socket_path: str, arena_bytes: int, on_info=None, max_group_rows: int = 32,
-                 window: int = 2):
+                 window: int = 2, on_group=None):
         self.socket_path = socket_path
         self.arena = Arena(arena_bytes, name="vqserve-frontend")
         self.on_info = on_info or (lambda payload: None)
+        self.on_group = on_group  # (method, requests) of each group sent: the group-size metric
         self.max_group_rows = max(1, int(max_group_rows))
         self._ids = itertools.count(1)
         self._pending: dict[int, _Group] = {}  # sent, by request id, until their reply
@@ -252,6 +253,11 @@ class RemoteBatcher:
         self._in_flight[group.key] = self._in_flight.get(group.key, 0) + 1
         self.groups_sent += 1
         self.requests_sent += len(members)
+        if self.on_group is not None:
+            try:
+                self.on_group(group.method, len(members))
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                pass
 
     @staticmethod
     def _fail(members: list[_Member], exc: BaseException) -> None:
@@ -371,7 +377,7 @@ async def connect_engine(config, metrics):
     max_pixels_hint = config.max_pixels or 1024 * 1024
     remote = RemoteBatcher(config.executor_socket,
                            (config.arena_mb << 20) or default_arena_bytes(config.max_batch_size, max_pixels_hint),
-                           max_group_rows=config.max_batch_size)
+                           max_group_rows=config.max_batch_size, on_group=metrics.observe_group)
     payload = await remote.connect()
     info = _runtime_info(payload)
     max_pixels = config.max_pixels or info.max_pixels

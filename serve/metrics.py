@@ -181,7 +181,7 @@ class Metrics:
         if codebook_size:
             self.set_codebook(codebook_size, window)
 
-    REQUEST_METRICS = ("request_latency", "in_flight", "requests", "errors", "streams_open")
+    REQUEST_METRICS = ("request_latency", "in_flight", "requests", "errors", "streams_open", "group_size")
     MODEL_METRICS = ("queue_wait", "inference", "batch_size", "items", "queue_depth", "model_info",
                      "batch_invariant", "plan_info")
 
@@ -200,6 +200,10 @@ class Metrics:
             ["method"], buckets=LATENCY_BUCKETS, registry=r))
         make("batch_size", lambda: Histogram(
             "vqserve_batch_size", "Items (images) per model call.",
+            ["method"], buckets=BATCH_BUCKETS, registry=r))
+        make("group_size", lambda: Histogram(
+            "vqserve_group_size", "Requests per group a front-end process sends to the device executor "
+            "(front-ends only: one process serving everything sends none).",
             ["method"], buckets=BATCH_BUCKETS, registry=r))
         make("in_flight", lambda: Gauge("vqserve_requests_in_flight", "Requests being served now.", registry=r,
                                multiprocess_mode="livesum"))
@@ -244,6 +248,10 @@ class Metrics:
             self.queue_wait.labels(stats.method).observe(w)
         if stats.ok:
             self.items.labels(stats.method).inc(stats.size)
+
+    def observe_group(self, method: str, requests: int) -> None:
+        """Observer for a front-end's :class:`vqserve.serve.frontend.RemoteBatcher`."""
+        self.group_size.labels(method).observe(requests)
 
     def record_codes(self, method: str, indices: np.ndarray) -> None:
         tracker = self.usage.get(method)

@@ -173,6 +173,10 @@ def test_metrics_sum_every_frontend_and_the_executor(split_server):
     assert count(after, ok) - count(before, ok) == n
     items = 'vqserve_items_total{method="encode"}'
     assert count(after, items) - count(before, items) >= n  # padded rows are not counted; each image once
+    # one caller at a time: each request crosses to the executor as a group of its own
+    group = 'vqserve_group_size_{}{{method="encode"}}'
+    assert count(after, group.format("count")) - count(before, group.format("count")) == n
+    assert count(after, group.format("sum")) - count(before, group.format("sum")) == n
     families = [line.split()[2] for line in after.splitlines() if line.startswith("# TYPE")]
     assert len(families) == len(set(families)), "a metric family appears twice"
     assert "vqserve_model_info" in after and 'backend="synthetic"' in after
@@ -347,6 +351,11 @@ def test_bench_gpu_runs_its_whole_table_without_a_gpu(tmp_path):
     served = result["served"]
     assert {r["layout"] for r in served} == {"single", "split"}
     assert all(not r.get("errors") and r["calls"] > 0 for r in served), served
+    # read from each server's /metrics over the measured window
+    assert all(r["images_per_call"] is not None and 1 <= r["images_per_call"] <= 8 for r in served), served
+    assert all((r["requests_per_group"] is None) == (r["layout"] == "single") for r in served), served
+    assert all(r["requests_per_group"] >= 1 for r in served if r["layout"] == "split"), served
+    assert "req/group" in done.stdout
     assert "served" in done.stdout and "/in-proc" in done.stdout
 
 
