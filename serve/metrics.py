@@ -177,6 +177,8 @@ class Metrics:
 
             multiprocess.MultiProcessCollector(r, path=multiproc_dir)
         self._define(r, {"frontend": self.MODEL_METRICS, "executor": self.REQUEST_METRICS}.get(role, ()))
+        for method in ("encode", "decode"):  # exported at zero where no front-end sends groups (one process)
+            self.group_size.labels(method)
         self.usage: dict[str, CodebookUsage] = {}
         if codebook_size:
             self.set_codebook(codebook_size, window)
