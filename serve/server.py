@@ -1,7 +1,8 @@
 """Assemble the grpc.aio server: both APIs on one port, health, reflection, TLS, auth,
 Prometheus ``/metrics``, structured logs, and a SIGTERM drain. The parts live beside it:
 auth and the stream cap in ``serve/gates.py``, health and reflection in
-``serve/discovery.py``, the JSON logs in ``serve/logs.py``, the engine, batcher, front-ends
+``serve/discovery.py``, the JSON logs in ``serve/logs.py``, the choice of execution plan and
+the switch to a measured one in ``serve/serving_plan.py``, the engine, batcher, front-ends
 and device executor in their own modules; this one wires them and runs the lifecycle.
 
 Lifecycle: the port is bound and health answers NOT_SERVING while the model loads (in a
@@ -34,8 +35,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from vqserve import __version__
-from vqserve.export.determinism import start_up_check
-from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
+from vqserve.export.execution import PlannedRuntime
 from vqserve.serve import service_oip, service_v1
 from vqserve.serve.discovery import (
     REFLECTION_SERVICES,
@@ -49,7 +49,8 @@ from vqserve.serve.gates import BearerTokenAuth, StreamGate
 from vqserve.serve.logs import JsonFormatter, log, setup_logging
 from vqserve.serve.logs import event as _event
 from vqserve.serve.metrics import Metrics
-from vqserve.serve.planning import DEFAULT_PLAN_BUDGET_S, BackgroundPlan, plan_argv, run_in_daemon
+from vqserve.serve.planning import DEFAULT_PLAN_BUDGET_S, run_in_daemon
+from vqserve.serve.serving_plan import ServingPlan
 
 __all__ = ["JsonFormatter", "ServerConfig", "ServerThread", "StreamGate", "TokenizerServer", "log",
            "serve_until_signal", "setup_logging"]
@@ -181,7 +182,7 @@ class TokenizerServer:
         self._metrics_http = None
         self._load_task: asyncio.Task | None = None
         self._plan_task: asyncio.Task | None = None
-        self._measurement: BackgroundPlan | None = None
+        self.plans = ServingPlan(config, self.state, self._publish, lambda: self._stopped)
         self._stopped = False
 
     async def start(self) -> int:
@@ -326,14 +327,14 @@ class TokenizerServer:
             from vqserve.export.runtime import load_runtime, resolve_device
 
             device = resolve_device(cfg.device)
-            chosen, measure_later = await run_in_daemon(lambda: self._find_plan(device))
+            chosen, measure_later = await run_in_daemon(lambda: self.plans.find(device))
             if measure_later and cfg.dtype == "auto":  # a lower dtype changes tokens: choose before serving
-                chosen, measure_later = await self._measure_plan(device, foreground=True), False
+                chosen, measure_later = await self.plans.measure(device, foreground=True), False
 
             def runtime():
                 if chosen is not None:  # the planned backend: the model as given, or its export
                     return chosen.load(cfg.model, cfg.backend, device, cfg.expect_hash,
-                                       artifacts=self._artifacts(), log=lambda msg: _event("plan_progress", msg))
+                                       artifacts=self.plans.artifacts(), log=lambda msg: _event("plan_progress", msg))
                 return load_runtime(cfg.model, backend=cfg.backend, dtype=None if cfg.dtype == "auto" else cfg.dtype,
                                     device=device, expect_hash=cfg.expect_hash)  # checked before the files load
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
@@ -344,7 +345,7 @@ class TokenizerServer:
         source = chosen.source if chosen else ("measuring" if measure_later else
                                               "safe" if cfg.plan == "auto" else "default")
         raw = runtime
-        runtime, plan, certificate = await self._planned(raw, chosen.plan if chosen else None, source)
+        runtime, plan, certificate = await self.plans.planned(raw, chosen.plan if chosen else None, source)
         if chosen is not None and chosen.source == "file":  # measured elsewhere: does this machine agree?
             from vqserve.export.planner import check_reproduces
 
@@ -380,19 +381,7 @@ class TokenizerServer:
                frontends=self.pool.count if self.pool else 0,
                determinism=certificate.summary() if certificate else "not checked (--no-self-check)")
         if measure_later and not self._stopped:
-            self._plan_task = asyncio.get_running_loop().create_task(self._switch_to_measured(device))
-
-    async def _planned(self, runtime, base: ExecutionPlan | None, source: str):
-        """``runtime`` run by ``base`` (or the device's default) with the user's flags, and its
-        batch-invariance certificate (checked before any client sees its tokens)."""
-        cfg = self.config
-        plan = self._plan(runtime.info.device, base)
-        if cfg.micro_batch or cfg.model_workers or cfg.threads or not cfg.cuda_graphs:
-            source += "+flags"
-        certificate = None
-        if cfg.self_check:
-            certificate = await run_in_daemon(lambda: start_up_check(runtime, plan), "vqserve-check")
-        return PlannedRuntime(runtime, plan, source), plan, certificate
+            self._plan_task = asyncio.get_running_loop().create_task(self.plans.switch_to_measured(device))
 
     async def _load_frontend(self) -> None:
         """A front-end's engine: the executor's identity and limits, its batcher remote."""
@@ -419,109 +408,6 @@ class TokenizerServer:
         if certificate is not None and not certificate.invariant:
             _event("not_batch_invariant", certificate.summary(), level=logging.WARNING, plan=runtime.plan.to_dict())
 
-    def _plan(self, device: str, base: ExecutionPlan | None = None) -> ExecutionPlan:
-        """The measured plan (``base``) or the device's default, with the settings the user gave."""
-        cfg = self.config
-        return plan_for(device, cfg.micro_batch, cfg.model_workers, cfg.threads, base=base,
-                        cuda_graphs=None if cfg.cuda_graphs else False)
-
-    def _artifacts(self):
-        """Where exports made for a plan go: the plan cache's ``artifacts/``."""
-        from vqserve.export.planner import cache_dir
-
-        return cache_dir(self.config.plan_cache) / "artifacts"
-
-    def _find_plan(self, device: str):
-        """(plan, measure later?): the plan ``--plan`` names (``export.planner.find_plan``);
-        with ``--plan auto`` and none cached, None and True: the safe plan serves while the
-        measurement runs."""
-        from vqserve.export.planner import find_plan
-
-        cfg = self.config
-        chosen = find_plan(cfg.plan, cfg.model, device, cfg.backend, cfg.dtype, cfg.min_agreement,
-                           cfg.plan_cache, cfg.expect_hash)
-        if chosen is None:
-            from vqserve.export.synthetic import is_synthetic
-
-            return None, cfg.plan == "auto" and not is_synthetic(cfg.model)
-        _log_plan(chosen)
-        return chosen, False
-
-    async def _measure_plan(self, device: str, foreground: bool = False):
-        """Run ``vqserve plan`` in a child process (lower priority, within --plan-budget-s,
-        ended by :meth:`stop`) and return the plan it cached, or None."""
-        from vqserve.export.planner import cache_dir, lookup_plan
-
-        cfg = self.config
-        argv = plan_argv(cfg.model, device, cfg.backend, cfg.dtype, str(cache_dir(cfg.plan_cache)),
-                         cfg.plan_budget_s, cfg.min_agreement if cfg.dtype == "auto" else None)
-        _event("plan_measuring", f"measuring the execution plan for {cfg.model} on {device} "
-               + ("before serving (--dtype auto chooses the dtype, so tokens would change at a switch)"
-                  if foreground else "in the background at low priority; serving the safe plan meanwhile")
-               + f" (budget {cfg.plan_budget_s:g} s; cached for later starts)", budget_s=cfg.plan_budget_s)
-        self._measurement = BackgroundPlan(argv)
-        status = await self._measurement.run(lambda line: _event("plan_progress", line))
-        if self._stopped:
-            return None
-        if status != 0:
-            _event("plan_not_measured", f"the plan measurement ended with status {status}: keeping the safe "
-                   f"plan (`vqserve plan --model {cfg.model}` measures without a budget and fills the cache)",
-                   level=logging.WARNING, status=status)
-            return None
-        chosen, _ = await run_in_daemon(lambda: lookup_plan(cfg.model, device, cfg.backend, cfg.dtype,
-                                                            cfg.min_agreement, cfg.plan_cache))
-        if chosen is not None:
-            chosen.source = "measured"
-            _log_plan(chosen, measure_s=chosen.result.get("measure_s"))
-        return chosen
-
-    async def _switch_to_measured(self, device: str) -> None:
-        """Measure, then serve by the measured plan from the next call on. Every path the planner
-        may choose here gives the safe plan's tokens and pixels, so no client sees a change
-        but in speed; anything that fails leaves the safe plan serving."""
-        cfg = self.config
-        try:
-            chosen = await self._measure_plan(device)
-            if chosen is None or self._stopped:
-                if not self._stopped:
-                    self._republish_plan("safe")
-                return
-            current = self.state.engine.runtime
-            if (chosen.backend, chosen.dtype) == (current.info.backend, current.info.dtype) and \
-                    self._plan(device, chosen.plan) == current.plan:
-                self._republish_plan("measured")
-                _event("plan_switched", "the measured plan is the safe plan: nothing to switch")
-                return
-            # measured on this machine a moment ago: its tokens and pixels were compared with the
-            # safe plan's there; the start-up check below is what remains to be seen here
-            raw = await run_in_daemon(lambda: chosen.load(cfg.model, cfg.backend, device, cfg.expect_hash,
-                                                          artifacts=self._artifacts()))
-            if self._stopped:
-                return
-            runtime, plan, certificate = await self._planned(raw, chosen.plan, "measured")
-            if certificate is not None and not certificate.invariant:
-                raise RuntimeError(f"the measured plan failed the start-up check here: {certificate.summary()}")
-            if self._stopped:
-                return
-            await self.state.engine.use_runtime(runtime, certificate)
-            self._publish(runtime, certificate)
-            _event("plan_switched", f"now serving by the measured plan: {runtime.info.extra['plan_line']}",
-                   backend=runtime.info.backend, dtype=runtime.info.dtype, plan=plan.to_dict())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the safe plan keeps serving
-            _event("plan_not_measured", f"could not switch to a measured plan ({type(exc).__name__}: "
-                   f"{' '.join(str(exc).split())[:300]}); keeping the safe plan", level=logging.WARNING)
-            if not self._stopped:
-                self._republish_plan("safe")
-
-    def _republish_plan(self, source: str) -> None:
-        """The plan serving now keeps serving, from now on known as coming from ``source``."""
-        engine = self.state.engine
-        if engine is not None and hasattr(engine.runtime, "relabel"):
-            engine.runtime.relabel(source + ("+flags" if engine.runtime.source.endswith("+flags") else ""))
-            self._publish(engine.runtime, engine.determinism)
-
     async def wait_loaded(self) -> None:
         """Wait for the model; re-raises a load failure."""
         await self._load_task
@@ -539,8 +425,7 @@ class TokenizerServer:
         self.state.ready = False
         await self.health.enter_graceful_shutdown()  # also ends every health Watch
         self.gate.drain()  # client streams: answer what was read, then UNAVAILABLE
-        if self._measurement is not None:
-            self._measurement.stop()  # a plan being measured: ended now, nothing of it cached
+        self.plans.stop()  # a plan being measured: ended now, nothing of it cached
         for task in (self._load_task, self._plan_task):
             if task is not None and not task.done():
                 task.cancel()
@@ -561,12 +446,6 @@ class TokenizerServer:
         if self._metrics_dir is not None:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
         _event("stopped", "stopped", drain_s=round(time.perf_counter() - t0, 3))
-
-
-def _log_plan(chosen, **fields) -> None:
-    """The ``plan`` log line: the choice and the figures behind it."""
-    _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, backend=chosen.backend,
-           exact=chosen.exact, plan=chosen.plan.to_dict(), source=chosen.source, file=chosen.cache_file, **fields)
 
 
 async def serve_until_signal(config: ServerConfig, runtime=None) -> int:

@@ -1,0 +1,164 @@
+"""Which execution plan a server serves by, and the switch to a measured one.
+
+At start the plan comes from ``--plan``: a plan file, the plan cache, the device's default,
+or, with ``--plan auto`` and nothing cached, the safe plan while the fast one is measured
+in a child process beside serving (serve/planning.py). Once measured, the server switches
+to it between model calls; every plan it may switch to gives the safe plan's tokens and
+pixels, so clients see a change in speed only. The user's flags (``--micro-batch``,
+``--model-workers``, ``--threads``, ``--no-cuda-graphs``) apply on top of whichever plan,
+and each plan is checked for batch invariance before it serves a client.
+
+The server (serve/server.py) owns the lifecycle and the engine; this module owns the plan
+choice, so the server's start-up reads as steps and not as the planner's details.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from vqserve.export.determinism import start_up_check
+from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
+from vqserve.serve.logs import event as _event
+from vqserve.serve.planning import BackgroundPlan, plan_argv, run_in_daemon
+
+
+class ServingPlan:
+    """The plan choices of one server: ``config`` is its ServerConfig, ``state`` its
+    ServerState (the engine a switch goes to), ``publish(runtime, certificate)`` makes what
+    serves now known (metrics, logs, front-ends), ``stopped()`` says the server is draining."""
+
+    def __init__(self, config, state, publish: Callable[[PlannedRuntime, object], None],
+                 stopped: Callable[[], bool]):
+        self.config = config
+        self.state = state
+        self._publish = publish
+        self._stopped = stopped
+        self._measurement: BackgroundPlan | None = None
+
+    def plan(self, device: str, base: ExecutionPlan | None = None) -> ExecutionPlan:
+        """The measured plan (``base``) or the device's default, with the settings the user gave."""
+        cfg = self.config
+        return plan_for(device, cfg.micro_batch, cfg.model_workers, cfg.threads, base=base,
+                        cuda_graphs=None if cfg.cuda_graphs else False)
+
+    def artifacts(self):
+        """Where exports made for a plan go: the plan cache's ``artifacts/``."""
+        from vqserve.export.planner import cache_dir
+
+        return cache_dir(self.config.plan_cache) / "artifacts"
+
+    def find(self, device: str):
+        """(plan, measure later?): the plan ``--plan`` names (``export.planner.find_plan``);
+        with ``--plan auto`` and none cached, None and True: the safe plan serves while the
+        measurement runs."""
+        from vqserve.export.planner import find_plan
+
+        cfg = self.config
+        chosen = find_plan(cfg.plan, cfg.model, device, cfg.backend, cfg.dtype, cfg.min_agreement,
+                           cfg.plan_cache, cfg.expect_hash)
+        if chosen is None:
+            from vqserve.export.synthetic import is_synthetic
+
+            return None, cfg.plan == "auto" and not is_synthetic(cfg.model)
+        log_plan(chosen)
+        return chosen, False
+
+    async def planned(self, runtime, base: ExecutionPlan | None, source: str):
+        """``runtime`` run by ``base`` (or the device's default) with the user's flags, and its
+        batch-invariance certificate (checked before any client sees its tokens)."""
+        cfg = self.config
+        plan = self.plan(runtime.info.device, base)
+        if cfg.micro_batch or cfg.model_workers or cfg.threads or not cfg.cuda_graphs:
+            source += "+flags"
+        certificate = None
+        if cfg.self_check:
+            certificate = await run_in_daemon(lambda: start_up_check(runtime, plan), "vqserve-check")
+        return PlannedRuntime(runtime, plan, source), plan, certificate
+
+    async def measure(self, device: str, foreground: bool = False):
+        """Run ``vqserve plan`` in a child process (lower priority, within --plan-budget-s,
+        ended by :meth:`stop`) and return the plan it cached, or None."""
+        from vqserve.export.planner import cache_dir, lookup_plan
+
+        cfg = self.config
+        argv = plan_argv(cfg.model, device, cfg.backend, cfg.dtype, str(cache_dir(cfg.plan_cache)),
+                         cfg.plan_budget_s, cfg.min_agreement if cfg.dtype == "auto" else None)
+        _event("plan_measuring", f"measuring the execution plan for {cfg.model} on {device} "
+               + ("before serving (--dtype auto chooses the dtype, so tokens would change at a switch)"
+                  if foreground else "in the background at low priority; serving the safe plan meanwhile")
+               + f" (budget {cfg.plan_budget_s:g} s; cached for later starts)", budget_s=cfg.plan_budget_s)
+        self._measurement = BackgroundPlan(argv)
+        status = await self._measurement.run(lambda line: _event("plan_progress", line))
+        if self._stopped():
+            return None
+        if status != 0:
+            _event("plan_not_measured", f"the plan measurement ended with status {status}: keeping the safe "
+                   f"plan (`vqserve plan --model {cfg.model}` measures without a budget and fills the cache)",
+                   level=logging.WARNING, status=status)
+            return None
+        chosen, _ = await run_in_daemon(lambda: lookup_plan(cfg.model, device, cfg.backend, cfg.dtype,
+                                                            cfg.min_agreement, cfg.plan_cache))
+        if chosen is not None:
+            chosen.source = "measured"
+            log_plan(chosen, measure_s=chosen.result.get("measure_s"))
+        return chosen
+
+    async def switch_to_measured(self, device: str) -> None:
+        """Measure, then serve by the measured plan from the next call on. Every path the planner
+        may choose here gives the safe plan's tokens and pixels, so no client sees a change
+        but in speed; anything that fails leaves the safe plan serving."""
+        cfg = self.config
+        try:
+            chosen = await self.measure(device)
+            if chosen is None or self._stopped():
+                if not self._stopped():
+                    self.republish("safe")
+                return
+            current = self.state.engine.runtime
+            if (chosen.backend, chosen.dtype) == (current.info.backend, current.info.dtype) and \
+                    self.plan(device, chosen.plan) == current.plan:
+                self.republish("measured")
+                _event("plan_switched", "the measured plan is the safe plan: nothing to switch")
+                return
+            # measured on this machine a moment ago: its tokens and pixels were compared with the
+            # safe plan's there; the start-up check below is what remains to be seen here
+            raw = await run_in_daemon(lambda: chosen.load(cfg.model, cfg.backend, device, cfg.expect_hash,
+                                                          artifacts=self.artifacts()))
+            if self._stopped():
+                return
+            runtime, plan, certificate = await self.planned(raw, chosen.plan, "measured")
+            if certificate is not None and not certificate.invariant:
+                raise RuntimeError(f"the measured plan failed the start-up check here: {certificate.summary()}")
+            if self._stopped():
+                return
+            await self.state.engine.use_runtime(runtime, certificate)
+            self._publish(runtime, certificate)
+            _event("plan_switched", f"now serving by the measured plan: {runtime.info.extra['plan_line']}",
+                   backend=runtime.info.backend, dtype=runtime.info.dtype, plan=plan.to_dict())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the safe plan keeps serving
+            _event("plan_not_measured", f"could not switch to a measured plan ({type(exc).__name__}: "
+                   f"{' '.join(str(exc).split())[:300]}); keeping the safe plan", level=logging.WARNING)
+            if not self._stopped():
+                self.republish("safe")
+
+    def republish(self, source: str) -> None:
+        """The plan serving now keeps serving, from now on known as coming from ``source``."""
+        engine = self.state.engine
+        if engine is not None and hasattr(engine.runtime, "relabel"):
+            engine.runtime.relabel(source + ("+flags" if engine.runtime.source.endswith("+flags") else ""))
+            self._publish(engine.runtime, engine.determinism)
+
+    def stop(self) -> None:
+        """A plan being measured ends now, nothing of it cached."""
+        if self._measurement is not None:
+            self._measurement.stop()
+
+
+def log_plan(chosen, **fields) -> None:
+    """The ``plan`` log line: the choice and the figures behind it."""
+    _event("plan", f"execution plan: {chosen.why()}", dtype=chosen.dtype, backend=chosen.backend,
+           exact=chosen.exact, plan=chosen.plan.to_dict(), source=chosen.source, file=chosen.cache_file, **fields)
