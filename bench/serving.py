@@ -335,9 +335,9 @@ def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | No
                  extra: list[str] | None = None, log: list[str] | None = None,
                  pythonpath: str | None = None):
     """A ``vqserve serve`` subprocess on a free loopback port, metrics on as deployed;
-    returns (process, port), the process carrying ``metrics_port``. ``max_delay_ms`` None keeps the server's default; ``extra``:
-    more flags (later ones win); ``log``: collects the server's stderr lines; ``pythonpath``:
-    run the vqserve installed there instead of this one."""
+    returns (process, port), the process carrying ``metrics_port``. ``max_delay_ms`` None
+    keeps the server's default; ``extra``: more flags (later ones win); ``log``: collects the
+    server's stderr lines; ``pythonpath``: run the vqserve installed there instead of this one."""
     cmd = [sys.executable, "-m", "vqserve", "serve", "--model", model, "--backend", args.backend,
            *(["--dtype", args.dtype] if args.dtype else []), "--device", args.device,
            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
