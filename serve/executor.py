@@ -294,7 +294,9 @@ class FrontendPool:
         self.metrics_dir = metrics_dir
         self.procs: list[subprocess.Popen] = []
         self.restarts = 0
+        self.serving = False  # set once every front-end served: from then on one that dies is replaced
         self._stopping = False
+        self._spawning = threading.Lock()  # a replacement is started whole, or not once stop() began
         self._watch: threading.Thread | None = None
 
     def _spawn(self) -> subprocess.Popen:
@@ -319,27 +321,33 @@ class FrontendPool:
 
     def _watch_loop(self) -> None:
         """Restart a front-end that dies while serving (its connections fail; new ones land
-        on the others meanwhile); its metric files stop counting as live."""
+        on the others meanwhile); its metric files stop counting as live. One that ends
+        before every front-end served is a start-up failure: :meth:`failed_at_start`
+        reports it and the server stops, so none is started in its place."""
         from prometheus_client import multiprocess
 
         reaped: set[int] = set()
         while not self._stopping:
             time.sleep(0.2)
             for i, proc in enumerate(self.procs):
-                if proc.poll() is None or self._stopping or proc.pid in reaped:
+                if proc.poll() is None or self._stopping or proc.pid in reaped or not self.serving:
                     continue
                 reaped.add(proc.pid)
                 multiprocess.mark_process_dead(proc.pid, self.metrics_dir)
                 if proc.returncode in (0, -signal.SIGTERM):
                     continue  # stopped on purpose
-                log.warning("front-end process %d ended with status %s; starting another",
-                            proc.pid, proc.returncode, extra={"fields": {"event": "frontend_restart"}})
-                self.restarts += 1
-                self.procs[i] = self._spawn()
+                with self._spawning:
+                    if self._stopping:
+                        return
+                    log.warning("front-end process %d ended with status %s; starting another",
+                                proc.pid, proc.returncode, extra={"fields": {"event": "frontend_restart"}})
+                    self.restarts += 1
+                    self.procs[i] = self._spawn()
 
     def stop(self, grace: float) -> None:
         """SIGTERM every front-end (each drains within ``grace``), wait, then SIGKILL."""
-        self._stopping = True
+        with self._spawning:  # no replacement starts after this
+            self._stopping = True
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -146,6 +146,28 @@ def check_port_free(role: str, host: str, port: int) -> None:
                                                        "one of this machine's") from None
 
 
+def check_tls_pair(cert: str | None, key: str | None) -> None:
+    """A one-line ValueError unless ``cert`` and ``key`` are a PEM certificate chain and its
+    private key that load together (both or neither given).
+
+    Checked before any port is bound or process started: gRPC reads the files only when it
+    binds, and then reports a bad pair as a port it "could not bind", in every front-end."""
+    if not (cert or key):
+        return
+    if not (cert and key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:  # not PEM, or the key is not the certificate's
+        why = exc.reason or str(exc)
+    except OSError as exc:  # missing or unreadable
+        why = exc.strerror or str(exc)
+    else:
+        return
+    raise ValueError(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate chain and its "
+                     f"private key ({why})")
+
+
 # ---- the server -----------------------------------------------------------------------------
 class ServerState:
     """What the services read: the engine (None while loading), readiness, metrics."""
@@ -191,6 +213,7 @@ class TokenizerServer:
         A port in use raises :class:`PortInUseError` and leaves nothing running, so the
         event loop can close without a half-started gRPC server to clean up after."""
         cfg = self.config
+        check_tls_pair(cfg.tls_cert, cfg.tls_key)  # one line, before any port or process
         if self.role != "frontend":  # a front-end shares the port its executor reserved
             check_port_free("gRPC", cfg.host, cfg.port)
         if cfg.metrics_port > 0:
@@ -270,10 +293,6 @@ class TokenizerServer:
         from vqserve.serve.executor import ExecutorService, FrontendPool, reserve_port
 
         cfg = self.config
-        if cfg.tls_cert or cfg.tls_key:  # read here, so a bad pair is one line before any process starts
-            if not (cfg.tls_cert and cfg.tls_key):
-                raise ValueError("TLS needs both --tls-cert and --tls-key")
-            grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
         self._reservation, self.port = reserve_port(cfg.host, cfg.port)
         self.executor = ExecutorService(self.state)
         await self.executor.start()
@@ -369,6 +388,7 @@ class TokenizerServer:
         if self.executor is not None:  # the front-ends serve once they have the identity
             self.executor.publish()
             await self.executor.wait_ready(self.pool.count, self.pool.failed_at_start)
+            self.pool.serving = True
         info = runtime.info
         tokens = "exact: the model's fp32 tokens" if info.exact else f"NOT exact: {info.dtype}, asked for"
         _event("serving", f"serving {info.backend}/{info.dtype} on {info.device} at port {self.port} ({tokens})",

@@ -256,16 +256,57 @@ def test_a_dead_frontend_is_replaced():
             np.testing.assert_array_equal(TokenizerClient(srv.target).encode(images), block_tokens(images))
 
 
-def test_a_frontend_that_cannot_start_is_one_line(tmp_path):
-    """A TLS pair that does not load fails before any process starts, in one line."""
+@pytest.mark.parametrize("frontends", ["2", "0"])
+def test_a_tls_pair_that_does_not_load_is_one_line_before_any_process(tmp_path, frontends):
+    """A TLS pair that does not load fails before any port or process starts, in one line
+    that names the flags (it once started the front-ends, which each failed to bind and
+    said "port could not be bound": the wrong cause, after a page of tracebacks)."""
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate")
-    done = subprocess.run([sys.executable, "-m", "vqserve", "serve", "--model", "synthetic:0", "--frontends", "2",
+    done = subprocess.run([sys.executable, "-m", "vqserve", "serve", "--model", "synthetic:0", "--frontends", frontends,
                            "--port", "0", "--metrics-port", "-1", "--host", "127.0.0.1",
                            "--tls-cert", str(bad), "--tls-key", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert done.stderr.strip().splitlines()[-1].startswith("vqserve serve: error:"), done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vqserve serve: error: --tls-cert"), done.stderr
+    assert str(bad) in lines[0]
+
+
+def test_tls_pair_check_names_each_way_a_pair_fails(cert, tmp_path):
+    from vqserve.serve.server import check_tls_pair
+
+    cert_path, key_path = cert
+    check_tls_pair(str(cert_path), str(key_path))  # the good pair loads
+    check_tls_pair(None, None)  # no TLS
+    other = tmp_path / "other-key.pem"
+    subprocess.run(["openssl", "genrsa", "-out", str(other), "2048"], check=True, capture_output=True)
+    with pytest.raises(ValueError, match="--tls-key .*: not a PEM certificate chain and its private key"):
+        check_tls_pair(str(cert_path), str(other))  # a key, not this certificate's
+    with pytest.raises(ValueError, match="No such file"):
+        check_tls_pair(str(tmp_path / "missing.pem"), str(key_path))
+    with pytest.raises(ValueError, match="both --tls-cert and --tls-key"):
+        check_tls_pair(str(cert_path), None)
+
+
+def test_a_frontend_that_never_served_is_not_restarted(tmp_path):
+    """Front-ends that end before serving are a start-up failure, reported once: the pool
+    does not start others meanwhile (one it started while the server was stopping printed a
+    traceback after the server's last line, and outlived its metrics folder)."""
+    from vqserve.serve.executor import FrontendPool
+    from vqserve.serve.server import ServerConfig
+
+    pool = FrontendPool(ServerConfig(model="synthetic:0"), 2, 0, str(tmp_path / "no-executor"), str(tmp_path))
+    pool.settings = "not the settings"  # each front-end fails at once reading them
+    pool.start()
+    try:
+        assert _wait_until(lambda: all(p.poll() is not None for p in pool.procs), 60)
+        time.sleep(1.0)  # five rounds of the watcher
+        assert pool.restarts == 0 and all(p.poll() is not None for p in pool.procs)
+        with pytest.raises(ChildProcessError, match="before serving"):
+            pool.failed_at_start()
+    finally:
+        pool.stop(0)
 
 
 # ---- the pieces ----------------------------------------------------------------------------

@@ -216,7 +216,7 @@ def resolve_frontends(value, model: str, device: str) -> int:
 
 
 def config_from_args(args: argparse.Namespace):
-    from vqserve.serve.server import ServerConfig
+    from vqserve.serve.server import ServerConfig, check_tls_pair
 
     resolve_env_fallbacks(args._actions, args, ENV_VARS)  # noqa: SLF001 - flags, then VQSERVE_*
 
@@ -225,8 +225,7 @@ def config_from_args(args: argparse.Namespace):
         token = Path(args.auth_token_file).read_text().strip()
         if not token:
             raise ValueError(f"--auth-token-file {args.auth_token_file} is empty")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    check_tls_pair(args.tls_cert, args.tls_key)
     check_ranges(args)
     _check_message_fits(args.max_pixels, args.max_message_mb)
     if args.metrics_auth and not token:
