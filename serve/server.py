@@ -146,6 +146,14 @@ def check_port_free(role: str, host: str, port: int) -> None:
                                                        "one of this machine's") from None
 
 
+class _EncryptedKey(Exception):
+    pass
+
+
+def _refuse_pass_phrase():
+    raise _EncryptedKey
+
+
 def check_tls_pair(cert: str | None, key: str | None) -> None:
     """A one-line ValueError unless ``cert`` and ``key`` are a PEM certificate chain and its
     private key that load together (both or neither given).
@@ -156,8 +164,11 @@ def check_tls_pair(cert: str | None, key: str | None) -> None:
         return
     if not (cert and key):
         raise ValueError("TLS needs both --tls-cert and --tls-key")
-    try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    try:  # a key that asks for a pass phrase would make OpenSSL prompt on the terminal
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=_refuse_pass_phrase)
+    except _EncryptedKey:
+        raise ValueError(f"--tls-key {key} is encrypted (it asks for a pass phrase): gRPC needs the "
+                         "private key unencrypted") from None
     except ssl.SSLError as exc:  # not PEM, or the key is not the certificate's
         why = exc.reason or str(exc)
     except OSError as exc:  # missing or unreadable

@@ -283,6 +283,11 @@ def test_tls_pair_check_names_each_way_a_pair_fails(cert, tmp_path):
     subprocess.run(["openssl", "genrsa", "-out", str(other), "2048"], check=True, capture_output=True)
     with pytest.raises(ValueError, match="--tls-key .*: not a PEM certificate chain and its private key"):
         check_tls_pair(str(cert_path), str(other))  # a key, not this certificate's
+    encrypted = tmp_path / "encrypted-key.pem"
+    subprocess.run(["openssl", "rsa", "-in", str(key_path), "-aes256", "-passout", "pass:secret", "-out", str(encrypted)],
+                   check=True, capture_output=True)
+    with pytest.raises(ValueError, match="is encrypted"):  # refused, never a prompt on the terminal
+        check_tls_pair(str(cert_path), str(encrypted))
     with pytest.raises(ValueError, match="No such file"):
         check_tls_pair(str(tmp_path / "missing.pem"), str(key_path))
     with pytest.raises(ValueError, match="both --tls-cert and --tls-key"):
