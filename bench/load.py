@@ -21,12 +21,11 @@ import multiprocessing as mp
 import os
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
 
-from vqserve.bench.serving import process_tree
+from vqserve.bench.serving import fetch_metrics, process_tree
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -130,17 +129,13 @@ BATCHING = ("vqserve_batch_size", "vqserve_group_size")
 def batching_totals(metrics_port: int | None) -> dict[str, float]:
     """The ``_sum`` and ``_count`` of the server's rows-per-model-call and requests-per-group
     histograms (all methods together) from its ``/metrics``; {} where it does not answer."""
-    if not metrics_port:
+    page = fetch_metrics(metrics_port)
+    if page is None:
         return {}
     from prometheus_client.parser import text_string_to_metric_families
 
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return {}
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(page):
         if family.name in BATCHING:
             for sample in family.samples:
                 if sample.name.endswith(("_sum", "_count")):

@@ -391,13 +391,21 @@ def plan_labels(exposition: str) -> dict | None:
     return None
 
 
-def scrape_plan(metrics_port: int) -> dict | None:
-    """``plan_labels`` of the server's ``/metrics`` on loopback; None where it does not answer."""
+def fetch_metrics(metrics_port: int | None) -> str | None:
+    """The server's ``/metrics`` page on loopback; None where it is off or does not answer."""
+    if not metrics_port:
+        return None
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-            return plan_labels(r.read().decode())
+            return r.read().decode()
     except OSError:
         return None
+
+
+def scrape_plan(metrics_port: int) -> dict | None:
+    """``plan_labels`` of the server's ``/metrics`` on loopback; None where it does not answer."""
+    page = fetch_metrics(metrics_port)
+    return None if page is None else plan_labels(page)
 
 
 def settle_plan(name: str, proc: subprocess.Popen, lines: list[str], log=print,

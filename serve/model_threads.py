@@ -11,6 +11,8 @@ and its answer one ``call_soon_threadsafe`` that settles the caller's asyncio fu
 
 The threads live as long as the batcher (named ``vqserve-infer_<i>``): thread-local state
 a runtime keeps (CUDA streams and graphs, torch's inference mode) stays with them.
+:func:`call_and_answer` (run a function in a thread, settle a future on the loop) is also
+the body of ``run_in_daemon``'s one-off threads (serve/planning.py).
 """
 
 from __future__ import annotations
@@ -25,12 +27,25 @@ _STOP = None
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if future.cancelled():
+    if future.done():  # cancelled by its caller meanwhile
         return
     if error is not None:
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def call_and_answer(fn: Callable[[], object], future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+    """In a worker thread: run ``fn()`` and settle ``future`` on ``loop`` with its result or
+    its exception (nothing if the loop closed meanwhile: nobody waits for the answer)."""
+    try:
+        result, error = fn(), None
+    except BaseException as exc:  # noqa: BLE001 - the awaiting coroutine gets it
+        result, error = None, exc
+    try:
+        loop.call_soon_threadsafe(_settle, future, result, error)
+    except RuntimeError:
+        pass
 
 
 class ModelThreads:
@@ -78,16 +93,8 @@ class ModelThreads:
 
 def _work(calls: queue.SimpleQueue) -> None:
     while (call := calls.get()) is not _STOP:
-        fn, future, loop = call
-        try:
-            result, error = fn(), None
-        except BaseException as exc:  # noqa: BLE001 - the caller gets it, as from a pool
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(_settle, future, result, error)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits for the answer
-            pass
-        del call, fn, future, result, error  # hold no array between calls
+        call_and_answer(*call)
+        del call  # hold no array between calls
 
 
 def _stop(calls: queue.SimpleQueue, count: int) -> None:

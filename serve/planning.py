@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from vqserve.serve.model_threads import call_and_answer
+
 # The default tokenizer's whole measurement (its ONNX export included) took 52 s on a quiet
 # 2-vCPU machine: 90 s leaves room for a busy one, and a budget that runs out caches nothing
 # but keeps the export for the next start.
@@ -43,21 +45,9 @@ async def run_in_daemon(fn: Callable[[], Any], name: str = "vqserve-load") -> An
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
-    def deliver(setter, value) -> None:
-        if not future.done():
-            setter(value)
-
     def target() -> None:
         try:
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            outcome = (future.set_exception, exc)
-        else:
-            outcome = (future.set_result, result)
-        try:
-            loop.call_soon_threadsafe(deliver, *outcome)
-        except RuntimeError:  # the loop closed meanwhile: nobody is waiting any more
-            pass
+            call_and_answer(fn, future, loop)
         finally:
             _in_flight.discard(threading.current_thread())
 

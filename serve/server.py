@@ -224,8 +224,8 @@ class TokenizerServer:
         A port in use raises :class:`PortInUseError` and leaves nothing running, so the
         event loop can close without a half-started gRPC server to clean up after."""
         cfg = self.config
-        check_tls_pair(cfg.tls_cert, cfg.tls_key)  # one line, before any port or process
-        if self.role != "frontend":  # a front-end shares the port its executor reserved
+        if self.role != "frontend":  # its executor checked the pair and reserved the port it shares
+            check_tls_pair(cfg.tls_cert, cfg.tls_key)  # one line, before any port or process
             check_port_free("gRPC", cfg.host, cfg.port)
         if cfg.metrics_port > 0:
             check_port_free("metrics", cfg.metrics_host, cfg.metrics_port)
@@ -276,9 +276,7 @@ class TokenizerServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         add_reflection(self.server, (*self.SERVICES, health.SERVICE_NAME))
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert or cfg.tls_key:
-            if not (cfg.tls_cert and cfg.tls_key):
-                raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if cfg.tls_cert:  # both, and loadable: start() checked
             creds = grpc.ssl_server_credentials(
                 [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
             self.port = self._bind(lambda: self.server.add_secure_port(address, creds))

@@ -19,43 +19,42 @@ def _threads_named(prefix: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
-def test_calls_run_in_the_named_threads_and_answer_on_the_loop():
+def _run_with(count: int, name: str, body) -> None:
+    """``await body(threads)`` on a new event loop, ``threads`` closed however it ends."""
     async def main():
-        threads = ModelThreads(2, name="mt-answer")
+        threads = ModelThreads(count, name=name)
         try:
-            names = await asyncio.gather(*[threads.run(lambda: threading.current_thread().name) for _ in range(8)])
-            assert set(names) <= {"mt-answer_0", "mt-answer_1"}
-            assert threading.current_thread() is threading.main_thread()  # awaited on the loop's thread
-            assert await threads.run(lambda: 41 + 1) == 42
+            await body(threads)
         finally:
             threads.close()
     asyncio.run(main())
+
+
+def test_calls_run_in_the_named_threads_and_answer_on_the_loop():
+    async def body(threads):
+        names = await asyncio.gather(*[threads.run(lambda: threading.current_thread().name) for _ in range(8)])
+        assert set(names) <= {"mt-answer_0", "mt-answer_1"}
+        assert threading.current_thread() is threading.main_thread()  # awaited on the loop's thread
+        assert await threads.run(lambda: 41 + 1) == 42
+    _run_with(2, "mt-answer", body)
     assert not _threads_named("mt-answer")
 
 
 def test_an_error_reaches_its_caller_and_the_thread_goes_on():
-    async def main():
-        threads = ModelThreads(1, name="mt-error")
-        try:
-            with pytest.raises(ZeroDivisionError):
-                await threads.run(lambda: 1 / 0)
-            assert await threads.run(lambda: "still here") == "still here"
-        finally:
-            threads.close()
-    asyncio.run(main())
+    async def body(threads):
+        with pytest.raises(ZeroDivisionError):
+            await threads.run(lambda: 1 / 0)
+        assert await threads.run(lambda: "still here") == "still here"
+    _run_with(1, "mt-error", body)
 
 
 def test_two_threads_run_two_calls_at_once():
     """Two slots overlap two calls (each waits for the other to start)."""
     both = threading.Barrier(2, timeout=30)
 
-    async def main():
-        threads = ModelThreads(2, name="mt-overlap")
-        try:
-            assert await asyncio.gather(threads.run(both.wait), threads.run(both.wait)) in ([0, 1], [1, 0])
-        finally:
-            threads.close()
-    asyncio.run(main())
+    async def body(threads):
+        assert await asyncio.gather(threads.run(both.wait), threads.run(both.wait)) in ([0, 1], [1, 0])
+    _run_with(2, "mt-overlap", body)
 
 
 def test_close_lets_queued_calls_finish_then_stops_the_threads():
@@ -75,17 +74,13 @@ def test_close_lets_queued_calls_finish_then_stops_the_threads():
 
 
 def test_a_cancelled_caller_does_not_break_the_answer():
-    async def main():
-        threads = ModelThreads(1, name="mt-cancel")
-        try:
-            gate = threading.Event()
-            first = threads.run(gate.wait)
-            first.cancel()
-            gate.set()
-            assert await threads.run(lambda: "next") == "next"  # the cancelled answer was dropped quietly
-        finally:
-            threads.close()
-    asyncio.run(main())
+    async def body(threads):
+        gate = threading.Event()
+        first = threads.run(gate.wait)
+        first.cancel()
+        gate.set()
+        assert await threads.run(lambda: "next") == "next"  # the cancelled answer was dropped quietly
+    _run_with(1, "mt-cancel", body)
 
 
 def test_threads_start_with_the_first_call_and_stop_when_dropped():
