@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.bench.load import compare_layouts, mean_text, parse_cases, parse_layouts
+from vqserve.bench.load import caller_kinds, compare_layouts, mean_text, parse_cases, parse_layouts
 from vqserve.bench.serving import bench_photos
 
 
@@ -278,7 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="8,32,64", help="in-process batch sizes")
     p.add_argument("--seconds", type=float, default=2.5, help="per measurement")
     p.add_argument("--procs", type=int, default=8, help="client processes")
-    p.add_argument("--threads", type=int, default=8, help="callers per client process")
+    p.add_argument("--callers", "--threads", dest="callers", type=int, default=8,
+                   help="callers per client process, each with one call in flight")
+    p.add_argument("--client-kind", type=caller_kinds, default=("asyncio",),
+                   help="the callers, comma-separated to measure each: coroutines on one event loop per "
+                        "process (asyncio) or a thread each with a blocking stub (blocking)")
     p.add_argument("--cases", default="v1:raw:1,v1:raw:16,oip:raw:16,v1:jpeg:16",
                    help="protocol:payload:images per call, comma-separated")
     p.add_argument("--layouts", default="split=--frontends auto;split-eager=--frontends auto --no-cuda-graphs",
@@ -376,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
                     layouts["planned"] = ["--plan", choice["file"], "--frontends", "auto"]
                     planned = ExecutionPlan.from_dict(choice["plan"])
                     expected["planned"] = PlannedRuntime(raw, planned).encode(many)
-            rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.threads, args.seconds,
+            rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.callers, args.seconds,
                                    rounds=1, device=device, dtype=dtype, log=lambda m, d=dtype: _log(f"  {d}{m}"),
-                                   expected=expected, warmup=1.0)
+                                   expected=expected, warmup=1.0, kinds=args.client_kind)
         result["served"] += [{**row, "dtype": dtype, "micro_batch": micro} for row in rows]
 
     if args.tokenize_seconds > 0:

@@ -715,11 +715,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for the in-process runtime and every server (0 = torch default)")
     p.add_argument("--json", help="also write the results to this JSON file")
+    from vqserve.bench.load import caller_kinds  # load.py imports this module
+
     g = p.add_argument_group("clients in other processes (--client-procs P)")
     g.add_argument("--client-procs", type=int, default=0,
                    help="measure with P client processes instead (bench/load.py): each server layout "
                         "of --layouts, interleaved; served / capacity for --model synthetic:N")
-    g.add_argument("--client-threads", type=int, default=8, help="blocking callers per client process")
+    g.add_argument("--client-callers", "--client-threads", dest="client_callers", type=int, default=8,
+                   help="callers per client process, each with one call in flight")
+    g.add_argument("--client-kind", type=caller_kinds, default=("asyncio",),
+                   help="the callers, comma-separated to measure each, interleaved: asyncio (coroutines on "
+                        "one event loop per process, the least client CPU per call: on a small machine the "
+                        "clients share the server's cores) or blocking (a thread per caller with a blocking "
+                        "stub, as most users' clients are)")
     g.add_argument("--layouts", default="single=--frontends 0;split=--frontends auto",
                    help="NAME=serve flags, ';'-separated: the servers compared")
     g.add_argument("--cases", default="v1:raw:8,v1:raw:1",
@@ -903,11 +911,11 @@ def client_process_mode(args) -> int:
     photos = bench_photos(args.size)
     capacity = capacity_of(args.model)
     print(f"bench serve: {args.model}, {args.size}x{args.size}, {args.client_procs} client processes x "
-          f"{args.client_threads} callers, {os.cpu_count()} CPUs"
+          f"{args.client_callers} callers ({', '.join(args.client_kind)}), {os.cpu_count()} CPUs"
           + (f"; device capacity {capacity:.0f} img/s at 256x256" if capacity else ""), flush=True)
-    rows = compare_layouts(args.model, layouts, cases, photos, args.client_procs, args.client_threads,
+    rows = compare_layouts(args.model, layouts, cases, photos, args.client_procs, args.client_callers,
                            args.duration, args.repeats, args.device, args.dtype, floor=args.floor,
-                           log=lambda m: print(m, flush=True))
+                           log=lambda m: print(m, flush=True), kinds=args.client_kind)
     print()
     print(layouts_table(rows, capacity, args.size))
     if args.json:

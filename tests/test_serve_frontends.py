@@ -389,13 +389,18 @@ def test_bench_gpu_runs_its_whole_table_without_a_gpu(tmp_path):
     """`vqserve bench gpu` on the stand-in device: every section runs and lands in the JSON."""
     out = tmp_path / "gpu.json"
     done = subprocess.run([sys.executable, "-m", "vqserve", "bench", "gpu", "--model", "synthetic:20", "--device", "cpu",
-                           "--batches", "8", "--seconds", "0.5", "--procs", "1", "--threads", "2",
+                           "--batches", "8", "--seconds", "0.5", "--procs", "1", "--callers", "2",
+                           "--client-kind", "asyncio,blocking",
                            "--cases", "v1:raw:2,v1:jpeg:2", "--layouts", "single=--frontends 0;split=--frontends 1",
                            "--tokenize-seconds", "0", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     served = result["served"]
     assert {r["layout"] for r in served} == {"single", "split"}
+    # each case with each kind of caller, side by side
+    assert {(r["layout"], r["case"], r["caller_kind"]) for r in served} == {
+        (layout, case, kind) for layout in ("single", "split") for case in ("v1 raw x2", "v1 jpeg x2")
+        for kind in ("asyncio", "blocking")}
     assert all(not r.get("errors") and r["calls"] > 0 for r in served), served
     # read from each server's /metrics over the measured window
     assert all(r["images_per_call"] is not None and 1 <= r["images_per_call"] <= 8 for r in served), served
@@ -403,6 +408,39 @@ def test_bench_gpu_runs_its_whole_table_without_a_gpu(tmp_path):
     assert all(r["requests_per_group"] >= 1 for r in served if r["layout"] == "split"), served
     assert "req/group" in done.stdout
     assert "served" in done.stdout and "/in-proc" in done.stdout
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "blocking"])
+def test_load_callers_count_only_the_calls_they_made_in_the_window(kind):
+    """Either kind of caller, against a real gRPC server (the echo server the benches use as
+    gRPC's floor): each caller keeps one call in flight, the calls counted are those made in
+    the window, and the first reply comes back whole."""
+    from vqserve.bench.load import LoadCase, run_load, start_echo
+
+    echo, port = start_echo(100)
+    try:
+        row = run_load(f"127.0.0.1:{port}", LoadCase("v1", "raw", 2), _images(1, size=32), 1, 3, 1.0, 0.2,
+                       server_pid=echo.pid, kind=kind)
+    finally:
+        echo.kill()
+    assert not row["errors"] and row["calls"] > 3, row
+    assert row["caller_kind"] == kind and row["callers"] == 3
+    assert row["throughput"] == pytest.approx(row["calls"] * 2 / 1.0)
+    assert row["first_reply"] == b"\0" * 100
+    assert row["p50_ms"] <= row["p99_ms"]
+
+
+def test_load_caller_kinds_refuse_an_unknown_kind_in_one_line():
+    import argparse
+
+    from vqserve.bench.load import caller_kinds, run_load
+
+    assert caller_kinds("asyncio, blocking") == ("asyncio", "blocking")
+    for bad in ("threads", "asyncio,green", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="asyncio or blocking"):
+            caller_kinds(bad)
+    with pytest.raises(ValueError, match="callers are one of"):
+        run_load("127.0.0.1:1", None, None, 1, 1, 0.1, 0.0, kind="threads")
 
 
 def test_frontends_flag_defaults_by_device_and_refuses_nonsense():
