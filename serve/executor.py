@@ -262,7 +262,7 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
     """Bind (not listen) ``host:port`` with SO_REUSEPORT, so the front-ends can bind the same
     port and ``port`` 0 becomes one fixed port for all of them. The socket receives no
     connection (only listening sockets do) and is held until the server stops."""
-    from vqserve.serve.server import PortInUseError
+    from vqserve.serve.preflight import PortInUseError
 
     bare = host.strip("[]") or None
     try:

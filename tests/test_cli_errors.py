@@ -132,7 +132,7 @@ def test_grpc_bind_failure_after_the_check_is_still_one_error(monkeypatch, capsy
 
 
 def test_check_port_free():
-    from vqserve.serve.server import PortInUseError, check_port_free
+    from vqserve.serve.preflight import PortInUseError, check_port_free
 
     check_port_free("gRPC", "[::]", 0)
     with socket.socket() as s:

@@ -274,7 +274,7 @@ def test_a_tls_pair_that_does_not_load_is_one_line_before_any_process(tmp_path, 
 
 
 def test_tls_pair_check_names_each_way_a_pair_fails(cert, tmp_path):
-    from vqserve.serve.server import check_tls_pair
+    from vqserve.serve.preflight import check_tls_pair
 
     cert_path, key_path = cert
     check_tls_pair(str(cert_path), str(key_path))  # the good pair loads

@@ -216,7 +216,8 @@ def resolve_frontends(value, model: str, device: str) -> int:
 
 
 def config_from_args(args: argparse.Namespace):
-    from vqserve.serve.server import ServerConfig, check_tls_pair
+    from vqserve.serve.preflight import check_tls_pair
+    from vqserve.serve.server import ServerConfig
 
     resolve_env_fallbacks(args._actions, args, ENV_VARS)  # noqa: SLF001 - flags, then VQSERVE_*
 
@@ -331,7 +332,8 @@ def check_plan_file(config) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vqserve.serve.server import PortInUseError, serve_until_signal, setup_logging
+    from vqserve.serve.preflight import PortInUseError
+    from vqserve.serve.server import serve_until_signal, setup_logging
 
     resolve_env_fallbacks(args._actions, args, ENV_VARS)  # noqa: SLF001
     # before any log line or bound port, so a usage error is the only output
