@@ -436,7 +436,7 @@ def report(result: dict) -> str:
     for row in result.get("plans", []):
         lines.append(f"plan {row['dtype']} (vqserve plan, served as 'planned'): "
                      f"{row.get('line') or 'error ' + str(row.get('error'))[-200:]}")
-    lines.append(f"{'served':<8}{'layout':<16}{'case':<16}{'img/s':>9}{'/in-proc':>10}{'p99 ms':>9}{'CPU µs/img':>12}"
+    lines.append(f"{'served':<8}{'layout':<16}{'case':<16}{'callers':<10}{'img/s':>9}{'/in-proc':>10}{'p99 ms':>9}{'CPU µs/img':>12}"
                  f"{'img/call':>10}{'req/group':>11}")
     for row in result.get("served", []):
         if "error" in row:
@@ -444,7 +444,8 @@ def report(result: dict) -> str:
             continue
         ratio = row["throughput"] / best[row["dtype"]]["throughput"] if row["dtype"] in best else float("nan")
         same = {True: "  tokens = in-process", False: "  TOKENS DIFFER"}.get(row.get("tokens_equal_in_process"), "")
-        lines.append(f"{row['dtype']:<8}{row['layout']:<16}{row['case']:<16}{row['throughput']:9.0f}{ratio:10.2f}"
+        lines.append(f"{row['dtype']:<8}{row['layout']:<16}{row['case']:<16}{row.get('caller_kind', '-'):<10}"
+                     f"{row['throughput']:9.0f}{ratio:10.2f}"
                      f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}"
                      f"{mean_text(row.get('images_per_call')):>10}{mean_text(row.get('requests_per_group')):>11}{same}")
     for row in result.get("tokenize", []):

@@ -93,6 +93,11 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_se
                    ("grpc.use_local_subchannel_pool", 1)]
 
 
+def check_kind(kind: str) -> None:
+    if kind not in CALLER_KINDS:
+        raise ValueError(f"callers are one of {', '.join(CALLER_KINDS)}; got {kind!r}")
+
+
 def _blocking_callers(target: str, method: str, request: bytes, callers: int, start_at: float,
                       stop_at: float) -> tuple[list[list[float]], list[bytes], list[str]]:
     """``callers`` threads, each a blocking stub with one call in flight: what most users'
@@ -214,8 +219,7 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, caller
     (:data:`CALLER_KINDS`) for ``duration`` s after ``warmup`` s; the server's tree CPU, and
     with ``metrics_port`` its images per model call and requests per front-end group, are
     read at the window's edges."""
-    if kind not in CALLER_KINDS:
-        raise ValueError(f"callers are one of {', '.join(CALLER_KINDS)}; got {kind!r}")
+    check_kind(kind)
     method, request = request_bytes(case, images)
     ctx = mp.get_context("spawn")  # no inherited gRPC state
     start_at = time.time() + warmup + 1.0  # spawn takes a moment
@@ -365,8 +369,7 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
     from vqserve.bench.serving import start_server
 
     for kind in kinds:
-        if kind not in CALLER_KINDS:
-            raise ValueError(f"callers are one of {', '.join(CALLER_KINDS)}; got {kind!r}")
+        check_kind(kind)
     args = argparse.Namespace(backend="auto", dtype=dtype, device=device)
     servers: dict[str, tuple] = {}
     failed: list[dict] = []

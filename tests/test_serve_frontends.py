@@ -406,7 +406,7 @@ def test_bench_gpu_runs_its_whole_table_without_a_gpu(tmp_path):
     assert all(r["images_per_call"] is not None and 1 <= r["images_per_call"] <= 8 for r in served), served
     assert all((r["requests_per_group"] is None) == (r["layout"] == "single") for r in served), served
     assert all(r["requests_per_group"] >= 1 for r in served if r["layout"] == "split"), served
-    assert "req/group" in done.stdout
+    assert "req/group" in done.stdout and "blocking" in done.stdout  # a callers column
     assert "served" in done.stdout and "/in-proc" in done.stdout
 
 
