@@ -94,6 +94,7 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_se
 
 
 def check_kind(kind: str) -> None:
+    """A ValueError unless ``kind`` is one of :data:`CALLER_KINDS`."""
     if kind not in CALLER_KINDS:
         raise ValueError(f"callers are one of {', '.join(CALLER_KINDS)}; got {kind!r}")
 
@@ -319,9 +320,12 @@ def caller_kinds(text: str) -> tuple[str, ...]:
     import argparse
 
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in CALLER_KINDS]
-    if unknown or not kinds:
-        raise argparse.ArgumentTypeError(f"callers are {' or '.join(CALLER_KINDS)} (comma-separated); got {text!r}")
+    try:
+        for kind in kinds or ("",):
+            check_kind(kind)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"callers are {' or '.join(CALLER_KINDS)} (comma-separated); "
+                                         f"got {text!r}") from None
     return kinds
 
 

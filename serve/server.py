@@ -138,7 +138,7 @@ class TokenizerServer:
         self._metrics_http = None
         self._load_task: asyncio.Task | None = None
         self._plan_task: asyncio.Task | None = None
-        self.plans = ServingPlan(config, self.state, self._publish, lambda: self._stopped)
+        self.plans = ServingPlan(config, self.state, self._publish)
         self._stopped = False
 
     async def start(self) -> int:
@@ -372,12 +372,12 @@ class TokenizerServer:
         if self._stopped:
             return
         self._stopped = True
+        self.plans.stop()  # a plan being measured: ended now, nothing of it cached, no switch after
         grace = self.config.grace_s if grace is None else grace
         _event("draining", f"draining (grace {grace}s)", grace_s=grace)
         self.state.ready = False
         await self.health.enter_graceful_shutdown()  # also ends every health Watch
         self.gate.drain()  # client streams: answer what was read, then UNAVAILABLE
-        self.plans.stop()  # a plan being measured: ended now, nothing of it cached
         for task in (self._load_task, self._plan_task):
             if task is not None and not task.done():
                 task.cancel()

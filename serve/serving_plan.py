@@ -27,14 +27,14 @@ from vqserve.serve.planning import BackgroundPlan, plan_argv, run_in_daemon
 class ServingPlan:
     """The plan choices of one server: ``config`` is its ServerConfig, ``state`` its
     ServerState (the engine a switch goes to), ``publish(runtime, certificate)`` makes what
-    serves now known (metrics, logs, front-ends), ``stopped()`` says the server is draining."""
+    serves now known (metrics, logs, front-ends). :meth:`stop` (the server drains) ends a
+    measurement and any switch still to come."""
 
-    def __init__(self, config, state, publish: Callable[[PlannedRuntime, object], None],
-                 stopped: Callable[[], bool]):
+    def __init__(self, config, state, publish: Callable[[PlannedRuntime, object], None]):
         self.config = config
         self.state = state
         self._publish = publish
-        self._stopped = stopped
+        self.stopped = False
         self._measurement: BackgroundPlan | None = None
 
     def plan(self, device: str, base: ExecutionPlan | None = None) -> ExecutionPlan:
@@ -82,6 +82,8 @@ class ServingPlan:
         ended by :meth:`stop`) and return the plan it cached, or None."""
         from vqserve.export.planner import cache_dir, lookup_plan
 
+        if self.stopped:  # the server began to drain before the measurement could start
+            return None
         cfg = self.config
         argv = plan_argv(cfg.model, device, cfg.backend, cfg.dtype, str(cache_dir(cfg.plan_cache)),
                          cfg.plan_budget_s, cfg.min_agreement if cfg.dtype == "auto" else None)
@@ -91,7 +93,7 @@ class ServingPlan:
                + f" (budget {cfg.plan_budget_s:g} s; cached for later starts)", budget_s=cfg.plan_budget_s)
         self._measurement = BackgroundPlan(argv)
         status = await self._measurement.run(lambda line: _event("plan_progress", line))
-        if self._stopped():
+        if self.stopped:
             return None
         if status != 0:
             _event("plan_not_measured", f"the plan measurement ended with status {status}: keeping the safe "
@@ -112,8 +114,8 @@ class ServingPlan:
         cfg = self.config
         try:
             chosen = await self.measure(device)
-            if chosen is None or self._stopped():
-                if not self._stopped():
+            if chosen is None or self.stopped:
+                if not self.stopped:
                     self.republish("safe")
                 return
             current = self.state.engine.runtime
@@ -126,12 +128,12 @@ class ServingPlan:
             # safe plan's there; the start-up check below is what remains to be seen here
             raw = await run_in_daemon(lambda: chosen.load(cfg.model, cfg.backend, device, cfg.expect_hash,
                                                           artifacts=self.artifacts()))
-            if self._stopped():
+            if self.stopped:
                 return
             runtime, plan, certificate = await self.planned(raw, chosen.plan, "measured")
             if certificate is not None and not certificate.invariant:
                 raise RuntimeError(f"the measured plan failed the start-up check here: {certificate.summary()}")
-            if self._stopped():
+            if self.stopped:
                 return
             await self.state.engine.use_runtime(runtime, certificate)
             self._publish(runtime, certificate)
@@ -142,7 +144,7 @@ class ServingPlan:
         except Exception as exc:  # noqa: BLE001 - the safe plan keeps serving
             _event("plan_not_measured", f"could not switch to a measured plan ({type(exc).__name__}: "
                    f"{' '.join(str(exc).split())[:300]}); keeping the safe plan", level=logging.WARNING)
-            if not self._stopped():
+            if not self.stopped:
                 self.republish("safe")
 
     def republish(self, source: str) -> None:
@@ -153,7 +155,9 @@ class ServingPlan:
             self._publish(engine.runtime, engine.determinism)
 
     def stop(self) -> None:
-        """A plan being measured ends now, nothing of it cached."""
+        """The server drains: a plan being measured ends now, nothing of it cached, and no
+        switch happens after this."""
+        self.stopped = True
         if self._measurement is not None:
             self._measurement.stop()
 

@@ -589,3 +589,24 @@ def test_a_gpu_plan_tries_micro_batches_to_64_and_a_cpu_plan_to_8():
 
     assert max(micro_batches_for("cuda")) == 64 and max(micro_batches_for("cuda:1")) == 64
     assert micro_batches_for("cpu") == (1, 2, 4, 8)
+
+
+def test_a_server_that_drains_before_its_measurement_starts_measures_nothing(tiny_checkpoint, tmp_path, monkeypatch):
+    """ServingPlan.stop() is the one stop signal: a measurement asked for after it starts no
+    child process, caches nothing and leaves no switch to come."""
+    import asyncio
+
+    from vqserve.serve import serving_plan
+    from vqserve.serve.metrics import Metrics
+    from vqserve.serve.server import ServerConfig, ServerState
+
+    started = []
+    monkeypatch.setattr(serving_plan, "BackgroundPlan", lambda argv: started.append(argv))
+    published = []
+    plans = serving_plan.ServingPlan(ServerConfig(model=tiny_checkpoint, plan_cache=str(tmp_path)),
+                                     ServerState(Metrics()), lambda *a: published.append(a))
+    plans.stop()
+    assert asyncio.run(plans.measure("cpu")) is None
+    asyncio.run(plans.switch_to_measured("cpu"))
+    assert not started and not published
+    assert not list(tmp_path.rglob("plan-*.json"))
