@@ -393,7 +393,7 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
             targets.append("grpc-floor")
         best: dict[tuple[str, str, str], dict] = {}
         points = [(case, kind) for case in cases for kind in kinds]
-        for r in range(rounds):
+        for r in range(rounds if servers else 0):  # no server started: only the failures to report
             for case, kind in points:
                 order = targets[r % len(targets):] + targets[:r % len(targets)]
                 for name in order:

@@ -1,7 +1,8 @@
 """Assemble the grpc.aio server: both APIs on one port, health, reflection, TLS, auth,
 Prometheus ``/metrics``, structured logs, and a SIGTERM drain. The parts live beside it:
 auth and the stream cap in ``serve/gates.py``, health and reflection in
-``serve/discovery.py``, the JSON logs in ``serve/logs.py``, the port and TLS checks made
+``serve/discovery.py``, the JSON logs in ``serve/logs.py``, the gRPC servers themselves (one,
+or ``--listeners`` in a front-end) in ``serve/listeners.py``, the port and TLS checks made
 before anything starts in ``serve/preflight.py``, the choice of execution plan and
 the switch to a measured one in ``serve/serving_plan.py``, the engine, batcher, front-ends
 and device executor in their own modules; this one wires them and runs the lifecycle.
@@ -47,6 +48,7 @@ from vqserve.serve.discovery import (
 from vqserve.serve.engine import Engine, default_batch_pixels
 from vqserve.serve.errors import Tracker
 from vqserve.serve.gates import BearerTokenAuth, StreamGate
+from vqserve.serve.listeners import Listeners
 from vqserve.serve.logs import JsonFormatter, log, setup_logging
 from vqserve.serve.logs import event as _event
 from vqserve.serve.metrics import Metrics
@@ -100,6 +102,7 @@ class ServerConfig:
     #                                  (serve/executor.py default_frontends). `vqserve serve`: auto.
     executor_socket: str | None = None  # set in a front-end process: the executor it forwards to
     arena_mb: int = 0                # a front-end's shared pixel memory; 0: default_arena_bytes
+    listeners: int = 8               # gRPC servers per front-end process, on its port (serve/listeners.py)
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -132,7 +135,7 @@ class TokenizerServer:
         self.health = DrainingHealthServicer()
         self.gate = StreamGate(config.max_streams, self.metrics,
                                (service_v1.SERVICE_NAME, health.SERVICE_NAME, *REFLECTION_SERVICES))
-        self.server: grpc.aio.Server | None = None
+        self.listeners: Listeners | None = None  # the gRPC server(s) on the port
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_http = None
@@ -169,9 +172,9 @@ class TokenizerServer:
             self._reservation.close()
         if self._metrics_dir is not None:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
-        if self.server is not None:
-            await self.server.stop(None)
-            self.server = None
+        if self.listeners is not None:
+            await self.listeners.stop(None)
+            self.listeners = None
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
@@ -186,26 +189,27 @@ class TokenizerServer:
         if cfg.auth_token:
             interceptors.append(BearerTokenAuth(cfg.auth_token))
         interceptors.append(self.gate)  # after auth: a refused token never takes a stream's place
-        self.server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", limit),
-                     ("grpc.max_send_message_length", limit),
-                     ("grpc.so_reuseport", int(self.role == "frontend"))],
-        )
-        service_v1.add_to_server(service_v1.TokenizerService(self.state), self.server)
-        service_oip.add_to_server(service_oip.InferenceService(self.state), self.server)
-        add_health(self.health, self.server)
+        v1, oip = service_v1.TokenizerService(self.state), service_oip.InferenceService(self.state)
+
+        def register(server: grpc.aio.Server) -> None:
+            service_v1.add_to_server(v1, server)
+            service_oip.add_to_server(oip, server)
+            add_health(self.health, server)
+            add_reflection(server, (*self.SERVICES, health.SERVICE_NAME))
+
+        frontend = self.role == "frontend"  # its port is shared with the other front-ends
+        self.listeners = Listeners(cfg.listeners if frontend else 1,
+                                   [("grpc.max_receive_message_length", limit),
+                                    ("grpc.max_send_message_length", limit)],
+                                   interceptors, register, share_port=frontend)
         for name in ("", *self.SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        add_reflection(self.server, (*self.SERVICES, health.SERVICE_NAME))
-        address = f"{cfg.host}:{cfg.port}"
+        creds = None
         if cfg.tls_cert:  # both, and loadable: start() checked
             creds = grpc.ssl_server_credentials(
                 [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-            self.port = self._bind(lambda: self.server.add_secure_port(address, creds))
-        else:
-            self.port = self._bind(lambda: self.server.add_insecure_port(address))
-        await self.server.start()
+        self.port = self._bind(lambda: self.listeners.add_port(cfg.host, cfg.port, creds))
+        await self.listeners.start()
         self._start_metrics()
         self._listening("listening" if self.role == "all" else "frontend_listening",
                         f"gRPC listening on {cfg.host}:{self.port}")
@@ -382,8 +386,8 @@ class TokenizerServer:
             if task is not None and not task.done():
                 task.cancel()
         t0 = time.perf_counter()
-        if self.server is not None:
-            await self.server.stop(grace)
+        if self.listeners is not None:
+            await self.listeners.stop(grace)
         if self.pool is not None:  # the front-ends drain first, while the model still answers them
             await asyncio.get_running_loop().run_in_executor(None, self.pool.stop, grace)
         if self.state.engine is not None:

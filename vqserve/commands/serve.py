@@ -57,7 +57,7 @@ ENV_VARS = {
     "micro_batch": "VQSERVE_MICRO_BATCH", "model_workers": "VQSERVE_MODEL_WORKERS",
     "no_self_check": "VQSERVE_NO_SELF_CHECK", "plan": "VQSERVE_PLAN", "plan_cache": "VQSERVE_PLAN_CACHE",
     "min_agreement": "VQSERVE_MIN_AGREEMENT", "threads": "VQSERVE_THREADS",
-    "plan_budget_s": "VQSERVE_PLAN_BUDGET_S", "frontends": "VQSERVE_FRONTENDS",
+    "plan_budget_s": "VQSERVE_PLAN_BUDGET_S", "frontends": "VQSERVE_FRONTENDS", "listeners": "VQSERVE_LISTENERS",
     "no_cuda_graphs": "VQSERVE_NO_CUDA_GRAPHS",
 }
 # The flag that moves each port, for the one-line "port in use" error.
@@ -177,6 +177,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         "then never waits for the model's GIL. 0 = one process does everything. "
                         "auto (default): 0 on a CPU, where the model needs the cores; on a GPU "
                         "(or synthetic:N) half the cores, 1 to 8")
+    b.add_argument("--listeners", type=int, default=8, metavar="N",
+                   help="gRPC servers in each front-end process, all on its port: "
+                        "grpc.aio takes one call at a time per server, so under many small calls one "
+                        "server leaves requests waiting in gRPC while the CPU idles; each connection "
+                        "lands on one of them")
     b.add_argument("--max-queue", type=int, default=1024,
                    help="queued images before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain on SIGTERM")
@@ -251,7 +256,7 @@ def config_from_args(args: argparse.Namespace):
         model_workers=args.model_workers or None, self_check=not args.no_self_check,
         threads=args.threads or None, plan=args.plan, plan_cache=args.plan_cache,
         min_agreement=min_agreement_for(args.dtype, args.min_agreement), plan_budget_s=args.plan_budget_s,
-        frontends=resolve_frontends(args.frontends, args.model, args.device),
+        frontends=resolve_frontends(args.frontends, args.model, args.device), listeners=args.listeners,
         cuda_graphs=not args.no_cuda_graphs,
     )
 
@@ -272,6 +277,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "max_batch_pixels": (0, 1 << 40, "pixels per model call, 0 = auto"),
     "max_decoded_mb": (0, 1 << 20, "megabytes, 0 = auto"),
     "decode_threads": (0, 256, "threads, 0 = auto"),
+    "listeners": (1, 64, "gRPC servers per front-end process"),
     "micro_batch": (0, 4096, "images per model call, 0 = auto"),
     "model_workers": (0, 1024, "parallel model calls, 0 = auto"),
     "threads": (0, 1024, "intra-op threads per model call, 0 = the plan's"),
