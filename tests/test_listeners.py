@@ -137,3 +137,20 @@ def test_a_layout_comparison_whose_servers_all_fail_reports_them():
                            procs=1, callers=1, seconds=0.1, rounds=2, log=lambda line: None)
     assert [row["layout"] for row in rows] == ["broken"]
     assert "--listeners" in rows[0]["error"]
+
+
+def test_tls_reaches_every_listener_of_a_frontend(cert):
+    """Each listener binds the port with the same TLS pair: calls over many encrypted
+    connections (spread over the listeners by the kernel) are all answered, and tokens
+    come back through TLS."""
+    cert_path, key_path = cert
+    with ServeProcess(["--model", "synthetic:50", "--frontends", "1", "--listeners", "3",
+                       "--tls-cert", str(cert_path), "--tls-key", str(key_path)]) as srv:
+        creds = grpc.ssl_channel_credentials(cert_path.read_bytes())
+        for _ in range(12):
+            with grpc.secure_channel(f"localhost:{srv.port}", creds, options=OWN_CONNECTION) as channel:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+                assert status.status == health_pb2.HealthCheckResponse.SERVING
+        images = np.random.default_rng(7).integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
+        with TokenizerClient(f"localhost:{srv.port}", tls_ca=cert_path, timeout=30) as client:
+            np.testing.assert_array_equal(client.encode(images), block_tokens(images))
