@@ -386,6 +386,8 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
             except RuntimeError as exc:
                 failed.append({"layout": name, "error": str(exc)[-500:]})
                 log(f"  {name}: the server did not start: {str(exc)[-300:]}")
+        if not servers:  # nothing to measure (nor to measure the gRPC floor against)
+            return failed
         targets = list(servers)
         if floor:
             f = 8  # answer as large as the model's indices would be
@@ -393,7 +395,7 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
             targets.append("grpc-floor")
         best: dict[tuple[str, str, str], dict] = {}
         points = [(case, kind) for case in cases for kind in kinds]
-        for r in range(rounds if servers else 0):  # no server started: only the failures to report
+        for r in range(rounds):
             for case, kind in points:
                 order = targets[r % len(targets):] + targets[:r % len(targets)]
                 for name in order:

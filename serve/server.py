@@ -208,7 +208,9 @@ class TokenizerServer:
         if cfg.tls_cert:  # both, and loadable: start() checked
             creds = grpc.ssl_server_credentials(
                 [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-        self.port = self._bind(lambda: self.listeners.add_port(cfg.host, cfg.port, creds))
+        self.port = self.listeners.add_port(cfg.host, cfg.port, creds)
+        if not self.port:
+            raise PortInUseError("gRPC", cfg.host, cfg.port, "could not be bound (in use, or the address is not local)")
         await self.listeners.start()
         self._start_metrics()
         self._listening("listening" if self.role == "all" else "frontend_listening",
@@ -256,18 +258,6 @@ class TokenizerServer:
                 detail = (PortInUseError.IN_USE if exc.errno == errno.EADDRINUSE
                           else f"could not be bound ({exc.strerror or exc})")
                 raise PortInUseError("metrics", cfg.metrics_host, cfg.metrics_port, detail) from None
-
-    def _bind(self, add_port) -> int:
-        """Run gRPC's ``add_*_port``, which returns 0 or raises RuntimeError on failure."""
-        cfg = self.config
-        try:
-            port = add_port()
-        except RuntimeError:
-            port = 0
-        if not port:
-            raise PortInUseError("gRPC", cfg.host, cfg.port,
-                                 "could not be bound (in use, or the address is not local)")
-        return port
 
     async def _load(self) -> None:
         """Load the model and serve it at once: by the plan from the cache or a plan file, else

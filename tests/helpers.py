@@ -153,6 +153,13 @@ def tokenize_grids(model: str, folder, out, *flags: str) -> dict:
     return {r["key"]: r["tokens"] for s in manifest["shards"] for r in shards.read_rows(out / s["name"])}
 
 
+def child_pids(pid: int) -> list[int]:
+    """Every process below ``pid`` (a server's front-ends), from /proc."""
+    from vqserve.bench.serving import process_tree
+
+    return [p for p in process_tree(pid) if p != pid]
+
+
 class ServeProcess:
     """A real ``vqserve serve`` process on an ephemeral loopback port, for what only a
     separate process shows: its own peak memory (``VmHWM`` in /proc), signals, exit codes.

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tests.helpers import ServeProcess
+from tests.helpers import ServeProcess, child_pids
 from vqserve.export.synthetic import block_tokens
 from vqserve.serve.client import TokenizerClient
 from vqserve.serve.listeners import Listeners
@@ -107,9 +107,7 @@ def test_each_frontend_runs_its_listeners_and_serves_through_all():
     """``--listeners 3``: the front-end process listens three times on the port, and calls
     over many connections get the model's tokens."""
     with ServeProcess(["--model", "synthetic:50", "--frontends", "1", "--listeners", "3"]) as srv:
-        from vqserve.bench.serving import process_tree
-
-        frontends = [p for p in process_tree(srv.proc.pid) if p != srv.proc.pid]
+        frontends = child_pids(srv.proc.pid)
         assert len(frontends) == 1
         assert listening_sockets(frontends[0], srv.port) == 3
         assert listening_sockets(srv.proc.pid, srv.port) == 0  # the executor only reserves it

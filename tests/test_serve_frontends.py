@@ -22,17 +22,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import ServeProcess
+from tests.helpers import ServeProcess, child_pids
 from vqserve.export.synthetic import SyntheticRuntime, block_tokens
 from vqserve.serve import wire
 from vqserve.serve.client import TokenizerClient
 from vqserve.shm import Arena, ArenaFull
-
-
-def _children(pid: int) -> list[int]:
-    from vqserve.bench.serving import process_tree
-
-    return [p for p in process_tree(pid) if p != pid]
 
 
 def _alive(pid: int) -> bool:
@@ -66,7 +60,7 @@ def _images(n: int, seed: int = 0, size: int = 64) -> np.ndarray:
 def test_tokens_through_two_frontends_are_the_models(split_server):
     """Many connections (spread over both front-ends by the kernel) get the model's tokens
     and pixels, from pixels that crossed to the executor through shared memory."""
-    assert len(_children(split_server.proc.pid)) >= 2
+    assert len(child_pids(split_server.proc.pid)) >= 2
     reference = SyntheticRuntime("synthetic:0")
     for k in range(6):  # separate channels: SO_REUSEPORT hashes connections over the front-ends
         client = TokenizerClient(split_server.target)
@@ -109,7 +103,7 @@ def test_frontends_never_load_torch(split_server):
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             return b"vqserve.serve.frontend" in fh.read()
 
-    frontends = [pid for pid in _children(split_server.proc.pid) if is_frontend(pid)]
+    frontends = [pid for pid in child_pids(split_server.proc.pid) if is_frontend(pid)]
     assert len(frontends) == 2
     for pid in frontends:
         with open(f"/proc/{pid}/maps") as fh:
@@ -219,7 +213,7 @@ def test_auth_is_checked_in_every_frontend(tmp_path):
 
 def test_sigterm_drains_and_leaves_no_process():
     srv = ServeProcess(["--model", "synthetic:200000", "--frontends", "2", "--micro-batch", "1"])
-    children = _children(srv.proc.pid)
+    children = child_pids(srv.proc.pid)
     assert len(children) >= 2
     import threading
 
@@ -237,7 +231,7 @@ def test_sigterm_drains_and_leaves_no_process():
 
 def test_kill_9_of_the_server_ends_its_frontends():
     srv = ServeProcess(["--model", "synthetic:0", "--frontends", "2"])
-    children = _children(srv.proc.pid)
+    children = child_pids(srv.proc.pid)
     assert children
     srv.proc.kill()
     srv.proc.wait(30)
@@ -246,7 +240,7 @@ def test_kill_9_of_the_server_ends_its_frontends():
 
 def test_a_dead_frontend_is_replaced():
     with ServeProcess(["--model", "synthetic:0", "--frontends", "2"]) as srv:
-        first = _children(srv.proc.pid)
+        first = child_pids(srv.proc.pid)
         frontends = [p for p in first if "serve.frontend" in open(f"/proc/{p}/cmdline").read()]
         os.kill(frontends[0], signal.SIGKILL)
         assert _wait_until(lambda: any('"frontend_restart"' in line for line in srv.log))
