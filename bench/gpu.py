@@ -21,19 +21,22 @@ GPU time is scarce, so one run measures, side by side on the same device:
    and with ``--no-cuda-graphs``;
 5. achieved **TFLOP/s** (the encoder's FLOPs per image, counted once, times images/s).
 
-It prints one table and writes ``--json``. Runs on any CUDA machine; ``--device cpu`` or
+It prints one table and writes ``--json``, section by section; a section that fails is
+recorded (``failed``) and the run goes on, and then exits 1. Runs on any CUDA machine; ``--device cpu`` or
 ``--model synthetic:N`` exercise the same code without one (that is how it is tested).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -302,8 +305,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-tokens", action="store_true", help="skip section 1 (tokens against CPU fp32)")
     p.add_argument("--noise-tiles", type=int, default=256,
                    help="photo crops whose fp32 tokens are compared with CPU fp32, ties told apart (0: skip)")
-    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--json", help="write every figure to this file (rewritten as each section ends: a run "
+                                  "stopped at a time limit keeps what it measured)")
     return p
+
+
+class _Sections:
+    """The run's sections, each guarded and saved as it ends.
+
+    Why: on a lent GPU this command gets one try within a hard time limit. A section that
+    fails (a CUDA error, a server that does not start) is recorded in ``failed`` with its
+    error, and the run goes on to the next; and ``--json`` is rewritten after every section
+    (``complete`` false until the end), so a run killed at its time limit still returns
+    every figure measured before it."""
+
+    def __init__(self, result: dict, json_path: str | None):
+        self.result, self.json_path = result, json_path
+        result["complete"] = False
+
+    @contextlib.contextmanager
+    def section(self, title: str):
+        _log(title)
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the rest of the run
+            trace = traceback.format_exc()
+            _log(trace.rstrip())
+            self.result.setdefault("failed", []).append(
+                {"section": title, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            _log(f"  section failed, going on: {type(exc).__name__}: {str(exc)[:300]}")
+        finally:
+            self.save()
+
+    def save(self) -> None:
+        if self.json_path:
+            partial = Path(self.json_path).with_name(Path(self.json_path).name + ".partial")
+            partial.write_text(json.dumps(self.result, indent=1, default=str))
+            partial.replace(self.json_path)  # whole or not at all, even if killed while writing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,83 +360,95 @@ def main(argv: list[str] | None = None) -> int:
     result["cpu_cores"] = os.cpu_count()
     _log(f"vqserve bench gpu: {args.model} on {result.get('gpu', device)}, {args.size}x{args.size}, "
          f"{os.cpu_count()} CPUs")
+    run = _Sections(result, args.json)
 
     if not synthetic and not args.skip_tokens:
-        _log("1. tokens against CPU fp32")
-        result["tokens"] = token_rows(args.model, device, photos, [*dtypes, "fp16"])
-        for row in result["tokens"]:
-            _log(f"  {row}")
+        with run.section("1. tokens against CPU fp32"):
+            result["tokens"] = token_rows(args.model, device, photos, [*dtypes, "fp16"])
+            for row in result["tokens"]:
+                _log(f"  {row}")
         if args.noise_tiles > 0 and device.startswith("cuda"):
-            _log(f"1b. fp32 noise: {args.noise_tiles} photo crops, device against CPU fp32")
-            result["noise"] = noise_row(args.model, device, args.noise_tiles, args.size)
-            _log(f"  {result['noise']}")
+            with run.section(f"1b. fp32 noise: {args.noise_tiles} photo crops, device against CPU fp32"):
+                result["noise"] = noise_row(args.model, device, args.noise_tiles, args.size)
+                _log(f"  {result['noise']}")
     gflop = None if synthetic else encoder_gflop(args.model, device, args.size)
     result["encoder_gflop_per_image"] = gflop
 
-    _log("2. in-process images/s")
     best: dict[str, tuple[int, float]] = {}
     result["in_process"] = []
     runtimes = {}  # each dtype's runtime, loaded once for sections 2, 2b and 3
-    for dtype in dtypes if not synthetic else ["fp32"]:
-        runtime = runtimes[dtype] = load(args.model, dtype, device)
-        for batch in [int(b) for b in args.batches.split(",")]:
-            one = throughput(runtime, photos, batch, args.seconds, callers=1)
-            rate = max(one, throughput(runtime, photos, batch, args.seconds))
-            result["in_process"].append({"dtype": dtype, "batch": batch, "throughput": rate, "one_caller": one,
-                                         "tflops": rate * gflop / 1e3 if gflop else None})
-            _log(f"  {dtype} batch {batch}: {rate:.0f} img/s (one caller {one:.0f})"
-                 + (f" ({rate * gflop / 1e3:.1f} TFLOP/s)" if gflop else ""))
-            if dtype not in best or rate > best[dtype][1]:
-                best[dtype] = (batch, rate)
+    with run.section("2. in-process images/s"):
+        for dtype in dtypes if not synthetic else ["fp32"]:
+            runtime = runtimes[dtype] = load(args.model, dtype, device)
+            for batch in [int(b) for b in args.batches.split(",")]:
+                one = throughput(runtime, photos, batch, args.seconds, callers=1)
+                rate = max(one, throughput(runtime, photos, batch, args.seconds))
+                result["in_process"].append({"dtype": dtype, "batch": batch, "throughput": rate, "one_caller": one,
+                                             "tflops": rate * gflop / 1e3 if gflop else None})
+                _log(f"  {dtype} batch {batch}: {rate:.0f} img/s (one caller {one:.0f})"
+                     + (f" ({rate * gflop / 1e3:.1f} TFLOP/s)" if gflop else ""))
+                if dtype not in best or rate > best[dtype][1]:
+                    best[dtype] = (batch, rate)
 
     if device.startswith("cuda") and not synthetic:
-        _log("2b. CUDA graphs (replayed eager kernels, pinned uploads) against eager")
-        result["cuda_graphs"] = graphs_rows(runtimes, photos, best)
-        for row in result["cuda_graphs"]:
-            _log(f"  {row}")
+        with run.section("2b. CUDA graphs (replayed eager kernels, pinned uploads) against eager"):
+            result["cuda_graphs"] = graphs_rows(runtimes, photos, best)
+            for row in result["cuda_graphs"]:
+                _log(f"  {row}")
 
-    _log("3. served, clients in several processes")
     cases = parse_cases(args.cases)
     result["served"] = []
     for dtype, (batch, _rate) in best.items():
-        micro = min(batch, 64)  # each dtype served at its best in-process batch
-        many = np.resize(photos, (max(c.images for c in cases), *photos.shape[1:]))
-        # the tokens the server must give: this dtype run by the plan it serves with (calls of
-        # `micro`); eager bf16 at another batch size may round differently on a GPU
-        from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
-
-        raw = runtimes[dtype]
-        layouts = parse_layouts(args.layouts, ["--plan", "default", "--micro-batch", str(micro)])
-        expected = dict.fromkeys(layouts, PlannedRuntime(raw, plan_for(device, micro_batch=micro)).encode(many))
-        # a temporary folder holds the plan file the "planned" servers read, until they stop
-        with tempfile.TemporaryDirectory(prefix="vqserve-bench-gpu-") as plan_dir:
-            if args.planned and device.startswith("cuda") and not synthetic:
-                choice = measured_plan(args.model, device, dtype, plan_dir, 240.0)
-                result.setdefault("plans", []).append({"dtype": dtype, **choice})
-                _log(f"  {dtype} plan: {choice.get('line') or choice.get('error')}")
-                if "file" in choice:  # what --plan auto serves: its own plan, tokens by that plan
-                    layouts["planned"] = ["--plan", choice["file"], "--frontends", "auto"]
-                    planned = ExecutionPlan.from_dict(choice["plan"])
-                    expected["planned"] = PlannedRuntime(raw, planned).encode(many)
-            rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.callers, args.seconds,
-                                   rounds=1, device=device, dtype=dtype, log=lambda m, d=dtype: _log(f"  {d}{m}"),
-                                   expected=expected, warmup=1.0, kinds=args.client_kind)
-        result["served"] += [{**row, "dtype": dtype, "micro_batch": micro} for row in rows]
+        with run.section(f"3. served {dtype}, clients in several processes"):
+            result["served"] += served_rows(args, dtype, batch, runtimes[dtype], photos, cases, result)
 
     if args.tokenize_seconds > 0:
-        _log("4. tokenize end to end vs raw")
-        graphs = [True, False] if device.startswith("cuda") and args.tokenize_eager and not synthetic else [True]
-        result["tokenize"] = [tokenize_row(args.model, device, dtype, args.tokenize_seconds, args.tokenize_count,
-                                           args.tokenize_batch, args.tokenize_before, graphs=g)
-                              for dtype in dtypes for g in graphs]
-        for row in result["tokenize"]:
-            _log(f"  {({k: v for k, v in row.items() if not isinstance(v, (dict, list))})}")
+        with run.section("4. tokenize end to end vs raw"):
+            graphs = [True, False] if device.startswith("cuda") and args.tokenize_eager and not synthetic else [True]
+            result["tokenize"] = []
+            for dtype in dtypes:
+                for g in graphs:
+                    result["tokenize"].append(tokenize_row(args.model, device, dtype, args.tokenize_seconds,
+                                                           args.tokenize_count, args.tokenize_batch,
+                                                           args.tokenize_before, graphs=g))
+                    row = result["tokenize"][-1]
+                    _log(f"  {({k: v for k, v in row.items() if not isinstance(v, (dict, list))})}")
+                    run.save()
 
     result["seconds"] = time.perf_counter() - started
+    result["complete"] = True
+    run.save()
     print(report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    return 0
+    return 1 if result.get("failed") else 0
+
+
+def served_rows(args, dtype: str, batch: int, raw, photos: np.ndarray, cases: list, result: dict) -> list[dict]:
+    """Section 3 for one dtype: each layout (and, on CUDA, the plan `vqserve plan` measures
+    here, recorded in ``result["plans"]``) serving it at its best in-process batch, clients
+    in several processes."""
+    device, synthetic = args.device, args.model.startswith("synthetic:")
+    micro = min(batch, 64)  # each dtype served at its best in-process batch
+    many = np.resize(photos, (max(c.images for c in cases), *photos.shape[1:]))
+    # the tokens the server must give: this dtype run by the plan it serves with (calls of
+    # `micro`); eager bf16 at another batch size may round differently on a GPU
+    from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
+
+    layouts = parse_layouts(args.layouts, ["--plan", "default", "--micro-batch", str(micro)])
+    expected = dict.fromkeys(layouts, PlannedRuntime(raw, plan_for(device, micro_batch=micro)).encode(many))
+    # a temporary folder holds the plan file the "planned" servers read, until they stop
+    with tempfile.TemporaryDirectory(prefix="vqserve-bench-gpu-") as plan_dir:
+        if args.planned and device.startswith("cuda") and not synthetic:
+            choice = measured_plan(args.model, device, dtype, plan_dir, 240.0)
+            result.setdefault("plans", []).append({"dtype": dtype, **choice})
+            _log(f"  {dtype} plan: {choice.get('line') or choice.get('error')}")
+            if "file" in choice:  # what --plan auto serves: its own plan, tokens by that plan
+                layouts["planned"] = ["--plan", choice["file"], "--frontends", "auto"]
+                planned = ExecutionPlan.from_dict(choice["plan"])
+                expected["planned"] = PlannedRuntime(raw, planned).encode(many)
+        rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.callers, args.seconds,
+                               rounds=1, device=device, dtype=dtype, log=lambda m, d=dtype: _log(f"  {d}{m}"),
+                               expected=expected, warmup=1.0, kinds=args.client_kind)
+    return [{**row, "dtype": dtype, "micro_batch": micro} for row in rows]
 
 
 def report(result: dict) -> str:
@@ -457,13 +507,20 @@ def report(result: dict) -> str:
                      f"{row['raw_images_per_s']:.0f}, ratio {row['ratio_median']:.2f}; decode capacity "
                      f"{row.get('decode_capacity_images_per_s', 0):.0f} img/s, e2e / min(raw, decode) "
                      f"{row.get('ratio_to_bound_median', 0):.2f} ({row.get('bottleneck')}-bound); steady "
-                     f"{row.get('steady_images_per_s') or 0:.0f} img/s "
-                     f"({row.get('steady_ratio_to_bound_median') or 0:.2f} of the bound), first tokens after "
-                     f"{row.get('first_tokens_s') or 0:.1f} s; main process "
+                     f"{_figure(row.get('steady_images_per_s'), '.0f')} img/s "
+                     f"({_figure(row.get('steady_ratio_to_bound_median'), '.2f')} of the bound), first tokens "
+                     f"after {_figure(row.get('first_tokens_s'), '.1f')} s; main process "
                      f"{row.get('main_cpu_us_per_image', 0):.0f} µs CPU/img"
                      + (f"; before (serial engine) {before.get('end_to_end_images_per_s', 0):.0f} img/s"
                         if before else ""))
+    for row in result.get("failed", []):
+        lines.append(f"FAILED {row['section']}: {row['error'][-300:]}")
     return "\n".join(lines)
+
+
+def _figure(value, spec: str) -> str:
+    """A figure, or "-" where a run too short to show it left none (None or NaN)."""
+    return "-" if value is None or value != value else format(value, spec)
 
 
 if __name__ == "__main__":

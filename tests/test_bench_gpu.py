@@ -1,0 +1,53 @@
+"""`vqserve bench gpu` gets one try on a lent GPU: a failing section must not lose the rest."""
+
+from __future__ import annotations
+
+import json
+
+from vqserve.bench import gpu
+
+
+def test_a_failing_section_is_recorded_and_the_run_goes_on_saving_as_it_goes(tiny_checkpoint, tmp_path,
+                                                                              monkeypatch, capsys):
+    """Section 1 fails (as a CUDA error would; the failure is injected, everything else is
+    real: the tiny model on CPU, a real split server, real clients). The run records it, goes
+    on to the in-process and served sections, has already saved the finished sections when
+    the servers start, and exits 1 with the failure in its table."""
+    out = tmp_path / "gpu.json"
+
+    def broken_token_rows(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    seen_before_serving = {}
+    real_compare = gpu.compare_layouts
+
+    def compare_after_reading_the_file(*args, **kwargs):
+        seen_before_serving.update(json.loads(out.read_text()))
+        return real_compare(*args, **kwargs)
+
+    monkeypatch.setattr(gpu, "token_rows", broken_token_rows)
+    monkeypatch.setattr(gpu, "compare_layouts", compare_after_reading_the_file)
+    code = gpu.main(["--model", tiny_checkpoint, "--device", "cpu", "--dtypes", "fp32", "--size", "32",
+                     "--batches", "4", "--seconds", "0.3", "--procs", "1", "--callers", "1",
+                     "--cases", "v1:raw:1", "--layouts", "split=--frontends 1", "--tokenize-seconds", "0",
+                     "--json", str(out)])
+    assert code == 1
+    # saved as the sections ended: the failure and the in-process figures, before serving
+    assert seen_before_serving["complete"] is False
+    assert [f["section"] for f in seen_before_serving["failed"]] == ["1. tokens against CPU fp32"]
+    assert seen_before_serving["in_process"] and "served" not in seen_before_serving
+    result = json.loads(out.read_text())
+    assert result["complete"] is True
+    assert "illegal memory access" in result["failed"][0]["error"]
+    assert "tokens" not in result
+    assert result["in_process"][0]["throughput"] > 0
+    served = result["served"]
+    assert served and all(not r.get("errors") and r["calls"] > 0 for r in served), served
+    assert all(r["tokens_equal_in_process"] for r in served), served
+    assert "FAILED 1. tokens against CPU fp32: RuntimeError: CUDA error" in capsys.readouterr().out
+
+
+def test_figures_a_short_run_could_not_measure_print_as_a_dash():
+    assert gpu._figure(float("nan"), ".0f") == "-"
+    assert gpu._figure(None, ".2f") == "-"
+    assert gpu._figure(0.5, ".2f") == "0.50"
