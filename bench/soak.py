@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import signal
 import statistics
 import sys
@@ -42,11 +43,13 @@ DECODE_TOLERANCE = 1  # grey levels: CPU kernels may round differently by batch 
 
 
 # ---- the verdict --------------------------------------------------------------------------------
-def rss_bytes(pid: int) -> int:
-    """Resident memory of the server process ``pid`` now (``/proc``, as the benchmark reads it)."""
+def rss_bytes(pid: int) -> tuple[int, int]:
+    """Resident memory of the server ``pid`` now, all its processes together (``/proc``, as
+    the benchmark reads it), and how many processes that is."""
     from vqserve.bench.serving import tree_memory
 
-    return int(tree_memory(pid)["rss_mb"] * 2**20)
+    tree = tree_memory(pid)
+    return int(tree["rss_mb"] * 2**20), len(tree["processes"])
 
 
 def rss_growth(first: Sequence[float], last: Sequence[float]) -> float:
@@ -91,6 +94,7 @@ class Report:
     exit_code: int | None = None
     max_growth: float = 0.05
     codebook_tokens: dict[str, float] = field(default_factory=dict)  # the server's, at the end
+    processes: int = 0  # the server's processes at the last RSS sample (front-ends + executor)
 
     @property
     def error_count(self) -> int:
@@ -116,7 +120,8 @@ class Report:
         exit_note = "" if self.exit_code in (0, None) else f", server exit {self.exit_code}"
         minutes = f"{self.minutes:.1f}" if self.minutes >= 1 else f"{self.minutes:.2f}"
         return (f"soak: {minutes} min, {self.clients} clients, {self.calls} calls, "
-                f"{self.error_count} errors, p99/{unit} ms [{p99}], RSS first-{unit} {first:.0f} MB "
+                f"{self.error_count} errors, p99/{unit} ms [{p99}], RSS"
+                f"{f' of {self.processes} processes' if self.processes > 1 else ''} first-{unit} {first:.0f} MB "
                 f"last-{unit} {last:.0f} MB ({100 * self.growth:+.1f}%){exit_note}, "
                 f"{'PASS' if self.passed else 'FAIL'}")
 
@@ -126,6 +131,7 @@ class Report:
                 "by_op": dict(self.by_op), "p99_ms": [w.p99_ms() for w in self.windows],
                 "rss_mb": [[r / 2**20 for r in w.rss] for w in self.windows],
                 "growth": self.growth, "exit_code": self.exit_code, "passed": self.passed,
+                "processes": self.processes,
                 "codebook_window_tokens": self.codebook_tokens, "line": self.line()}
 
 
@@ -238,7 +244,8 @@ class Soak:
             now = time.perf_counter()
             if (w := self._window(now)) is not None:
                 try:
-                    w.rss.append(rss_bytes(self.pid))
+                    rss, self.report.processes = rss_bytes(self.pid)
+                    w.rss.append(rss)
                 except (OSError, KeyError) as exc:  # the server is gone: every call fails too
                     self._error("rss", exc)
                     return
@@ -299,8 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-growth", type=float, default=0.05, help="RSS growth that fails (0.05 = 5%%)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the server (0: its default)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline per call, seconds")
+    p.add_argument("--serve-args", default="",
+                   help="more `vqserve serve` flags, e.g. '--frontends 2' to soak the front-end/executor "
+                        "layout (pixels through shared memory) that a GPU node serves with; its RSS is "
+                        "that of every process of the server")
     p.add_argument("--json", help="also write the report to this JSON file")
     args = p.parse_args(argv)
+    try:
+        serve_args = shlex.split(args.serve_args)
+    except ValueError as exc:
+        p.error(f"--serve-args: {exc}")
     for name in ("duration", "clients", "window", "size", "images"):
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive")
@@ -313,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the server process
     log: list[str] = []
     proc, port = start_server(model, args, args.max_batch_size, args.max_delay_ms,
-                              extra=["--max-queue", "4096", "--grace", "60"], log=log)
+                              extra=["--max-queue", "4096", "--grace", "60", *serve_args], log=log)
     report = Report(minutes=args.duration, clients=args.clients, window_s=args.window,
                     max_growth=args.max_growth)
     soak = Soak(f"127.0.0.1:{port}", proc.pid, report, bench_photos(args.size)[: args.images],

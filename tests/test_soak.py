@@ -50,22 +50,34 @@ def test_one_line_summary_says_pass_or_fail():
     assert "1 errors" in report.line() and report.line().endswith("FAIL")
 
 
-def test_a_short_soak_runs_every_path_and_passes(tiny_checkpoint, tmp_path, capsys):
-    """A quarter-minute soak on the tiny model: every operation ran, no error, a window of
-    p99 and RSS figures each few seconds, and one summary line (RSS growth is not judged
-    here: a few seconds are all warm-up)."""
+@pytest.mark.parametrize(("serve_args", "processes", "rss"), [
+    ("", 1, "RSS"),
+    ("--frontends 1 --listeners 2", 2, "RSS of 2 processes"),  # the layout a GPU node serves with
+])
+def test_a_short_soak_runs_every_path_and_passes(tiny_checkpoint, tmp_path, capsys, serve_args, processes, rss):
+    """A quarter-minute soak on the tiny model, in one process and split into a front-end
+    and the device executor (``--serve-args``): every operation ran, no error, a window of
+    p99 and RSS figures each few seconds (of every process of the server), and one summary
+    line (RSS growth is not judged here: a few seconds are all warm-up)."""
     out = tmp_path / "soak.json"
     code = main(["--model", tiny_checkpoint, "--device", "cpu", "--duration", "0.2", "--warmup", "2",
                  "--clients", "6", "--window", "4", "--threads", "1", "--max-growth", "10",
-                 "--json", str(out)])
+                 "--serve-args", serve_args, "--json", str(out)])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     report = json.loads(out.read_text())
     assert code == 0, (line, report["examples"])
-    assert re.match(r"soak: 0\.20 min, 6 clients, \d+ calls, 0 errors, p99/4s ms \[[\d, ]+\], RSS first-4s "
+    assert re.match(rf"soak: 0\.20 min, 6 clients, \d+ calls, 0 errors, p99/4s ms \[[\d, ]+\], {rss} first-4s "
                     r"\d+ MB last-4s \d+ MB \([+-]\d+\.\d%\), PASS$", line), line
     assert set(report["by_op"]) == set(OPS) and report["calls"] > 6 * len(OPS)
     assert len(report["p99_ms"]) == 3 and all(len(w) >= 2 for w in report["rss_mb"])
-    assert report["exit_code"] == 0
+    assert report["exit_code"] == 0 and report["processes"] == processes
+
+
+def test_unparsable_serve_args_are_refused_before_a_server_starts(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--serve-args", "--frontends '2"])
+    assert stop.value.code == 2
+    assert "--serve-args: No closing quotation" in capsys.readouterr().err
 
 
 def test_module_entry_point():
