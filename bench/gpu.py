@@ -348,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.perf_counter()
     device = args.device
-    dtypes = [d for d in args.dtypes.split(",") if d]
     synthetic = args.model.startswith("synthetic:")
+    dtypes = ["fp32"] if synthetic else [d for d in args.dtypes.split(",") if d]  # synthetic:N is exact only
     photos = bench_photos(args.size)
     result: dict = {"model": args.model, "device": device, "size": args.size}
     if device.startswith("cuda"):
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     result["in_process"] = []
     runtimes = {}  # each dtype's runtime, loaded once for sections 2, 2b and 3
     with run.section("2. in-process images/s"):
-        for dtype in dtypes if not synthetic else ["fp32"]:
+        for dtype in dtypes:
             runtime = runtimes[dtype] = load(args.model, dtype, device)
             for batch in [int(b) for b in args.batches.split(",")]:
                 one = throughput(runtime, photos, batch, args.seconds, callers=1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU check, prepared: install this checkout on a CUDA machine that has torch (no network:
-# wheels for what it lacks in .whl/, see docs/BENCHMARKS.md "GPU"), then `vqserve bench gpu`.
+# wheels for what it lacks in .whl/, see docs/BENCHMARKS.md section 6), then `vqserve bench gpu`.
 #   scripts/gpu_check.sh OUT_DIR [bench gpu flags...]
 set -euo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [flags]}; shift

@@ -51,3 +51,18 @@ def test_figures_a_short_run_could_not_measure_print_as_a_dash():
     assert gpu._figure(float("nan"), ".0f") == "-"
     assert gpu._figure(None, ".2f") == "-"
     assert gpu._figure(0.5, ".2f") == "0.50"
+
+
+def test_the_stand_in_device_is_timed_in_fp32_alone_in_every_section(tmp_path, capsys):
+    """``synthetic:N`` is exact only: with the default ``--dtypes fp32,bf16`` no section
+    asks it for bf16 (tokenize did, and printed an error row), and the run exits 0."""
+    out = tmp_path / "gpu.json"
+    code = gpu.main(["--model", "synthetic:20", "--device", "cpu", "--batches", "8", "--seconds", "0.3",
+                     "--procs", "1", "--callers", "2", "--cases", "v1:raw:2", "--layouts", "split=--frontends 1",
+                     "--tokenize-seconds", "120", "--tokenize-count", "200", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["complete"] and not result.get("failed"), result.get("failed")
+    assert {r["dtype"] for r in result["in_process"]} == {r["dtype"] for r in result["served"]} == {"fp32"}
+    assert [(r["dtype"], "error" in r) for r in result["tokenize"]] == [("fp32", False)], result["tokenize"]
+    assert result["tokenize"][0]["images"] == 200
+    assert "error" not in capsys.readouterr().out
