@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2
 
 from vqserve import __version__
 from vqserve.export.execution import PlannedRuntime
+from vqserve.machine import available_cores
 from vqserve.serve import service_oip, service_v1
 from vqserve.serve.discovery import (
     REFLECTION_SERVICES,
@@ -239,6 +240,12 @@ class TokenizerServer:
         self.pool.start()
         self._listening("listening", f"gRPC listening on {cfg.host}:{self.port} ({cfg.frontends} front-end "
                         "processes, one device executor)", frontends=cfg.frontends)
+        cores = available_cores()
+        if cfg.frontends > cores:  # each starts a Python with gRPC: start-up time and memory, for no speed
+            _event("frontends_exceed_cores", f"{cfg.frontends} front-end processes on {cores} cores: more "
+                   "processes than cores only adds CPU per request, memory and start-up time (--frontends "
+                   "auto picks half the cores, 1 to 8)", level=logging.WARNING, frontends=cfg.frontends,
+                   cores=cores)
         return self.port
 
     def _start_metrics(self) -> None:

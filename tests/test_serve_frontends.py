@@ -453,6 +453,24 @@ def test_frontends_flag_defaults_by_device_and_refuses_nonsense():
     assert "--frontends" in done.stderr and "expected a number of processes or auto" in done.stderr
 
 
+@pytest.mark.parametrize(("frontends", "warned"), [(2, True), (1, False)])
+def test_more_frontends_than_cores_serve_but_say_what_they_cost(frontends, warned):
+    """The server runs on one core (its affinity, which it counts): 2 front-ends serve, with
+    a warning naming both numbers (100 front-ends on 2 cores once took minutes to start,
+    silently); 1 front-end gets no warning."""
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mask)})  # the server inherits one core
+    try:
+        srv = ServeProcess(["--model", "synthetic:0", "--frontends", str(frontends)])
+    finally:
+        os.sched_setaffinity(0, mask)
+    with srv:
+        images = _images(2, seed=5)
+        np.testing.assert_array_equal(TokenizerClient(srv.target).encode(images), block_tokens(images))
+        warnings = [json.loads(line) for line in srv.log if '"frontends_exceed_cores"' in line]
+    assert [(w["level"], w["frontends"], w["cores"]) for w in warnings] == ([("warning", 2, 1)] if warned else [])
+
+
 def test_a_real_model_behind_frontends_gives_its_in_process_tokens(tiny_checkpoint, photos):
     """The eager runtime reading pixels in place from a front-end's arena: the same tokens
     and pixels as the runtime called directly (what the layout must never change)."""
