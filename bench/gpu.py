@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import numpy as np
 
 from vqserve.bench.load import caller_kinds, compare_layouts, mean_text, parse_cases, parse_layouts
 from vqserve.bench.serving import bench_photos
+from vqserve.machine import available_cores
 
 
 def _log(msg: str) -> None:
@@ -133,7 +133,7 @@ def noise_row(model: str, device: str, tiles: int, size: int) -> dict:
         import torch
 
         threads = torch.get_num_threads()
-        torch.set_num_threads(os.cpu_count() or 1)  # the float64 reference: every core (the plan set 1)
+        torch.set_num_threads(available_cores())  # the float64 reference: every core (the plan set 1)
         try:
             z64 = ties.fp64_latents(tokenizer, images[differ])
         finally:
@@ -357,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
 
         result["gpu"] = torch.cuda.get_device_name(0)
         result["torch"] = torch.__version__
-    result["cpu_cores"] = os.cpu_count()
+    result["cpu_cores"] = available_cores()  # what the server sizes itself by (a container's CPU limit)
     _log(f"vqserve bench gpu: {args.model} on {result.get('gpu', device)}, {args.size}x{args.size}, "
-         f"{os.cpu_count()} CPUs")
+         f"{result['cpu_cores']} CPUs")
     run = _Sections(result, args.json)
 
     if not synthetic and not args.skip_tokens:

@@ -21,20 +21,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
 from vqserve import images
+from vqserve.machine import available_cores
 from vqserve.serve.batcher import DeadlineExpired
 from vqserve.serve.codec import WIRE_IMAGE_FORMATS, BadInput, size_mismatch
 
 
 def default_decode_threads() -> int:
-    """Pillow releases the GIL while decoding: a few threads use a few cores."""
-    return max(1, min(4, (os.cpu_count() or 1)))
+    """Pillow releases the GIL while decoding: a few threads use a few cores (those this
+    process may use: a container's CPU limit, not the node's cores)."""
+    return max(1, min(4, available_cores()))
 
 
 class ByteBudget:

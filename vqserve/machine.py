@@ -38,11 +38,86 @@ def cpu_flags(path: str = CPUINFO) -> set[str]:
 
 
 def available_cores() -> int:
-    """Cores this process may run on (its affinity mask, not the machine's total)."""
+    """Cores this process may use: its affinity mask, capped by its CPU quota
+    (:func:`cpu_quota_cores`), not the machine's total.
+
+    Why the quota: a Kubernetes pod with ``limits: cpu: 8`` on a 96-core node sees all 96
+    cores in its affinity mask, and sizing front-ends, model workers and decode threads by
+    them would run a dozen times more threads than its quota, each throttled."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    quota = cpu_quota_cores()
+    return max(1, min(cores, quota) if quota else cores)
+
+
+def cpu_quota_cores(proc: str = "/proc/self") -> int | None:
+    """Whole cores this process's CPU quota allows, rounded down (at least 1), or None where
+    no quota is set or none can be read.
+
+    The quota is a container's CPU limit: cgroup v2 ``cpu.max`` ("QUOTA PERIOD" or "max
+    PERIOD"), cgroup v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: none), the smallest
+    along the process's cgroup and its ancestors. Each cgroup hierarchy's folder is found
+    through ``mountinfo`` (the part of the hierarchy mounted where), so it works with and
+    without a cgroup namespace. Rounded down, as Go's automaxprocs does: 2.5 cores run 2
+    busy workers unthrottled rather than 3 throttled ones."""
+    try:
+        cgroup_lines = Path(proc, "cgroup").read_text().splitlines()
+        mount_lines = Path(proc, "mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    v2_path = v1_path = None
+    for line in cgroup_lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "" and line.startswith("0::"):
+            v2_path = path
+        elif "cpu" in controllers.split(","):
+            v1_path = path
+    quotas = []
+    for line in mount_lines:
+        fields, dash, tail = line.partition(" - ")
+        fields, tail = fields.split(), tail.split()
+        if not dash or len(fields) < 5 or len(tail) < 3:
+            continue
+        root, mount, fstype, options = fields[3], fields[4], tail[0], tail[2]
+        if fstype == "cgroup2" and v2_path is not None:
+            quotas += [q for folder in _cgroup_folders(mount, root, v2_path) if (q := _v2_quota(folder))]
+        elif fstype == "cgroup" and "cpu" in options.split(",") and v1_path is not None:
+            quotas += [q for folder in _cgroup_folders(mount, root, v1_path) if (q := _v1_quota(folder))]
+    return min(quotas) if quotas else None
+
+
+def _cgroup_folders(mount: str, root: str, path: str) -> list[Path]:
+    """The folders of cgroup ``path`` and of its ancestors within a hierarchy whose ``root``
+    is mounted at ``mount``. A container that sees a path the mount does not hold (no
+    cgroup namespace) has its own cgroup mounted there: the mount itself."""
+    top = Path(mount)
+    inside = path[len(root):] if path.startswith(root) else ""
+    folder = top / inside.strip("/") if inside.strip("/") else top
+    if not folder.is_dir():
+        folder = top
+    folders = [folder]
+    while folders[-1] != top and top in folders[-1].parents:
+        folders.append(folders[-1].parent)
+    return folders
+
+
+def _v2_quota(folder: Path) -> int | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else max(1, int(quota) // int(period))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(folder: Path) -> int | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else max(1, quota // period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 # ISA flags that change which kernels (and so which fp32 rounding) a CPU runs: vector width,
