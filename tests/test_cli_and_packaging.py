@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -23,12 +24,16 @@ def test_info_runs_as_console_script():
     assert facts["runtimes"]["eager"] is True and "onnx" in facts["runtimes"]
     # both shipped tokenizers are package data: a wheel or checkout that lost one says so here
     assert facts["shipped_tokenizers"] == ["default", "dithered"]
+    # the cores serve and tokenize size themselves by: the affinity mask capped by a CPU quota
+    cores = facts["cores"]
+    assert cores["usable"] == min(cores["affinity_mask"], cores["cpu_quota"] or cores["affinity_mask"]) >= 1
 
 
 def test_info_table(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "runtimes" in out
+    assert re.search(r"^cores +\d+ usable \(affinity mask \d+, CPU quota (none|\d+)\)$", out, re.M), out
 
 
 def test_no_command_prints_help(capsys):

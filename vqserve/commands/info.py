@@ -154,6 +154,20 @@ def low_precision_facts(probe: bool = True) -> dict:
     return facts
 
 
+def cores_facts() -> dict:
+    """The cores serve and tokenize size themselves by (``usable``), and where that number
+    comes from: the affinity mask, capped by the CPU quota (a container's CPU limit)."""
+    import os
+
+    from vqserve.machine import available_cores, cpu_quota_cores
+
+    try:
+        mask = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        mask = os.cpu_count() or 1
+    return {"usable": available_cores(), "affinity_mask": mask, "cpu_quota": cpu_quota_cores()}
+
+
 def collect(probe: bool = True) -> dict:
     """Gather facts cheaply: import only what is needed to report it."""
     import torch
@@ -167,6 +181,7 @@ def collect(probe: bool = True) -> dict:
         "cuda_available": torch.cuda.is_available(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cpu_threads": torch.get_num_threads(),
+        "cores": cores_facts(),
     }
     runtimes = {"eager": True, "torchscript": True, "pt2": hasattr(torch, "export")}
     if importlib.util.find_spec("onnxruntime") is not None:
@@ -219,7 +234,10 @@ def _rows(facts: dict) -> list[tuple[str, str]]:
                     rows.append((f"{name} {device}", describe_dtype(
                         found.get(name), flags.get(name) if device == "cpu" else None)))
             continue
-        if isinstance(value, dict):
+        if key == "cores":
+            value = (f"{value['usable']} usable (affinity mask {value['affinity_mask']}, CPU quota "
+                     f"{value['cpu_quota'] or 'none'})")
+        elif isinstance(value, dict):
             value = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in value.items())
         elif isinstance(value, list):
             value = ", ".join(map(str, value)) or "none"
