@@ -7,6 +7,7 @@
 #   TESTS_S=120 BENCH_S=420 (seconds) set the limits.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR [bench gpu flags]}; shift
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps below change folders
 here=$(dirname "$0")
 start=$(date +%s)
 timeout "${TESTS_S:-120}" "$here/gpu_tests.sh" "$out"
