@@ -4,16 +4,18 @@
 # time limit. bench gpu rewrites OUT/gpu.json as each section ends, so a run stopped at its
 # limit still returns what it measured.
 #   scripts/gpu_session.sh OUT_DIR [bench gpu flags...]
-#   TESTS_S=120 BENCH_S=420 (seconds) set the limits.
+#   TESTS_S=100 BENCH_S=450 (seconds) set the limits.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR [bench gpu flags]}; shift
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps below change folders
 here=$(dirname "$0")
 start=$(date +%s)
-timeout "${TESTS_S:-120}" "$here/gpu_tests.sh" "$out"
+. "$here/gpu_install.sh"  # once, for both steps
+echo "installed after $(( $(date +%s) - start )) s"
+timeout "${TESTS_S:-100}" "$here/gpu_tests.sh" "$out"
 tests=$?
 echo "gpu_tests: exit $tests after $(( $(date +%s) - start )) s"
-timeout "${BENCH_S:-420}" "$here/gpu_check.sh" "$out" "$@"
+timeout "${BENCH_S:-450}" "$here/gpu_check.sh" "$out" "$@"
 bench=$?
 echo "gpu_check: exit $bench after $(( $(date +%s) - start )) s in all"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
