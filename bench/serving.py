@@ -744,6 +744,7 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
     import torch
 
     from vqserve.export.runtime import load_runtime
+    from vqserve.machine import available_cores
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -772,7 +773,7 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
         inputs = np.stack([runtime.encode(p[None])[0] for p in photos])
     expected = np.stack([getattr(runtime, args.method)(x[None])[0] for x in inputs])
     log(f"model {args.model}: {info.backend}/{info.dtype} on {info.device}, codebook {info.codebook_size}, "
-        f"factor {info.factor}; {args.method} {args.size}x{args.size}; {os.cpu_count()} CPUs, "
+        f"factor {info.factor}; {args.method} {args.size}x{args.size}; {available_cores()} usable CPUs, "
         f"torch threads {torch.get_num_threads()}")
 
     procs: list[subprocess.Popen] = []
@@ -905,13 +906,14 @@ def client_process_mode(args) -> int:
         parse_cases,
         parse_layouts,
     )
+    from vqserve.machine import available_cores
 
     cases = parse_cases(args.cases)
     layouts = parse_layouts(args.layouts, ["--plan", args.server_plan or "default"])
     photos = bench_photos(args.size)
     capacity = capacity_of(args.model)
     print(f"bench serve: {args.model}, {args.size}x{args.size}, {args.client_procs} client processes x "
-          f"{args.client_callers} callers ({', '.join(args.client_kind)}), {os.cpu_count()} CPUs"
+          f"{args.client_callers} callers ({', '.join(args.client_kind)}), {available_cores()} usable CPUs"
           + (f"; device capacity {capacity:.0f} img/s at 256x256" if capacity else ""), flush=True)
     rows = compare_layouts(args.model, layouts, cases, photos, args.client_procs, args.client_callers,
                            args.duration, args.repeats, args.device, args.dtype, floor=args.floor,
@@ -920,7 +922,7 @@ def client_process_mode(args) -> int:
     print(layouts_table(rows, capacity, args.size))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "capacity": capacity, "rows": rows,
-                                               "cpus": os.cpu_count()}, indent=1))
+                                               "cpus": available_cores()}, indent=1))
     return 0
 
 
