@@ -177,6 +177,44 @@ def test_metrics_sum_every_frontend_and_the_executor(split_server):
     assert count(after, "vqserve_codebook_window_tokens") > 0
 
 
+def test_calls_in_flight_in_a_killed_frontend_stop_counting_as_in_flight():
+    """A front-end killed with calls in flight (kill -9: it never decrements its gauge) is
+    replaced, and /metrics stops counting its calls as in flight (its multiprocess files
+    are marked dead), so an autoscaler reading the gauge does not see phantom load."""
+    import threading
+
+    with ServeProcess(["--model", "synthetic:1000000", "--frontends", "1", "--micro-batch", "1",
+                       "--metrics-port", "0"]) as srv:
+        port = json.loads(next(line for line in srv.log if '"event": "serving"' in line))["metrics_port"]
+
+        def in_flight() -> float:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("vqserve_requests_in_flight"))
+
+        failures = []
+
+        def slow_call(seed: int) -> None:  # 1 s of device time per 256x256 image, one call at a time
+            try:
+                TokenizerClient(srv.target, timeout=120).encode(_images(1, seed=seed, size=256))
+            except Exception as exc:  # noqa: BLE001 - the kill fails it: that is the point
+                failures.append(exc)
+
+        callers = [threading.Thread(target=slow_call, args=(k,)) for k in range(3)]
+        for c in callers:
+            c.start()
+        assert _wait_until(lambda: in_flight() >= 2, 30), "the calls never showed as in flight"
+        frontend = next(p for p in child_pids(srv.proc.pid) if "serve.frontend" in open(f"/proc/{p}/cmdline").read())
+        os.kill(frontend, signal.SIGKILL)
+        for c in callers:
+            c.join(60)
+        assert len(failures) == 3  # each caller heard that its front-end went away
+        assert _wait_until(lambda: sum('"frontend_serving"' in line for line in srv.log) >= 2, 180)
+        assert _wait_until(lambda: in_flight() == 0, 30), f"in flight {in_flight()} after the kill"
+        images = _images(1, seed=9, size=64)  # the replacement serves
+        np.testing.assert_array_equal(TokenizerClient(srv.target).encode(images), block_tokens(images))
+
+
 def test_deadline_passes_while_the_device_is_busy():
     """A request whose deadline passes in the executor's queue gets DEADLINE_EXCEEDED."""
     with ServeProcess(["--model", "synthetic:400000", "--frontends", "1", "--micro-batch", "1"]) as srv:
