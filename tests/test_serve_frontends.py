@@ -215,6 +215,55 @@ def test_calls_in_flight_in_a_killed_frontend_stop_counting_as_in_flight():
         np.testing.assert_array_equal(TokenizerClient(srv.target).encode(images), block_tokens(images))
 
 
+def test_overload_across_frontends_gets_resource_exhausted_then_recovers():
+    """More calls than the queue holds, through 2 front-ends (each caller its own
+    connection, which the kernel spreads over them): the excess gets RESOURCE_EXHAUSTED at
+    once, counted as such in /metrics, the rest their tokens, and the server serves again
+    once the queue drains."""
+    import threading
+
+    with ServeProcess(["--model", "synthetic:500000", "--frontends", "2", "--micro-batch", "1",
+                       "--max-batch-size", "1", "--max-queue", "2", "--metrics-port", "0"]) as srv:
+        port = json.loads(next(line for line in srv.log if '"event": "serving"' in line))["metrics_port"]
+        images = [_images(1, seed=k, size=256) for k in range(10)]  # 0.5 s of device time each
+        results: list = [None] * len(images)
+        connected = threading.Barrier(len(images))  # every caller connected, then all send at once
+
+        def call(k: int) -> None:
+            from vqserve.serve._proto import tokenizer_pb2 as pb
+            from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
+
+            channel = grpc.insecure_channel(srv.target, options=[("grpc.use_local_subchannel_pool", 1)])
+            try:
+                grpc.channel_ready_future(channel).result(timeout=60)
+                connected.wait(60)
+                reply = pb_grpc.TokenizerStub(channel).Encode(pb.EncodeRequest(images=pb.Tensor(
+                    shape=[1, 256, 256, 3], dtype="uint8", data=images[k].tobytes())), timeout=120)
+                results[k] = np.frombuffer(reply.indices.data, reply.indices.dtype).reshape(list(reply.indices.shape))
+            except grpc.RpcError as exc:
+                results[k] = exc
+            finally:
+                channel.close()
+
+        callers = [threading.Thread(target=call, args=(k,)) for k in range(len(images))]
+        for c in callers:
+            c.start()
+        for c in callers:
+            c.join(120)
+        refused = [r for r in results if isinstance(r, grpc.RpcError)]
+        served = [k for k, r in enumerate(results) if isinstance(r, np.ndarray)]
+        assert refused and {r.code() for r in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, refused
+        assert len(served) >= 2
+        for k in served:
+            np.testing.assert_array_equal(results[k], block_tokens(images[k]))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("vqserve_errors_total") and 'code="RESOURCE_EXHAUSTED"' in line)
+        assert counted == len(refused)
+        again = _images(1, seed=99, size=64)
+        np.testing.assert_array_equal(TokenizerClient(srv.target).encode(again), block_tokens(again))
+
+
 def test_deadline_passes_while_the_device_is_busy():
     """A request whose deadline passes in the executor's queue gets DEADLINE_EXCEEDED."""
     with ServeProcess(["--model", "synthetic:400000", "--frontends", "1", "--micro-batch", "1"]) as srv:
