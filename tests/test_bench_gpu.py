@@ -47,6 +47,30 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on_saving_as_it_goes(tin
     assert "FAILED 1. tokens against CPU fp32: RuntimeError: CUDA error" in capsys.readouterr().out
 
 
+def test_a_dtype_that_fails_leaves_the_others_measured(tiny_checkpoint, tmp_path, monkeypatch):
+    """bf16 cannot load (injected, as on a GPU without it): its token row and its in-process
+    section say so, and fp32 is still timed and served."""
+    out = tmp_path / "gpu.json"
+    real_load = gpu.load
+
+    def load_without_bf16(model, dtype, device, tf32=False):
+        if dtype == "bf16":
+            raise RuntimeError("bf16 is not supported on this device")
+        return real_load(model, dtype, device, tf32)
+
+    monkeypatch.setattr(gpu, "load", load_without_bf16)
+    code = gpu.main(["--model", tiny_checkpoint, "--device", "cpu", "--dtypes", "fp32,bf16", "--size", "32",
+                     "--batches", "4", "--seconds", "0.3", "--procs", "1", "--callers", "1",
+                     "--cases", "v1:raw:1", "--layouts", "split=--frontends 1", "--tokenize-seconds", "0",
+                     "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 1 and result["complete"]
+    assert [f["section"] for f in result["failed"]] == ["2. in-process images/s, bf16"]
+    assert {r["precision"]: "error" in r for r in result["tokens"]} == {"fp32": False, "bf16": True, "fp16": False}
+    assert {r["dtype"] for r in result["in_process"]} == {r["dtype"] for r in result["served"]} == {"fp32"}
+    assert all(r["tokens_equal_in_process"] for r in result["served"])
+
+
 def test_figures_a_short_run_could_not_measure_print_as_a_dash():
     assert gpu._figure(float("nan"), ".0f") == "-"
     assert gpu._figure(None, ".2f") == "-"
