@@ -77,7 +77,12 @@ def array_from_bytes(shape: Sequence[int], dtype: str | np.dtype, data: bytes, f
             f"must hold prod(shape) * itemsize = {math.prod(shape)} * {dt.itemsize} = {expected} bytes "
             f"for shape {list(shape)} and dtype {dt.name}, got {len(data)}",
         )
-    return np.frombuffer(data, dtype=dt).reshape(shape)
+    try:  # an empty array (a 0 dimension) still needs the others addressable, which numpy checks
+        return np.frombuffer(data, dtype=dt).reshape(shape)
+    except ValueError:
+        raise BadInput(f"{field}.shape", f"dimensions {list(shape)} address more than 2**63 bytes (the "
+                       f"product of the non-zero ones times itemsize {dt.itemsize}), so no array has "
+                       "this shape") from None
 
 
 def array_to_bytes(array: np.ndarray) -> tuple[list[int], str, bytes]:

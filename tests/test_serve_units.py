@@ -41,6 +41,11 @@ def test_raw_bytes_are_little_endian():
     ([], "uint8", b"", r"x\.shape: must not be empty"),
     ([-1, 2], "uint8", b"", r"x\.shape: dimensions must be non-negative"),
     ([1] * 9, "uint8", b"a", r"x\.shape: rank must be at most 8"),
+    # an empty array whose other dimensions no array can address: 0 bytes match prod(shape),
+    # and numpy's own "array is too big" reached clients as the message
+    ([0, 2**61, 2**61], "int64", b"", r"x\.shape: dimensions \[0, 2305843009213693952, 2305843009213693952\] "
+                                      r"address more than 2\*\*63 bytes"),
+    ([0, 2**40, 2**40, 3], "uint8", b"", r"x\.shape: dimensions .* address more than 2\*\*63 bytes"),
 ])
 def test_raw_tensor_rejects_with_field_and_rule(shape, dtype, data, match):
     with pytest.raises(codec.BadInput, match=match):
