@@ -368,18 +368,24 @@ def plan_source(body: str) -> str:
     return plan_labels(body)["source"]
 
 
+@pytest.mark.parametrize("frontends", [0, 1], ids=["one-process", "split"])
 def test_serve_with_an_empty_cache_serves_exact_tokens_at_once_then_switches_to_the_measured_plan(
-        tiny_checkpoint, plan_cache, photos):
+        tiny_checkpoint, plan_cache, photos, frontends, tmp_path):
     """The first start serves the safe plan before any measurement and measures in a child
     process; the measured plan takes over between calls with the same tokens; the next start
-    reads it from the cache."""
+    reads it from the cache. Split (a front-end process before the executor, as on a GPU
+    node), the front-end answers with the executor's identity and plan as they change."""
     from vqserve.export.runtime import load_runtime
     from vqserve.serve.client import TokenizerClient
     from vqserve.serve.server import ServerConfig, ServerThread
 
+    # the one-process run fills the module's shared cache (read by the tests below); the
+    # split run, after it, needs an empty cache of its own to measure again
+    cache = plan_cache if frontends == 0 else str(tmp_path / "plans")
+
     def start():
         cfg = ServerConfig(model=tiny_checkpoint, device="cpu", host="127.0.0.1", port=0, metrics_port=0,
-                           grace_s=2, plan="auto", plan_cache=plan_cache)
+                           grace_s=2, plan="auto", plan_cache=cache, frontends=frontends)
         return ServerThread(cfg)
 
     eager = load_runtime(tiny_checkpoint, dtype="fp32")
@@ -401,7 +407,7 @@ def test_serve_with_an_empty_cache_serves_exact_tokens_at_once_then_switches_to_
         assert after["exact"] and after["source_hash"] == info["source_hash"]
         assert after["execution_plan"].endswith("[measured]")
         assert 'exact="true"' in body and "vqserve_model_info{" in body
-    measured = json.loads(next(Path(plan_cache).glob("plan-*.json")).read_text())
+    measured = json.loads(next(Path(cache).glob("plan-*.json")).read_text())
     assert measured["exact"] and measured["dtype"] == "fp32"
     with start() as srv:
         client = TokenizerClient(srv.target)
