@@ -356,9 +356,11 @@ def refused_by_drain(exc: grpc.RpcError) -> bool:
             or (exc.code() == grpc.StatusCode.CANCELLED and exc.details() == "CANCELLED"))
 
 
+@pytest.mark.parametrize("frontends", ["0", "1"], ids=["one-process", "split"])
 def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_checkpoint, runtime,
-                                                                       photos):
-    """v1 and OIP unary clients and two EncodeStreams keep a real ``vqserve serve`` busy.
+                                                                       photos, frontends):
+    """v1 and OIP unary clients and two EncodeStreams keep a real ``vqserve serve`` busy,
+    in one process and split (a front-end before the executor, as on a GPU node).
     Once at least four calls are outstanding and every one of them (unary calls and stream
     messages) is in flight at the server (its gauge says so), SIGTERM, with no call starting
     in between. Every one of them must be answered, with the right tokens; calls that
@@ -366,7 +368,8 @@ def test_sigterm_under_load_with_open_streams_loses_no_accepted_request(tiny_che
     before the 60 s grace."""
     proc, info, lines = start_process(
         ["--model", tiny_checkpoint, "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
-         "--metrics-port", "0", "--max-batch-size", "2", "--max-delay-ms", "0", "--grace", "60"],
+         "--metrics-port", "0", "--max-batch-size", "2", "--max-delay-ms", "0", "--grace", "60",
+         "--frontends", frontends],
         env_extra={"OMP_NUM_THREADS": "1"})
     target, metrics_port = f"127.0.0.1:{info['port']}", info["metrics_port"]
     images = np.concatenate([photos] * 2).repeat(4, axis=1).repeat(4, axis=2)  # 8 x 256x256
