@@ -238,9 +238,10 @@ class TokenizerServer:
         self._start_metrics()
         self.pool = FrontendPool(cfg, cfg.frontends, self.port, self.executor.path, self._metrics_dir)
         self.pool.start()
+        cores = available_cores()  # what --frontends auto sized by: a container's CPU limit included
         self._listening("listening", f"gRPC listening on {cfg.host}:{self.port} ({cfg.frontends} front-end "
-                        "processes, one device executor)", frontends=cfg.frontends)
-        cores = available_cores()
+                        f"processes, one device executor; {cores} usable cores)", frontends=cfg.frontends,
+                        cores=cores)
         if cfg.frontends > cores:  # each starts a Python with gRPC: start-up time and memory, for no speed
             _event("frontends_exceed_cores", f"{cfg.frontends} front-end processes on {cores} cores: more "
                    "processes than cores only adds CPU per request, memory and start-up time (--frontends "

@@ -555,7 +555,9 @@ def test_more_frontends_than_cores_serve_but_say_what_they_cost(frontends, warne
         images = _images(2, seed=5)
         np.testing.assert_array_equal(TokenizerClient(srv.target).encode(images), block_tokens(images))
         warnings = [json.loads(line) for line in srv.log if '"frontends_exceed_cores"' in line]
+        listening = json.loads(next(line for line in srv.log if '"event": "listening"' in line))
     assert [(w["level"], w["frontends"], w["cores"]) for w in warnings] == ([("warning", 2, 1)] if warned else [])
+    assert (listening["frontends"], listening["cores"]) == (frontends, 1)  # the cores it sized by, in its log
 
 
 def test_a_real_model_behind_frontends_gives_its_in_process_tokens(tiny_checkpoint, photos):
