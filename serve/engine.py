@@ -11,12 +11,12 @@ then decoding off the event loop under a decoded-bytes budget.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from vqserve.export.checks import image_size_rule, index_grid_rule, index_range_rule
+from vqserve.machine import available_memory
 from vqserve.model.rules import decode_unsupported
 from vqserve.serve.batcher import Batcher
 from vqserve.serve.codec import BadInput
@@ -34,18 +34,15 @@ MIN_DECODED_BYTES = 256 << 20
 
 def default_batch_pixels(device: str, max_pixels: int) -> int:
     """A pixel budget per model call that fits the device: half a GPU's memory, or on CPU
-    4 megapixels or a quarter of the RAM, whichever is less; never below one image."""
+    4 megapixels or a quarter of the memory this process may use (a container's memory
+    limit, not its node's RAM), whichever is less; never below one image."""
     if device.startswith("cuda"):
         import torch
 
         index = torch.device(device).index or 0
         budget = torch.cuda.get_device_properties(index).total_memory // 2 // BYTES_PER_PIXEL
     else:
-        try:
-            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
-            ram = 16 << 30
-        budget = min(CPU_BATCH_PIXELS, ram // 4 // BYTES_PER_PIXEL)
+        budget = min(CPU_BATCH_PIXELS, available_memory() // 4 // BYTES_PER_PIXEL)
     return max(int(max_pixels), int(budget))
 
 

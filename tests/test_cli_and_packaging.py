@@ -27,6 +27,8 @@ def test_info_runs_as_console_script():
     # the cores serve and tokenize size themselves by: the affinity mask capped by a CPU quota
     cores = facts["cores"]
     assert cores["usable"] == min(cores["affinity_mask"], cores["cpu_quota"] or cores["affinity_mask"]) >= 1
+    memory = facts["memory"]  # the RAM, capped by a memory limit
+    assert memory["usable"] > 0 and (memory["limit"] is None or memory["usable"] <= memory["limit"])
 
 
 def test_info_table(capsys):
@@ -34,6 +36,7 @@ def test_info_table(capsys):
     out = capsys.readouterr().out
     assert "torch" in out and "runtimes" in out
     assert re.search(r"^cores +\d+ usable \(affinity mask \d+, CPU quota (none|\d+)\)$", out, re.M), out
+    assert re.search(r"^memory +[\d.]+ GiB usable \(memory limit (none|[\d.]+ GiB)\)$", out, re.M), out
 
 
 def test_no_command_prints_help(capsys):

@@ -1,4 +1,5 @@
-"""The cores a process may use: affinity capped by its CPU quota (a container's CPU limit).
+"""What a process may use: cores (affinity capped by its CPU quota) and memory (the RAM
+capped by its memory limit), a container's limits included.
 
 The parsing tests build a process's ``/proc/self/{cgroup,mountinfo}`` and the cgroup files
 as data in a folder (the shapes cgroup v1, v2, with and without a cgroup namespace, write);
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vqserve.machine import available_cores, cpu_quota_cores
+from vqserve.machine import available_cores, available_memory, cpu_quota_cores, memory_limit_bytes
 
 
 def fake_proc(tmp: Path, cgroup: str, mounts: list[tuple[str, str, str, str]], files: dict[str, str]) -> str:
@@ -89,6 +90,23 @@ def test_unreadable_or_garbled_files_mean_no_quota(tmp_path):
     assert cpu_quota_cores(proc) is None
 
 
+def test_memory_limits_in_v2_v1_and_up_the_tree(tmp_path):
+    for case in "abc":
+        (tmp_path / case).mkdir()
+    v2 = fake_proc(tmp_path / "a", "0::/pod/ctr\n", [("/", "/sys/fs/cgroup", "cgroup2", "rw")], {
+        "sys/fs/cgroup/pod/ctr/memory.max": "max\n", "sys/fs/cgroup/pod/memory.max": "2147483648\n"})
+    assert memory_limit_bytes(v2) == 2 << 30
+    v1 = fake_proc(tmp_path / "b", "4:memory:/docker/abc\n0::/\n",
+                   [("/docker/abc", "/sys/fs/cgroup/memory", "cgroup", "rw,memory")],
+                   {"sys/fs/cgroup/memory/memory.limit_in_bytes": "536870912\n"})
+    assert memory_limit_bytes(v1) == 512 << 20
+    unlimited = fake_proc(tmp_path / "c", "4:memory:/\n0::/\n", [("/", "/sys/fs/cgroup/memory", "cgroup", "rw,memory")],
+                          {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n"})
+    assert memory_limit_bytes(unlimited) is None  # the kernel's "no limit" in v1
+    assert memory_limit_bytes(str(tmp_path / "nowhere")) is None
+    assert 0 < available_memory()
+
+
 @given(st.integers(1_000, 64_000_000), st.integers(1_000, 1_000_000))
 def test_a_quota_gives_its_whole_cores_rounded_down_at_least_one(quota, period):
     import tempfile
@@ -99,15 +117,19 @@ def test_a_quota_gives_its_whole_cores_rounded_down_at_least_one(quota, period):
         assert cpu_quota_cores(proc) == max(1, quota // period)
 
 
-def _cgroup_v1_cpu() -> Path | None:
-    """A writable cgroup v1 cpu hierarchy this process sits at the top of, or None."""
+def _cgroup_v1(controller: str) -> Path | None:
+    """A writable cgroup v1 hierarchy of ``controller`` mounted from its root, or None."""
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields, _, tail = line.partition(" - ")
         fields, tail = fields.split(), tail.split()
-        if len(tail) >= 3 and tail[0] == "cgroup" and "cpu" in tail[2].split(",") and fields[3] == "/":
+        if len(tail) >= 3 and tail[0] == "cgroup" and controller in tail[2].split(",") and fields[3] == "/":
             mount = Path(fields[4])
             return mount if os.access(mount, os.W_OK) else None
     return None
+
+
+def _cgroup_v1_cpu() -> Path | None:
+    return _cgroup_v1("cpu")
 
 
 @pytest.mark.skipif(_cgroup_v1_cpu() is None, reason="needs a writable cgroup v1 cpu hierarchy (root)")
@@ -134,3 +156,22 @@ def test_a_process_in_a_cgroup_with_a_quota_sizes_itself_by_the_quota():
     finally:
         folder.rmdir()
     assert available_cores() >= 1
+
+
+@pytest.mark.skipif(_cgroup_v1("memory") is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
+def test_a_process_in_a_cgroup_with_a_memory_limit_sizes_its_model_calls_by_it():
+    """A real cgroup limited to 1 GiB: the process inside may use 1 GiB, and the CPU pixel
+    budget per model call is a quarter of that at 300 bytes a pixel (about 0.9 megapixels), not 4 megapixels."""
+    folder = _cgroup_v1("memory") / f"vqserve-test-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    try:
+        (folder / "memory.limit_in_bytes").write_text(str(1 << 30))
+        code = ("from vqserve.machine import available_memory, memory_limit_bytes;"
+                "from vqserve.serve.engine import default_batch_pixels;"
+                "print(memory_limit_bytes(), available_memory(), default_batch_pixels('cpu', 1))")
+        done = subprocess.run(["sh", "-c", f'echo $$ > {folder}/tasks && exec "$0" -c "$1"', sys.executable, code],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == [str(1 << 30), str(1 << 30), str((1 << 30) // 4 // 300)]
+    finally:
+        folder.rmdir()

@@ -58,23 +58,54 @@ def cpu_quota_cores(proc: str = "/proc/self") -> int | None:
 
     The quota is a container's CPU limit: cgroup v2 ``cpu.max`` ("QUOTA PERIOD" or "max
     PERIOD"), cgroup v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: none), the smallest
-    along the process's cgroup and its ancestors. Each cgroup hierarchy's folder is found
-    through ``mountinfo`` (the part of the hierarchy mounted where), so it works with and
-    without a cgroup namespace. Rounded down, as Go's automaxprocs does: 2.5 cores run 2
-    busy workers unthrottled rather than 3 throttled ones."""
+    along the process's cgroup and its ancestors (:func:`_cgroup_chains`). Rounded down, as
+    Go's automaxprocs does: 2.5 cores run 2 busy workers unthrottled rather than 3 throttled
+    ones."""
+    quotas = [q for version, folders in _cgroup_chains(proc, "cpu") for folder in folders
+              if (q := (_v2_quota if version == 2 else _v1_quota)(folder))]
+    return min(quotas) if quotas else None
+
+
+def available_memory() -> int:
+    """Bytes of memory this process may use: the machine's RAM, capped by its memory limit
+    (:func:`memory_limit_bytes`: a container's). A rule such as "a quarter of the RAM" read
+    from the machine alone would size a 2 GiB pod by its 256 GiB node."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        physical = 16 << 30
+    limit = memory_limit_bytes()
+    return min(physical, limit) if limit else physical
+
+
+def memory_limit_bytes(proc: str = "/proc/self") -> int | None:
+    """This process's memory limit in bytes, or None where none is set or none can be read:
+    cgroup v2 ``memory.max`` ("max": none), cgroup v1 ``memory.limit_in_bytes`` (the
+    kernel's ~2**63 when unlimited), the smallest along the cgroup and its ancestors."""
+    limits = [b for version, folders in _cgroup_chains(proc, "memory") for folder in folders
+              if (b := _read_limit(folder / ("memory.max" if version == 2 else "memory.limit_in_bytes")))]
+    return min(limits) if limits else None
+
+
+def _cgroup_chains(proc: str, controller: str) -> list[tuple[int, list[Path]]]:
+    """For each cgroup hierarchy that may hold ``controller`` for this process: its version
+    (2: the unified hierarchy, whose controllers /proc/self/cgroup does not list; 1: a v1
+    hierarchy of ``controller``) and the folders of the process's cgroup and its ancestors.
+    Each hierarchy's folder is found through ``mountinfo`` (which part of it is mounted
+    where), so this works with and without a cgroup namespace; nothing readable: []."""
     try:
         cgroup_lines = Path(proc, "cgroup").read_text().splitlines()
         mount_lines = Path(proc, "mountinfo").read_text().splitlines()
     except OSError:
-        return None
+        return []
     v2_path = v1_path = None
     for line in cgroup_lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if controllers == "" and line.startswith("0::"):
             v2_path = path
-        elif "cpu" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1_path = path
-    quotas = []
+    chains = []
     for line in mount_lines:
         fields, dash, tail = line.partition(" - ")
         fields, tail = fields.split(), tail.split()
@@ -82,10 +113,10 @@ def cpu_quota_cores(proc: str = "/proc/self") -> int | None:
             continue
         root, mount, fstype, options = fields[3], fields[4], tail[0], tail[2]
         if fstype == "cgroup2" and v2_path is not None:
-            quotas += [q for folder in _cgroup_folders(mount, root, v2_path) if (q := _v2_quota(folder))]
-        elif fstype == "cgroup" and "cpu" in options.split(",") and v1_path is not None:
-            quotas += [q for folder in _cgroup_folders(mount, root, v1_path) if (q := _v1_quota(folder))]
-    return min(quotas) if quotas else None
+            chains.append((2, _cgroup_folders(mount, root, v2_path)))
+        elif fstype == "cgroup" and controller in options.split(",") and v1_path is not None:
+            chains.append((1, _cgroup_folders(mount, root, v1_path)))
+    return chains
 
 
 def _cgroup_folders(mount: str, root: str, path: str) -> list[Path]:
@@ -109,6 +140,16 @@ def _v2_quota(folder: Path) -> int | None:
         return None if quota == "max" else max(1, int(quota) // int(period))
     except (OSError, ValueError, ZeroDivisionError):
         return None
+
+
+def _read_limit(path: Path) -> int | None:
+    """A memory limit file: bytes, or None for "max", the v1 unlimited value or unreadable."""
+    try:
+        text = path.read_text().strip()
+        value = None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+    return value if value is not None and 0 < value < 1 << 62 else None
 
 
 def _v1_quota(folder: Path) -> int | None:

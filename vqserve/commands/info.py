@@ -168,6 +168,14 @@ def cores_facts() -> dict:
     return {"usable": available_cores(), "affinity_mask": mask, "cpu_quota": cpu_quota_cores()}
 
 
+def memory_facts() -> dict:
+    """The memory the server sizes its CPU model calls by (``usable``, bytes): the RAM,
+    capped by a memory limit (a container's)."""
+    from vqserve.machine import available_memory, memory_limit_bytes
+
+    return {"usable": available_memory(), "limit": memory_limit_bytes()}
+
+
 def collect(probe: bool = True) -> dict:
     """Gather facts cheaply: import only what is needed to report it."""
     import torch
@@ -182,6 +190,7 @@ def collect(probe: bool = True) -> dict:
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cpu_threads": torch.get_num_threads(),
         "cores": cores_facts(),
+        "memory": memory_facts(),
     }
     runtimes = {"eager": True, "torchscript": True, "pt2": hasattr(torch, "export")}
     if importlib.util.find_spec("onnxruntime") is not None:
@@ -237,6 +246,9 @@ def _rows(facts: dict) -> list[tuple[str, str]]:
         if key == "cores":
             value = (f"{value['usable']} usable (affinity mask {value['affinity_mask']}, CPU quota "
                      f"{value['cpu_quota'] or 'none'})")
+        elif key == "memory":
+            limit = f"{value['limit'] / 2**30:.1f} GiB" if value["limit"] else "none"
+            value = f"{value['usable'] / 2**30:.1f} GiB usable (memory limit {limit})"
         elif isinstance(value, dict):
             value = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in value.items())
         elif isinstance(value, list):
