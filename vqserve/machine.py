@@ -1,8 +1,10 @@
-"""What this machine has: CPU model, feature flags, usable cores. Read, never assumed.
+"""What this machine has: CPU model, feature flags, usable cores and memory. Read, never
+assumed.
 
 One place for every layer (the planner, the execution plan, the batch tokenizer, the
-benchmarks, `vqserve info`): CPUs differ between machines (AVX2 only, AVX-512 BF16/FP16,
-AMX), and the right dtype and thread layout follow from what is actually there. Standard
+server, the benchmarks, `vqserve info`): CPUs differ between machines (AVX2 only, AVX-512
+BF16/FP16, AMX), and the right dtype and thread layout follow from what is actually there;
+in a container, what is there is its CPU and memory limits, not its node's. Standard
 library only, so any layer may import it.
 """
 
