@@ -128,16 +128,12 @@ def _cgroup_v1(controller: str) -> Path | None:
     return None
 
 
-def _cgroup_v1_cpu() -> Path | None:
-    return _cgroup_v1("cpu")
-
-
-@pytest.mark.skipif(_cgroup_v1_cpu() is None, reason="needs a writable cgroup v1 cpu hierarchy (root)")
+@pytest.mark.skipif(_cgroup_v1("cpu") is None, reason="needs a writable cgroup v1 cpu hierarchy (root)")
 def test_a_process_in_a_cgroup_with_a_quota_sizes_itself_by_the_quota():
     """A real cgroup with 1.5 cores of quota: the process inside counts 1 core, and sizes
     by it what the machine's cores sized: a CPU plan's model calls at once, each
     front-end's decode threads, the front-ends of a stand-in accelerator."""
-    folder = _cgroup_v1_cpu() / f"vqserve-test-{uuid.uuid4().hex[:8]}"
+    folder = _cgroup_v1("cpu") / f"vqserve-test-{uuid.uuid4().hex[:8]}"
     folder.mkdir()
     try:
         (folder / "cpu.cfs_period_us").write_text("100000")

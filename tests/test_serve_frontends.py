@@ -57,6 +57,18 @@ def _images(n: int, seed: int = 0, size: int = 64) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
 
 
+def _scrape(srv) -> str:
+    """A server's /metrics (started with ``--metrics-port 0``: its serving line has the port)."""
+    port = json.loads(next(line for line in srv.log if '"event": "serving"' in line))["metrics_port"]
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+
+
+def _count(text: str, prefix: str, having: str = "") -> float:
+    """The sum of the samples whose line starts with ``prefix`` (and holds ``having``)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix) and having in line)
+
+
 def test_tokens_through_two_frontends_are_the_models(split_server):
     """Many connections (spread over both front-ends by the kernel) get the model's tokens
     and pixels, from pixels that crossed to the executor through shared memory."""
@@ -148,33 +160,25 @@ def test_png_requests_decode_in_the_frontends(split_server):
 def test_metrics_sum_every_frontend_and_the_executor(split_server):
     """Requests are counted once each, whichever front-end took them; batches once, by the
     executor; every family appears once in the exposition."""
-    port = json.loads(next(line for line in split_server.log if '"event": "serving"' in line))["metrics_port"]
-
-    def scrape() -> str:
-        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-
-    def count(text: str, prefix: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
-
-    before = scrape()
+    before = _scrape(split_server)
     n = 8
     for k in range(n):
         client = TokenizerClient(split_server.target)
         client.encode(_images(1, seed=100 + k))
         client.close()
-    after = scrape()
+    after = _scrape(split_server)
     ok = 'vqserve_requests_total{code="OK",method="Encode"}'
-    assert count(after, ok) - count(before, ok) == n
+    assert _count(after, ok) - _count(before, ok) == n
     items = 'vqserve_items_total{method="encode"}'
-    assert count(after, items) - count(before, items) >= n  # padded rows are not counted; each image once
+    assert _count(after, items) - _count(before, items) >= n  # padded rows are not counted; each image once
     # one caller at a time: each request crosses to the executor as a group of its own
     group = 'vqserve_group_size_{}{{method="encode"}}'
-    assert count(after, group.format("count")) - count(before, group.format("count")) == n
-    assert count(after, group.format("sum")) - count(before, group.format("sum")) == n
+    assert _count(after, group.format("count")) - _count(before, group.format("count")) == n
+    assert _count(after, group.format("sum")) - _count(before, group.format("sum")) == n
     families = [line.split()[2] for line in after.splitlines() if line.startswith("# TYPE")]
     assert len(families) == len(set(families)), "a metric family appears twice"
     assert "vqserve_model_info" in after and 'backend="synthetic"' in after
-    assert count(after, "vqserve_codebook_window_tokens") > 0
+    assert _count(after, "vqserve_codebook_window_tokens") > 0
 
 
 def test_calls_in_flight_in_a_killed_frontend_stop_counting_as_in_flight():
@@ -185,12 +189,8 @@ def test_calls_in_flight_in_a_killed_frontend_stop_counting_as_in_flight():
 
     with ServeProcess(["--model", "synthetic:1000000", "--frontends", "1", "--micro-batch", "1",
                        "--metrics-port", "0"]) as srv:
-        port = json.loads(next(line for line in srv.log if '"event": "serving"' in line))["metrics_port"]
-
         def in_flight() -> float:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("vqserve_requests_in_flight"))
+            return _count(_scrape(srv), "vqserve_requests_in_flight")
 
         failures = []
 
@@ -224,7 +224,6 @@ def test_overload_across_frontends_gets_resource_exhausted_then_recovers():
 
     with ServeProcess(["--model", "synthetic:500000", "--frontends", "2", "--micro-batch", "1",
                        "--max-batch-size", "1", "--max-queue", "2", "--metrics-port", "0"]) as srv:
-        port = json.loads(next(line for line in srv.log if '"event": "serving"' in line))["metrics_port"]
         images = [_images(1, seed=k, size=256) for k in range(10)]  # 0.5 s of device time each
         results: list = [None] * len(images)
         connected = threading.Barrier(len(images))  # every caller connected, then all send at once
@@ -256,10 +255,7 @@ def test_overload_across_frontends_gets_resource_exhausted_then_recovers():
         assert len(served) >= 2
         for k in served:
             np.testing.assert_array_equal(results[k], block_tokens(images[k]))
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-        counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                      if line.startswith("vqserve_errors_total") and 'code="RESOURCE_EXHAUSTED"' in line)
-        assert counted == len(refused)
+        assert _count(_scrape(srv), "vqserve_errors_total", 'code="RESOURCE_EXHAUSTED"') == len(refused)
         again = _images(1, seed=99, size=64)
         np.testing.assert_array_equal(TokenizerClient(srv.target).encode(again), block_tokens(again))
 

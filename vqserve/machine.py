@@ -46,12 +46,17 @@ def available_cores() -> int:
     Why the quota: a Kubernetes pod with ``limits: cpu: 8`` on a 96-core node sees all 96
     cores in its affinity mask, and sizing front-ends, model workers and decode threads by
     them would run a dozen times more threads than its quota, each throttled."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = affinity_cores()
     quota = cpu_quota_cores()
     return max(1, min(cores, quota) if quota else cores)
+
+
+def affinity_cores() -> int:
+    """Cores in this process's affinity mask (all the machine's where there is none)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def cpu_quota_cores(proc: str = "/proc/self") -> int | None:

@@ -157,15 +157,9 @@ def low_precision_facts(probe: bool = True) -> dict:
 def cores_facts() -> dict:
     """The cores serve and tokenize size themselves by (``usable``), and where that number
     comes from: the affinity mask, capped by the CPU quota (a container's CPU limit)."""
-    import os
+    from vqserve.machine import affinity_cores, available_cores, cpu_quota_cores
 
-    from vqserve.machine import available_cores, cpu_quota_cores
-
-    try:
-        mask = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        mask = os.cpu_count() or 1
-    return {"usable": available_cores(), "affinity_mask": mask, "cpu_quota": cpu_quota_cores()}
+    return {"usable": available_cores(), "affinity_mask": affinity_cores(), "cpu_quota": cpu_quota_cores()}
 
 
 def memory_facts() -> dict:
