@@ -317,33 +317,37 @@ def test_ctrl_c_during_model_calls_exits_130_not_an_abort(tiny_checkpoint, tmp_p
     write_folder(tmp_path / "in", 120, bad=False)
     codes = []
     for k in range(5):
-        out = tmp_path / f"out{k}"
-        args = [str(tmp_path / "in"), "--size", "128", "--shard-size", "8", "--model", tiny_checkpoint,
-                "--out", str(out), "--workers", "1", "--no-progress", "--threads", "1"]
-        proc = subprocess.Popen(_cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
-        while time.time() < deadline and not list(out.glob("shard-*.parquet")):
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-        codes.append(proc.returncode)
+        code, err = _interrupt_after_first_shard(tmp_path / "in", tmp_path / f"out{k}", tiny_checkpoint, 128)
+        codes.append(code)
         assert "terminate called" not in err, err
     assert codes == [130] * 5
+
+
+def _interrupt_after_first_shard(folder: Path, out: Path, model: str, size: int) -> tuple[int, str]:
+    """``vqserve tokenize`` with a decode worker, Ctrl-C once its first shard is written:
+    (exit code, stderr)."""
+    args = _ctrl_c_args(folder, out, model, size)
+    proc = subprocess.Popen(_cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(out.glob("shard-*.parquet")):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def _ctrl_c_args(folder: Path, out: Path, model: str, size: int) -> list[str]:
+    return [str(folder), "--size", str(size), "--shard-size", "8", "--model", model, "--out", str(out),
+            "--workers", "1", "--no-progress", "--threads", "1"]
 
 
 @pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tiny_checkpoint, tmp_path):
     write_folder(tmp_path / "in", 150, bad=False)
     out = tmp_path / "out"
-    args = [str(tmp_path / "in"), "--size", "32", "--shard-size", "8", "--model", tiny_checkpoint,
-            "--out", str(out), "--workers", "1", "--no-progress", "--threads", "1"]
-    proc = subprocess.Popen(_cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(out.glob("shard-*.parquet")):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    code, err = _interrupt_after_first_shard(tmp_path / "in", out, tiny_checkpoint, 32)
+    assert code == 130, err
     assert "run the same command again to resume" in err and "Traceback" not in err
+    args = _ctrl_c_args(tmp_path / "in", out, tiny_checkpoint, 32)
     res = subprocess.run(_cli(args), capture_output=True, text=True, timeout=180)
     assert res.returncode == 0 and json.loads((out / "__vqserve__" / "manifest.json").read_text())["totals"]["rows"] == 150
