@@ -43,6 +43,7 @@ import numpy as np
 
 from vqserve.bench.load import caller_kinds, compare_layouts, mean_text, parse_cases, parse_layouts
 from vqserve.bench.serving import bench_photos
+from vqserve.export.synthetic import is_synthetic
 from vqserve.machine import available_cores
 
 
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.perf_counter()
     device = args.device
-    synthetic = args.model.startswith("synthetic:")
+    synthetic = is_synthetic(args.model)
     dtypes = ["fp32"] if synthetic else [d for d in args.dtypes.split(",") if d]  # synthetic:N is exact only
     photos = bench_photos(args.size)
     result: dict = {"model": args.model, "device": device, "size": args.size}
@@ -427,7 +428,7 @@ def served_rows(args, dtype: str, batch: int, raw, photos: np.ndarray, cases: li
     """Section 3 for one dtype: each layout (and, on CUDA, the plan `vqserve plan` measures
     here, recorded in ``result["plans"]``) serving it at its best in-process batch, clients
     in several processes."""
-    device, synthetic = args.device, args.model.startswith("synthetic:")
+    device, synthetic = args.device, is_synthetic(args.model)
     micro = min(batch, 64)  # each dtype served at its best in-process batch
     many = np.resize(photos, (max(c.images for c in cases), *photos.shape[1:]))
     # the tokens the server must give: this dtype run by the plan it serves with (calls of

@@ -71,6 +71,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.machine import available_cores
+
 PROTOCOLS = ("v1", "oip", "torchserve")
 # whole colour photographs that ship inside scikit-image (never matplotlib's or sklearn's)
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field",
@@ -453,8 +455,6 @@ def settle_plan(name: str, proc: subprocess.Popen, lines: list[str], log=print,
 def torchserve_workers(value: str) -> int:
     """``--torchserve-workers`` / ``--capacity-workers``: a count, or ``cores`` (the cores
     this process may run on)."""
-    from vqserve.machine import available_cores
-
     n = available_cores() if value == "cores" else int(value)
     if n < 1:
         raise ValueError(f"workers must be 1 or more, or 'cores', got {value!r}")
@@ -744,7 +744,6 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
     import torch
 
     from vqserve.export.runtime import load_runtime
-    from vqserve.machine import available_cores
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -906,14 +905,13 @@ def client_process_mode(args) -> int:
         parse_cases,
         parse_layouts,
     )
-    from vqserve.machine import available_cores
 
     cases = parse_cases(args.cases)
     layouts = parse_layouts(args.layouts, ["--plan", args.server_plan or "default"])
     photos = bench_photos(args.size)
-    capacity = capacity_of(args.model)
+    capacity, cores = capacity_of(args.model), available_cores()
     print(f"bench serve: {args.model}, {args.size}x{args.size}, {args.client_procs} client processes x "
-          f"{args.client_callers} callers ({', '.join(args.client_kind)}), {available_cores()} usable CPUs"
+          f"{args.client_callers} callers ({', '.join(args.client_kind)}), {cores} usable CPUs"
           + (f"; device capacity {capacity:.0f} img/s at 256x256" if capacity else ""), flush=True)
     rows = compare_layouts(args.model, layouts, cases, photos, args.client_procs, args.client_callers,
                            args.duration, args.repeats, args.device, args.dtype, floor=args.floor,
@@ -922,7 +920,7 @@ def client_process_mode(args) -> int:
     print(layouts_table(rows, capacity, args.size))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "capacity": capacity, "rows": rows,
-                                               "cpus": available_cores()}, indent=1))
+                                               "cpus": cores}, indent=1))
     return 0
 
 

@@ -4,10 +4,8 @@
 #   scripts/gpu_check.sh OUT_DIR [bench gpu flags...]
 set -euo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [flags]}; shift
-mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps below change folders
 . "$(dirname "$0")/gpu_install.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 -c "import torch, grpc; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'grpcio', grpc.__version__)"
 cd /tmp  # the installed vqserve, not the source folders
-python3 -m vqserve info --no-probe 2>&1 | tee "$out/info.txt" || true  # devices, cores (CPU quota)
+python3 -m vqserve info --no-probe 2>&1 | tee "$out/info.txt" || true  # versions, devices, cores, memory
 python3 -m vqserve bench gpu --json "$out/gpu.json" "$@" 2>&1 | tee "$out/gpu.log"

@@ -7,7 +7,6 @@
 #   TESTS_S=100 BENCH_S=450 (seconds) set the limits.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR [bench gpu flags]}; shift
-mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps below change folders
 here=$(dirname "$0")
 start=$(date +%s)
 . "$here/gpu_install.sh"  # once, for both steps

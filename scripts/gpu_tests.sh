@@ -5,7 +5,6 @@
 #   scripts/gpu_tests.sh OUT_DIR [pytest args...]
 set -euo pipefail
 out=${1:?usage: scripts/gpu_tests.sh OUT_DIR [pytest args]}; shift
-mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps below change folders
 . "$(dirname "$0")/gpu_install.sh"
 copy=$(mktemp -d); cp -r tests pyproject.toml "$copy"/
 cd "$copy"

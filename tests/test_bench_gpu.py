@@ -7,6 +7,13 @@ import json
 from vqserve.bench import gpu
 
 
+def _small_run(model: str, dtypes: str, out) -> list[str]:
+    """A short `bench gpu` of the tiny model on CPU: one batch size, one case, one split layout."""
+    return ["--model", model, "--device", "cpu", "--dtypes", dtypes, "--size", "32", "--batches", "4",
+            "--seconds", "0.3", "--procs", "1", "--callers", "1", "--cases", "v1:raw:1",
+            "--layouts", "split=--frontends 1", "--tokenize-seconds", "0", "--json", str(out)]
+
+
 def test_a_failing_section_is_recorded_and_the_run_goes_on_saving_as_it_goes(tiny_checkpoint, tmp_path,
                                                                               monkeypatch, capsys):
     """Section 1 fails (as a CUDA error would; the failure is injected, everything else is
@@ -27,10 +34,7 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on_saving_as_it_goes(tin
 
     monkeypatch.setattr(gpu, "token_rows", broken_token_rows)
     monkeypatch.setattr(gpu, "compare_layouts", compare_after_reading_the_file)
-    code = gpu.main(["--model", tiny_checkpoint, "--device", "cpu", "--dtypes", "fp32", "--size", "32",
-                     "--batches", "4", "--seconds", "0.3", "--procs", "1", "--callers", "1",
-                     "--cases", "v1:raw:1", "--layouts", "split=--frontends 1", "--tokenize-seconds", "0",
-                     "--json", str(out)])
+    code = gpu.main(_small_run(tiny_checkpoint, "fp32", out))
     assert code == 1
     # saved as the sections ended: the failure and the in-process figures, before serving
     assert seen_before_serving["complete"] is False
@@ -59,10 +63,7 @@ def test_a_dtype_that_fails_leaves_the_others_measured(tiny_checkpoint, tmp_path
         return real_load(model, dtype, device, tf32)
 
     monkeypatch.setattr(gpu, "load", load_without_bf16)
-    code = gpu.main(["--model", tiny_checkpoint, "--device", "cpu", "--dtypes", "fp32,bf16", "--size", "32",
-                     "--batches", "4", "--seconds", "0.3", "--procs", "1", "--callers", "1",
-                     "--cases", "v1:raw:1", "--layouts", "split=--frontends 1", "--tokenize-seconds", "0",
-                     "--json", str(out)])
+    code = gpu.main(_small_run(tiny_checkpoint, "fp32,bf16", out))
     result = json.loads(out.read_text())
     assert code == 1 and result["complete"]
     assert [f["section"] for f in result["failed"]] == ["2. in-process images/s, bf16"]

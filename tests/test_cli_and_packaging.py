@@ -20,7 +20,7 @@ def test_info_runs_as_console_script():
     out = subprocess.run([str(Path(sys.executable).parent / "vqserve"), "info", "--json"],
                          capture_output=True, text=True, timeout=120, check=True)
     facts = json.loads(out.stdout)
-    assert facts["vqserve"] and facts["torch"].startswith("2.")
+    assert facts["vqserve"] and facts["torch"].startswith("2.") and facts["grpcio"].startswith("1.")
     assert facts["runtimes"]["eager"] is True and "onnx" in facts["runtimes"]
     # both shipped tokenizers are package data: a wheel or checkout that lost one says so here
     assert facts["shipped_tokenizers"] == ["default", "dithered"]

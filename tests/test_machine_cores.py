@@ -18,7 +18,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vqserve.machine import available_cores, available_memory, cpu_quota_cores, memory_limit_bytes
+from vqserve.machine import (
+    _cgroup_chains,
+    available_cores,
+    available_memory,
+    cpu_quota_cores,
+    memory_limit_bytes,
+)
 
 
 def fake_proc(tmp: Path, cgroup: str, mounts: list[tuple[str, str, str, str]], files: dict[str, str]) -> str:
@@ -118,14 +124,28 @@ def test_a_quota_gives_its_whole_cores_rounded_down_at_least_one(quota, period):
 
 
 def _cgroup_v1(controller: str) -> Path | None:
-    """A writable cgroup v1 hierarchy of ``controller`` mounted from its root, or None."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields, _, tail = line.partition(" - ")
-        fields, tail = fields.split(), tail.split()
-        if len(tail) >= 3 and tail[0] == "cgroup" and controller in tail[2].split(",") and fields[3] == "/":
-            mount = Path(fields[4])
-            return mount if os.access(mount, os.W_OK) else None
+    """This process's own cgroup v1 folder for ``controller`` (found as the server finds it),
+    if it may make a child cgroup there, or None."""
+    for version, folders in _cgroup_chains("/proc/self", controller):
+        if version == 1 and os.access(folders[0], os.W_OK):
+            return folders[0]
     return None
+
+
+def _run_in_cgroup(controller: str, settings: dict[str, str], code: str) -> list[str]:
+    """Run Python ``code`` in a new child cgroup of ``controller`` with ``settings`` (file ->
+    value) written first; its printed words. The cgroup is removed afterwards."""
+    folder = _cgroup_v1(controller) / f"vqserve-test-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    try:
+        for name, value in settings.items():
+            (folder / name).write_text(value)
+        done = subprocess.run(["sh", "-c", f'echo $$ > {folder}/tasks && exec "$0" -c "$1"', sys.executable, code],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+    finally:
+        folder.rmdir()
 
 
 @pytest.mark.skipif(_cgroup_v1("cpu") is None, reason="needs a writable cgroup v1 cpu hierarchy (root)")
@@ -133,41 +153,24 @@ def test_a_process_in_a_cgroup_with_a_quota_sizes_itself_by_the_quota():
     """A real cgroup with 1.5 cores of quota: the process inside counts 1 core, and sizes
     by it what the machine's cores sized: a CPU plan's model calls at once, each
     front-end's decode threads, the front-ends of a stand-in accelerator."""
-    folder = _cgroup_v1("cpu") / f"vqserve-test-{uuid.uuid4().hex[:8]}"
-    folder.mkdir()
-    try:
-        (folder / "cpu.cfs_period_us").write_text("100000")
-        (folder / "cpu.cfs_quota_us").write_text("150000")
-        code = ("import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()));"
-                "from vqserve.machine import available_cores, cpu_quota_cores;"
-                "from vqserve.commands.serve import resolve_frontends;"
-                "from vqserve.export.execution import default_model_workers;"
-                "from vqserve.serve.decoding import default_decode_threads;"
-                "print(available_cores(), cpu_quota_cores(), default_model_workers('cpu'), default_decode_threads(),"
-                "      resolve_frontends('auto', 'synthetic:0', 'cpu'))")
-        done = subprocess.run(["sh", "-c", f'echo $$ > {folder}/tasks && exec "$0" -c "$1" /dev/null',
-                               sys.executable, code], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.split() == ["1", "1", "1", "1", "1"]
-    finally:
-        folder.rmdir()
+    code = ("from vqserve.machine import available_cores, cpu_quota_cores;"
+            "from vqserve.commands.serve import resolve_frontends;"
+            "from vqserve.export.execution import default_model_workers;"
+            "from vqserve.serve.decoding import default_decode_threads;"
+            "print(available_cores(), cpu_quota_cores(), default_model_workers('cpu'), default_decode_threads(),"
+            "      resolve_frontends('auto', 'synthetic:0', 'cpu'))")
+    got = _run_in_cgroup("cpu", {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "150000"}, code)
+    assert got == ["1", "1", "1", "1", "1"]
     assert available_cores() >= 1
 
 
 @pytest.mark.skipif(_cgroup_v1("memory") is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
 def test_a_process_in_a_cgroup_with_a_memory_limit_sizes_its_model_calls_by_it():
     """A real cgroup limited to 1 GiB: the process inside may use 1 GiB, and the CPU pixel
-    budget per model call is a quarter of that at 300 bytes a pixel (about 0.9 megapixels), not 4 megapixels."""
-    folder = _cgroup_v1("memory") / f"vqserve-test-{uuid.uuid4().hex[:8]}"
-    folder.mkdir()
-    try:
-        (folder / "memory.limit_in_bytes").write_text(str(1 << 30))
-        code = ("from vqserve.machine import available_memory, memory_limit_bytes;"
-                "from vqserve.serve.engine import default_batch_pixels;"
-                "print(memory_limit_bytes(), available_memory(), default_batch_pixels('cpu', 1))")
-        done = subprocess.run(["sh", "-c", f'echo $$ > {folder}/tasks && exec "$0" -c "$1"', sys.executable, code],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.split() == [str(1 << 30), str(1 << 30), str((1 << 30) // 4 // 300)]
-    finally:
-        folder.rmdir()
+    budget per model call is a quarter of that at 300 bytes a pixel (about 0.9 megapixels),
+    not 4 megapixels."""
+    code = ("from vqserve.machine import available_memory, memory_limit_bytes;"
+            "from vqserve.serve.engine import default_batch_pixels;"
+            "print(memory_limit_bytes(), available_memory(), default_batch_pixels('cpu', 1))")
+    got = _run_in_cgroup("memory", {"memory.limit_in_bytes": str(1 << 30)}, code)
+    assert got == [str(1 << 30), str(1 << 30), str((1 << 30) // 4 // 300)]

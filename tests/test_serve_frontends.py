@@ -63,6 +63,18 @@ def _scrape(srv) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
 
 
+def _frontend_pids(srv) -> list[int]:
+    """The server's front-end processes (its children running vqserve.serve.frontend)."""
+    def is_frontend(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                return b"vqserve.serve.frontend" in fh.read()
+        except OSError:  # gone meanwhile
+            return False
+
+    return [pid for pid in child_pids(srv.proc.pid) if is_frontend(pid)]
+
+
 def _count(text: str, prefix: str, having: str = "") -> float:
     """The sum of the samples whose line starts with ``prefix`` (and holds ``having``)."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -111,11 +123,7 @@ def test_bad_input_gets_the_same_one_line_errors(split_server):
 def test_frontends_never_load_torch(split_server):
     """A front-end checks requests but runs no model: it maps no torch library (each one
     loaded torch before: ~1 s of start-up and ~190 MB of memory per front-end)."""
-    def is_frontend(pid: int) -> bool:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return b"vqserve.serve.frontend" in fh.read()
-
-    frontends = [pid for pid in child_pids(split_server.proc.pid) if is_frontend(pid)]
+    frontends = _frontend_pids(split_server)
     assert len(frontends) == 2
     for pid in frontends:
         with open(f"/proc/{pid}/maps") as fh:
@@ -204,8 +212,7 @@ def test_calls_in_flight_in_a_killed_frontend_stop_counting_as_in_flight():
         for c in callers:
             c.start()
         assert _wait_until(lambda: in_flight() >= 2, 30), "the calls never showed as in flight"
-        frontend = next(p for p in child_pids(srv.proc.pid) if "serve.frontend" in open(f"/proc/{p}/cmdline").read())
-        os.kill(frontend, signal.SIGKILL)
+        os.kill(_frontend_pids(srv)[0], signal.SIGKILL)
         for c in callers:
             c.join(60)
         assert len(failures) == 3  # each caller heard that its front-end went away
@@ -231,14 +238,15 @@ def test_overload_across_frontends_gets_resource_exhausted_then_recovers():
         def call(k: int) -> None:
             from vqserve.serve._proto import tokenizer_pb2 as pb
             from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
+            from vqserve.serve.client import tensor_array, tensor_msg
 
             channel = grpc.insecure_channel(srv.target, options=[("grpc.use_local_subchannel_pool", 1)])
             try:
                 grpc.channel_ready_future(channel).result(timeout=60)
                 connected.wait(60)
-                reply = pb_grpc.TokenizerStub(channel).Encode(pb.EncodeRequest(images=pb.Tensor(
-                    shape=[1, 256, 256, 3], dtype="uint8", data=images[k].tobytes())), timeout=120)
-                results[k] = np.frombuffer(reply.indices.data, reply.indices.dtype).reshape(list(reply.indices.shape))
+                reply = pb_grpc.TokenizerStub(channel).Encode(pb.EncodeRequest(images=tensor_msg(images[k])),
+                                                              timeout=120)
+                results[k] = tensor_array(reply.indices)
             except grpc.RpcError as exc:
                 results[k] = exc
             finally:
@@ -323,9 +331,7 @@ def test_kill_9_of_the_server_ends_its_frontends():
 
 def test_a_dead_frontend_is_replaced():
     with ServeProcess(["--model", "synthetic:0", "--frontends", "2"]) as srv:
-        first = child_pids(srv.proc.pid)
-        frontends = [p for p in first if "serve.frontend" in open(f"/proc/{p}/cmdline").read()]
-        os.kill(frontends[0], signal.SIGKILL)
+        os.kill(_frontend_pids(srv)[0], signal.SIGKILL)
         assert _wait_until(lambda: any('"frontend_restart"' in line for line in srv.log))
         assert _wait_until(lambda: sum('"frontend_serving"' in line for line in srv.log) >= 3, 180)
         images = _images(3, seed=11)

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import platform
@@ -180,6 +181,7 @@ def collect(probe: bool = True) -> dict:
         "vqserve": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "grpcio": importlib.metadata.version("grpcio"),
         "cuda_available": torch.cuda.is_available(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cpu_threads": torch.get_num_threads(),
