@@ -458,6 +458,7 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
     Returns a JSON-able dict with ``dtype``, ``backend``, ``artifact``, ``exact``, ``plan``,
     ``dtypes``, ``candidates``, ``device``, ``load_average``."""
     from vqserve.export.runtime import load_runtime, model_hash_of
+    from vqserve.export.synthetic import is_synthetic
 
     say = log or (lambda msg: None)
 
@@ -479,7 +480,7 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
         paths = [(want, None) for want in DTYPES]
     else:
         paths = [(dtype or "fp32", None)]
-    if not is_artifact and backend == "auto":
+    if not is_artifact and backend == "auto" and not is_synthetic(model):  # the stand-in has no exports
         paths += [(want, fmt) for fmt in (backends or default_backends(device)) if fmt in EXPORT_BACKENDS
                   for want in _export_dtypes(fmt, device, dtype)]
         model_hash = model_hash or model_hash_of(model)
@@ -760,8 +761,10 @@ class PlanChoice:
         that is not on this machine (a plan file from another one) is made again into
         ``artifacts`` (default: the plan cache's)."""
         from vqserve.export.runtime import load_runtime, model_hash_of
+        from vqserve.export.synthetic import is_synthetic
 
-        if self.backend == "eager" or (Path(str(model)) / "manifest.json").is_file():  # the model as given
+        # the model as given: eager, an artifact, or the stand-in accelerator (nothing to export)
+        if self.backend == "eager" or is_synthetic(model) or (Path(str(model)) / "manifest.json").is_file():
             return load_runtime(model, backend=backend, dtype=self.dtype, device=device, expect_hash=expect_hash)
         from vqserve.export.manifest import read_manifest
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from vqserve.cli import main
 from vqserve.export.execution import ExecutionPlan, PlannedRuntime
 from vqserve.export.runtime import RuntimeInfo
+from vqserve.export.synthetic import block_tokens
 from vqserve.serve.batcher import Batcher
 
 pytestmark = pytest.mark.timeout(300)
@@ -138,6 +139,31 @@ def test_eager_only_plans_export_nothing(tiny_checkpoint, tmp_path, capsys, args
     result = json.loads(capsys.readouterr().out)
     assert {d["backend"] for d in result["dtypes"]} == {"eager"} and result["artifact"] is None
     assert not (cache / "artifacts").exists()
+
+
+def test_a_plan_file_measured_on_the_stand_in_serves_as_written(tmp_path, capsys):
+    """`vqserve plan --model synthetic:N --out F` measures the stand-in as it is (it has no
+    exports to try) and `vqserve serve --plan F` runs it: before, the plan named backend
+    "synthetic", and the server tried to export the stand-in to that format and stopped."""
+    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.server import ServerConfig, ServerThread
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "synthetic:0", *FAST, "--plan-cache", str(tmp_path / "plans"),
+                 "--out", str(plan), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {d["backend"] for d in result["dtypes"]} == {"synthetic"}
+    assert not (tmp_path / "plans" / "artifacts").exists()
+    body = json.loads(plan.read_text())
+    body["plan"].update(micro_batch=4, micro_batch_by_pixels=[], lone_unpadded=[], bucketed=[])  # padded calls of 4
+    plan.write_text(json.dumps(body))
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    with ServerThread(ServerConfig(model="synthetic:0", host="127.0.0.1", port=0, metrics_port=-1, grace_s=2,
+                                   plan=str(plan), plan_cache=str(tmp_path / "empty"))) as srv:
+        client = TokenizerClient(srv.target)
+        line = client.model_info()["execution_plan"]
+        assert "micro_batch=4" in line and "buckets" not in line and line.endswith("[file]"), line
+        np.testing.assert_array_equal(client.encode(images), block_tokens(images))
 
 
 def test_a_second_plan_reads_the_cache_and_refresh_measures_again(tiny_checkpoint, tmp_path, capsys):
