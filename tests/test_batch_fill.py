@@ -153,3 +153,24 @@ def test_a_padded_call_waits_for_every_client_the_last_call_answered():
 
     asyncio.run(main())
     assert sizes == [8, 8, 8], f"call sizes {sizes}"
+
+
+def test_clients_that_leave_cost_one_wait_and_the_next_call_waits_for_those_left():
+    """Eight clients, then one: the call after seven left waits for them one call time (the
+    device's idle bound), runs the one that came back, and the next calls wait for one."""
+    runtime = PlannedRuntime(SyntheticRuntime("synthetic:20000"), ExecutionPlan(8, 2))  # 0.16 ms per call of 8
+    sizes: list[int] = []
+
+    async def main():
+        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0, observer=lambda s: sizes.append(s.size))
+        b.start()
+
+        async def client(k: int) -> None:
+            for _ in range(5 if k == 0 else 2):
+                await asyncio.wait_for(b.submit("encode", _image(k)), 20)
+
+        await asyncio.gather(*(client(k) for k in range(8)))
+        await b.close()
+
+    asyncio.run(main())
+    assert sizes == [8, 8, 1, 1, 1], f"call sizes {sizes}"
