@@ -26,7 +26,8 @@ split into groups that never merge again, each padded: 64 one-image clients at m
 running, and then once the clients the queue's last call answered are back: its rows plus
 those queued when it ended, as many as a call holds (closed-loop clients send their next
 request on the answer), or once the device has been idle for one call time (clients that
-left). A queue with no call yet waits for arrivals to pause for ``settle`` (a quarter of its
+left; the shorter of the queue's average and its last call, so one slow call such as a
+warm-up does not stretch the waits after it). A queue with no call yet waits for arrivals to pause for ``settle`` (a quarter of its
 call time, 0.5 to 4 ms) instead. A full call starts whenever a slot frees. The pause alone,
 the rule before, started a call on the first answered clients to come back, and the rest
 waited for the next: 64 one-image clients at micro-batch 64 of ``synthetic:4000`` (2 cores)
@@ -164,7 +165,7 @@ class Batcher:
         # filling padded calls (module docstring): only where the slots share one device
         device = str(getattr(getattr(runtime, "info", None), "device", ""))
         self._fill_plan = plan if plan is not None and device.startswith(("cuda", "synthetic")) else None
-        self._call_s: dict[tuple, float] = {}  # moving average of each queue's call time
+        self._call_s: dict[tuple, tuple[float, float]] = {}  # each queue's call time: moving average, last
         self._last_event = 0.0  # last arrival or finished call (monotonic)
         self._idle_since = 0.0  # when the last running call finished
         self._expected: dict[tuple, int] = {}  # rows a queue's next padded call waits for (its last call's + queued)
@@ -277,7 +278,7 @@ class Batcher:
         if cap > 1 and self.fills_calls(key[0]) and not (rows == 1 and key[0] in self._fill_plan.lone_unpadded):
             if self._free < self.slots:
                 return float("inf")  # the device is busy: the queue fills meanwhile
-            call_s = self._call_s.get(key, 0.004)
+            call_s = min(self._call_s.get(key, (0.004, 0.004)))  # one slow call (a warm-up) bounds one wait only
             expected = min(cap, self._expected.get(key, 0))
             if rows >= expected > 0:
                 return due  # every client the last call answered is back: nobody else is coming
@@ -385,7 +386,8 @@ class Batcher:
             return
         self._observe(BatchStats(method, rows, requests, waits, infer_s))
         key = segments[0][0].key
-        self._call_s[key] = infer_s if key not in self._call_s else 0.8 * self._call_s[key] + 0.2 * infer_s
+        average = infer_s if key not in self._call_s else 0.8 * self._call_s[key][0] + 0.2 * infer_s
+        self._call_s[key] = (average, infer_s)
         offset = 0
         for item, a, b in segments:
             item.deliver(a, out[offset: offset + (b - a)])

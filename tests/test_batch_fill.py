@@ -174,3 +174,43 @@ def test_clients_that_leave_cost_one_wait_and_the_next_call_waits_for_those_left
 
     asyncio.run(main())
     assert sizes == [8, 8, 1, 1, 1], f"call sizes {sizes}"
+
+
+class SlowFirstCall(SyntheticRuntime):
+    """The stand-in device whose first call takes ``slow_s`` (a warm-up, a capture)."""
+
+    def __init__(self, slow_s: float):
+        super().__init__("synthetic:0")
+        self.slow_s, self.calls = slow_s, 0
+
+    def encode(self, images):
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(self.slow_s)
+        return super().encode(images)
+
+
+def test_one_slow_call_does_not_make_later_waits_for_clients_long():
+    """The wait for clients that do not come back is bounded by the last call's time where
+    it is shorter than the average: after a 2 s first call and a fast second one, the one
+    client left is answered at once, not after most of 2 s."""
+    slow_s = 2.0
+    runtime = PlannedRuntime(SlowFirstCall(slow_s), ExecutionPlan(8, 2))
+    took: list[float] = []
+
+    async def main():
+        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
+        b.start()
+
+        async def client(k: int) -> None:
+            for _ in range(3 if k == 0 else 2):
+                t0 = time.monotonic()
+                await asyncio.wait_for(b.submit("encode", _image(k)), 20)
+                if k == 0:
+                    took.append(time.monotonic() - t0)
+
+        await asyncio.gather(*(client(k) for k in range(8)))
+        await b.close()
+
+    asyncio.run(main())
+    assert took[0] >= slow_s and took[2] < slow_s / 2, f"answers took {took} s"
