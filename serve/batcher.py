@@ -23,12 +23,13 @@ buckets), a short call costs the device a full one. Started at once, closed-loop
 split into groups that never merge again, each padded: 64 one-image clients at micro-batch
 64 on an H100 got 0.18 of bf16's in-process rate, and 16 clients at micro-batch 16 on
 ``synthetic:2000`` 0.33 of its capacity. So there a short call starts only when no call is
-running, and then once the clients the queue's last call answered are back: its rows plus
-those queued when it ended, as many as a call holds (closed-loop clients send their next
-request on the answer), or once the device has been idle for one call time (clients that
-left; the shorter of the queue's average and its last call, so one slow call such as a
-warm-up does not stretch the waits after it). A queue with no call yet waits for arrivals to pause for ``settle`` (a quarter of its
-call time, 0.5 to 4 ms) instead. A full call starts whenever a slot frees. The pause alone,
+running, and then once the clients the queue's last call answered are back: the rows of
+the requests it finished plus those queued when it ended, as many as a call holds
+(closed-loop clients send their next request on the answer), or once the device has been
+idle for one call time (clients that left; the shorter of the queue's average and its last
+call, so one slow call such as a warm-up does not stretch the waits after it). A queue with
+no call yet waits for arrivals to pause for ``settle`` (a quarter of its call time, 0.5 to
+4 ms) instead. A full call starts whenever a slot frees. The pause alone,
 the rule before, started a call on the first answered clients to come back, and the rest
 waited for the next: 64 one-image clients at micro-batch 64 of ``synthetic:4000`` (2 cores)
 got calls of 32-42 images, 0.46-0.57 of the device; waiting for them, calls of 64 and 0.82.
@@ -386,18 +387,21 @@ class Batcher:
             return
         self._observe(BatchStats(method, rows, requests, waits, infer_s))
         key = segments[0][0].key
+        if len(self._expected) >= _MAX_KEYS_REMEMBERED and key not in self._expected:
+            self._expected.clear()  # a client sending ever new shapes must not grow the server
+            self._call_s.clear()
         average = infer_s if key not in self._call_s else 0.8 * self._call_s[key][0] + 0.2 * infer_s
         self._call_s[key] = (average, infer_s)
         offset = 0
         for item, a, b in segments:
             item.deliver(a, out[offset: offset + (b - a)])
             offset += b - a
-        # closed-loop clients answered now send their next requests: the next padded call waits for them
+        # the clients answered now send their next requests (closed loop): the next padded call
+        # waits for them and for those queued meanwhile (a request split over calls is answered
+        # by its last one)
         q = self._queues.get(key)
-        if len(self._expected) >= _MAX_KEYS_REMEMBERED and key not in self._expected:
-            self._expected.clear()  # a client sending ever new shapes must not grow the server
-            self._call_s.clear()
-        self._expected[key] = rows + (sum(it.left for it in q) if q else 0)
+        answered = sum(item.rows for item, _, b in segments if b == item.rows)
+        self._expected[key] = answered + (sum(it.left for it in q) if q else 0)
 
     def _observe(self, stats: BatchStats) -> None:
         if self.observer is not None:

@@ -214,3 +214,37 @@ def test_one_slow_call_does_not_make_later_waits_for_clients_long():
 
     asyncio.run(main())
     assert took[0] >= slow_s and took[2] < slow_s / 2, f"answers took {took} s"
+
+
+class TimedCalls(SyntheticRuntime):
+    """The stand-in device recording when each call starts and ends (monotonic)."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.spans: list[tuple[float, float]] = []
+
+    def encode(self, images):
+        t0 = time.monotonic()
+        out = super().encode(images)
+        self.spans.append((t0, time.monotonic()))
+        return out
+
+
+def test_the_tail_of_a_request_split_over_calls_does_not_wait_for_clients():
+    """12 images at micro-batch 8: the first call answers nobody (its request goes on), so
+    the call of the last 4 has no client to wait for and follows at once, not after the
+    device idled for a call (0.5 s here)."""
+    inner = TimedCalls("synthetic:1000000")  # 1 s per 256x256 image: 0.5 s per call of 8 64x64s
+    runtime = PlannedRuntime(inner, ExecutionPlan(8, 2))
+    images = np.zeros((12, 64, 64, 3), np.uint8) + np.arange(12, dtype=np.uint8)[:, None, None, None]
+
+    async def main():
+        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
+        b.start()
+        out = await asyncio.wait_for(b.submit("encode", images), 20)
+        await b.close()
+        return out
+
+    np.testing.assert_array_equal(asyncio.run(main()), SyntheticRuntime("synthetic:0").encode(images))
+    (_, first_end), (second_start, _) = inner.spans
+    assert second_start - first_end < 0.25, f"the device idled {second_start - first_end:.3f} s between the calls"
