@@ -386,19 +386,23 @@ class Batcher:
                     await self._execute(method, [seg])
             return
         self._observe(BatchStats(method, rows, requests, waits, infer_s))
+        offset = 0
+        for item, a, b in segments:
+            item.deliver(a, out[offset: offset + (b - a)])
+            offset += b - a
+        if self.fills_calls(method):
+            self._remember_call(segments, infer_s)
+
+    def _remember_call(self, segments: list[Segment], infer_s: float) -> None:
+        """What the next padded call of this queue waits for: its call time, and the clients
+        this call answered, who send their next requests now (closed loop), with those queued
+        meanwhile (a request split over calls is answered by its last one)."""
         key = segments[0][0].key
         if len(self._expected) >= _MAX_KEYS_REMEMBERED and key not in self._expected:
             self._expected.clear()  # a client sending ever new shapes must not grow the server
             self._call_s.clear()
         average = infer_s if key not in self._call_s else 0.8 * self._call_s[key][0] + 0.2 * infer_s
         self._call_s[key] = (average, infer_s)
-        offset = 0
-        for item, a, b in segments:
-            item.deliver(a, out[offset: offset + (b - a)])
-            offset += b - a
-        # the clients answered now send their next requests (closed loop): the next padded call
-        # waits for them and for those queued meanwhile (a request split over calls is answered
-        # by its last one)
         q = self._queues.get(key)
         answered = sum(item.rows for item, _, b in segments if b == item.rows)
         self._expected[key] = answered + (sum(it.left for it in q) if q else 0)
