@@ -4,8 +4,14 @@
 # call: a script that installed exports VQSERVE_INSTALLED=1 for the scripts it runs.
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 site=${VQSERVE_SITE:-/tmp/vqserve-site}
+# A failed install (a wheel for another Python, a missing one) stops the call at once, with
+# status 3: everything after it would fail too, and spend the device's minutes doing so.
 if [ -z "${VQSERVE_INSTALLED:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-        --target "$site" ${WHEELS:-.whl/*.whl} . 2>&1 | tail -3
+    if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+            --target "$site" ${WHEELS:-.whl/*.whl} . > "$out/install.log" 2>&1; then
+        tail -3 "$out/install.log"
+        echo "gpu_install: pip could not install (whole log: $out/install.log); nothing was run" >&2
+        return 3
+    fi
 fi
 export PYTHONPATH="$site" PYTHONUNBUFFERED=1 VQSERVE_INSTALLED=1

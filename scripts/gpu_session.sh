@@ -9,7 +9,7 @@ set -uo pipefail
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR [bench gpu flags]}; shift
 here=$(dirname "$0")
 start=$(date +%s)
-. "$here/gpu_install.sh"  # once, for both steps
+. "$here/gpu_install.sh" || exit 3  # once, for both steps
 echo "installed after $(( $(date +%s) - start )) s"
 timeout "${TESTS_S:-100}" "$here/gpu_tests.sh" "$out"
 tests=$?

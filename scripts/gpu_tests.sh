@@ -5,7 +5,7 @@
 #   scripts/gpu_tests.sh OUT_DIR [pytest args...]
 set -euo pipefail
 out=${1:?usage: scripts/gpu_tests.sh OUT_DIR [pytest args]}; shift
-. "$(dirname "$0")/gpu_install.sh"
+. "$(dirname "$0")/gpu_install.sh" || exit 3
 copy=$(mktemp -d); cp -r tests pyproject.toml "$copy"/
 cd "$copy"
 python3 -m pytest -q -p no:cacheprovider \
