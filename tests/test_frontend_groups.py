@@ -33,12 +33,12 @@ def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
 
 @contextlib.asynccontextmanager
 async def _executor(micros: float, device: str, max_batch_pixels: int | None = None, plan=None,
-                    **remote_options):
-    """A real executor over synthetic:``micros`` (run by ``plan`` if given) and a front-end's
-    batcher connected to it: ``(state, remote)``, all closed at the end."""
+                    inner: SyntheticRuntime | None = None, **remote_options):
+    """A real executor over synthetic:``micros`` (or ``inner``; run by ``plan`` if given) and a
+    front-end's batcher connected to it: ``(state, remote)``, all closed at the end."""
     metrics = Metrics()
     state = ServerState(metrics)
-    runtime = SyntheticRuntime(f"synthetic:{micros}", device=device)
+    runtime = inner or SyntheticRuntime(f"synthetic:{micros}", device=device)
     if plan is not None:
         runtime = PlannedRuntime(runtime, plan)
     state.engine = Engine(runtime, metrics, max_batch_size=32, max_batch_pixels=max_batch_pixels)
@@ -134,6 +134,46 @@ def test_requests_are_never_held_where_the_plan_fills_padded_calls():
     requests to fill them: a front-end must not hold those requests back."""
     padded = ExecutionPlan(micro_batch=8, workers=1, intra_op_threads=1)
     assert _held_after_two_in_flight(padded, micros=10_000) == (3, 6)  # held or not, whatever the speed
+
+
+class _CallSizes(SyntheticRuntime):
+    """The stand-in recording the rows of each model call it gets (padded ones included)."""
+
+    def __init__(self, name: str, device: str):
+        super().__init__(name, device=device)
+        self.sizes: list[int] = []
+
+    def encode(self, images):
+        self.sizes.append(len(images))
+        return super().encode(images)
+
+
+def test_closed_loop_callers_through_a_front_end_make_full_padded_calls():
+    """Eight callers of one image each through a front-end, coming back 6 ms apart, at a padded
+    micro-batch of 8: the executor's calls wait for all eight (the front-end does not hold
+    them and the batcher waits for the clients its last call answered), so none is padded."""
+    inner = _CallSizes("synthetic:600000", "synthetic:groups-fill")  # 64x64: 0.3 s per call of 8
+    images = _images(8, size=64, seed=7)
+
+    async def main():
+        async with _executor(0, "", plan=ExecutionPlan(micro_batch=8, workers=2, intra_op_threads=1),
+                             inner=inner) as (_state, remote):
+
+            async def caller(k: int) -> list[np.ndarray]:
+                answers = []
+                for _ in range(3):
+                    answers.append(await remote.submit("encode", images[k:k + 1]))
+                    await asyncio.sleep(0.006 * k)
+                return answers
+
+            return await asyncio.gather(*(caller(k) for k in range(8)))
+
+    answers = asyncio.run(main())
+    # the device sees padded calls of 8: 24 images in three calls means none held padding
+    assert len(inner.sizes) == 3, f"{len(inner.sizes)} model calls for 24 images (before: 5)"
+    for k, mine in enumerate(answers):
+        for answer in mine:
+            np.testing.assert_array_equal(answer, block_tokens(images[k:k + 1]))
 
 
 def test_a_full_group_leaves_at_once_and_larger_requests_are_not_held():
