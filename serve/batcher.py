@@ -27,9 +27,10 @@ running, and then once the clients the queue's last call answered are back: the 
 the requests it finished plus those queued when it ended, as many as a call holds
 (closed-loop clients send their next request on the answer), or once the device has been
 idle for one call time (clients that left; the shorter of the queue's average and its last
-call, so one slow call such as a warm-up does not stretch the waits after it). A queue with
-no call yet waits for arrivals to pause for ``settle`` (a quarter of its call time, 0.5 to
-4 ms) instead. A full call starts whenever a slot frees. The pause alone,
+call, so one slow call such as a warm-up does not stretch the waits after it). A lone
+request the plan runs unpadded goes at once only when no such clients are on their way. A
+queue with no call yet waits for arrivals to pause for ``settle`` (a quarter of its call
+time, 0.5 to 4 ms) instead. A full call starts whenever a slot frees. The pause alone,
 the rule before, started a call on the first answered clients to come back, and the rest
 waited for the next: 64 one-image clients at micro-batch 64 of ``synthetic:4000`` (2 cores)
 got calls of 32-42 images, 0.46-0.57 of the device; waiting for them, calls of 64 and 0.82.
@@ -276,18 +277,20 @@ class Batcher:
         if rows >= cap or not self._accepting:
             return 0.0
         due = q[0].enqueued + self.max_delay_s
-        if cap > 1 and self.fills_calls(key[0]) and not (rows == 1 and key[0] in self._fill_plan.lone_unpadded):
-            if self._free < self.slots:
-                return float("inf")  # the device is busy: the queue fills meanwhile
-            call_s = min(self._call_s.get(key, (0.004, 0.004)))  # one slow call (a warm-up) bounds one wait only
-            expected = min(cap, self._expected.get(key, 0))
-            if rows >= expected > 0:
-                return due  # every client the last call answered is back: nobody else is coming
-            if expected:  # they are on their way: wait for them, idling the device one call at most
-                return max(due, self._idle_since + call_s)
-            settle = min(0.004, max(0.0005, call_s / 4))
-            due = max(due, min(self._last_event + settle, self._idle_since + call_s))
-        return due
+        if cap == 1 or not self.fills_calls(key[0]):
+            return due
+        expected = min(cap, self._expected.get(key, 0))
+        if rows == 1 and key[0] in self._fill_plan.lone_unpadded and expected <= 1:
+            return due  # a lone image the plan runs unpadded costs its own row, and nobody is on the way
+        if self._free < self.slots:
+            return float("inf")  # the device is busy: the queue fills meanwhile
+        call_s = min(self._call_s.get(key, (0.004, 0.004)))  # one slow call (a warm-up) bounds one wait only
+        if rows >= expected > 0:
+            return due  # every client the last call answered is back: nobody else is coming
+        if expected:  # they are on their way: wait for them, idling the device one call at most
+            return max(due, self._idle_since + call_s)
+        settle = min(0.004, max(0.0005, call_s / 4))
+        return max(due, min(self._last_event + settle, self._idle_since + call_s))
 
     def _ready(self, now: float) -> tuple[tuple | None, float | None]:
         """The key of the queue a free slot should run now (oldest head first), or None and

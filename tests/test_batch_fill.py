@@ -217,16 +217,18 @@ def test_one_slow_call_does_not_make_later_waits_for_clients_long():
 
 
 class TimedCalls(SyntheticRuntime):
-    """The stand-in device recording when each call starts and ends (monotonic)."""
+    """The stand-in device recording when each call starts and ends (monotonic), and its rows."""
 
     def __init__(self, name: str):
         super().__init__(name)
         self.spans: list[tuple[float, float]] = []
+        self.sizes: list[int] = []
 
     def encode(self, images):
         t0 = time.monotonic()
         out = super().encode(images)
         self.spans.append((t0, time.monotonic()))
+        self.sizes.append(len(images))
         return out
 
 
@@ -248,3 +250,28 @@ def test_the_tail_of_a_request_split_over_calls_does_not_wait_for_clients():
     np.testing.assert_array_equal(asyncio.run(main()), SyntheticRuntime("synthetic:0").encode(images))
     (_, first_end), (second_start, _) = inner.spans
     assert second_start - first_end < 0.25, f"the device idled {second_start - first_end:.3f} s between the calls"
+
+
+def test_a_lone_image_waits_too_when_the_clients_of_the_last_call_are_on_their_way():
+    """A plan that runs a lone image unpadded: alone on an idle device it goes at once, but the
+    first of eight answered clients to come back waits for the other seven instead of taking
+    the device for a call of its own (which split every later call: 8, 1, 7, 1, 7)."""
+    inner = TimedCalls("synthetic:600000")  # 0.3 s per call of 8 64x64s
+    runtime = PlannedRuntime(inner, ExecutionPlan(8, 2, lone_unpadded=("encode",)))
+    image = np.zeros((1, 64, 64, 3), np.uint8)
+
+    async def main():
+        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
+        b.start()
+        await b.submit("encode", image)  # alone on an idle device
+
+        async def client(k: int) -> None:
+            for _ in range(3):
+                await b.submit("encode", image + k)
+                await asyncio.sleep(0.006 * k)
+
+        await asyncio.gather(*(client(k) for k in range(8)))
+        await b.close()
+
+    asyncio.run(main())
+    assert inner.sizes == [1, 8, 8, 8], f"call sizes {inner.sizes}"
