@@ -129,30 +129,50 @@ def test_a_lone_request_on_an_idle_device_is_answered():
     assert len(asyncio.run(main())) == 3
 
 
+class TimedCalls(SyntheticRuntime):
+    """The stand-in device recording when each call starts and ends (monotonic), and its rows."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.spans: list[tuple[float, float]] = []
+        self.sizes: list[int] = []
+
+    def encode(self, images):
+        t0 = time.monotonic()
+        out = super().encode(images)
+        self.spans.append((t0, time.monotonic()))
+        self.sizes.append(len(images))
+        return out
+
+
 def test_a_padded_call_waits_for_every_client_the_last_call_answered():
     """Eight closed-loop clients at micro-batch 8 whose next requests come back 6 ms apart
     (further apart than the 4 ms pause that used to start a call): each call waits for all
     eight, so none is padded. Before, the first to come back went alone (the device bound
     on the GPU: 64 one-image clients at micro-batch 64 of ``synthetic:4000`` served 0.46-0.57
     of the device, 0.82 with full calls)."""
-    runtime = PlannedRuntime(SyntheticRuntime("synthetic:600000"), ExecutionPlan(8, 2))  # 300 ms per call of 8
+    inner = TimedCalls("synthetic:600000")  # 0.3 s per call of 8 64x64s
+    asyncio.run(_staggered_clients(PlannedRuntime(inner, ExecutionPlan(8, 2))))
+    assert inner.sizes == [8, 8, 8], f"call sizes {inner.sizes}"
+
+
+async def _staggered_clients(runtime, lone_first: bool = False) -> None:
+    """Eight closed-loop clients of one 64x64 image, three requests each, client k coming
+    back 6k ms after its answer (further apart than the 4 ms pause of the rule before);
+    ``lone_first``: one request alone on the idle device before them."""
     image = np.zeros((1, 64, 64, 3), np.uint8)
-    sizes: list[int] = []
+    b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
+    b.start()
+    if lone_first:
+        await b.submit("encode", image)
 
-    async def main():
-        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0, observer=lambda s: sizes.append(s.size))
-        b.start()
+    async def client(k: int) -> None:
+        for _ in range(3):
+            await b.submit("encode", image + k)
+            await asyncio.sleep(0.006 * k)
 
-        async def client(k: int) -> None:
-            for _ in range(3):
-                await b.submit("encode", image + k)
-                await asyncio.sleep(0.006 * k)
-
-        await asyncio.gather(*(client(k) for k in range(8)))
-        await b.close()
-
-    asyncio.run(main())
-    assert sizes == [8, 8, 8], f"call sizes {sizes}"
+    await asyncio.gather(*(client(k) for k in range(8)))
+    await b.close()
 
 
 def test_clients_that_leave_cost_one_wait_and_the_next_call_waits_for_those_left():
@@ -216,22 +236,6 @@ def test_one_slow_call_does_not_make_later_waits_for_clients_long():
     assert took[0] >= slow_s and took[2] < slow_s / 2, f"answers took {took} s"
 
 
-class TimedCalls(SyntheticRuntime):
-    """The stand-in device recording when each call starts and ends (monotonic), and its rows."""
-
-    def __init__(self, name: str):
-        super().__init__(name)
-        self.spans: list[tuple[float, float]] = []
-        self.sizes: list[int] = []
-
-    def encode(self, images):
-        t0 = time.monotonic()
-        out = super().encode(images)
-        self.spans.append((t0, time.monotonic()))
-        self.sizes.append(len(images))
-        return out
-
-
 def test_the_tail_of_a_request_split_over_calls_does_not_wait_for_clients():
     """12 images at micro-batch 8: the first call answers nobody (its request goes on), so
     the call of the last 4 has no client to wait for and follows at once, not after the
@@ -257,21 +261,6 @@ def test_a_lone_image_waits_too_when_the_clients_of_the_last_call_are_on_their_w
     first of eight answered clients to come back waits for the other seven instead of taking
     the device for a call of its own (which split every later call: 8, 1, 7, 1, 7)."""
     inner = TimedCalls("synthetic:600000")  # 0.3 s per call of 8 64x64s
-    runtime = PlannedRuntime(inner, ExecutionPlan(8, 2, lone_unpadded=("encode",)))
-    image = np.zeros((1, 64, 64, 3), np.uint8)
-
-    async def main():
-        b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
-        b.start()
-        await b.submit("encode", image)  # alone on an idle device
-
-        async def client(k: int) -> None:
-            for _ in range(3):
-                await b.submit("encode", image + k)
-                await asyncio.sleep(0.006 * k)
-
-        await asyncio.gather(*(client(k) for k in range(8)))
-        await b.close()
-
-    asyncio.run(main())
+    asyncio.run(_staggered_clients(PlannedRuntime(inner, ExecutionPlan(8, 2, lone_unpadded=("encode",))),
+                                   lone_first=True))
     assert inner.sizes == [1, 8, 8, 8], f"call sizes {inner.sizes}"
