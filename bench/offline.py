@@ -166,10 +166,7 @@ def _decode_all(tasks: list, pre, workers: int) -> list:
 
     if workers <= 1 or len(tasks) < 2:
         return [pipeline.decode_task(t, pre, "image") for t in tasks]
-    import concurrent.futures
-    import multiprocessing
-
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with pipeline.decode_pool(workers) as pool:  # its workers end with this process, killed or not
         return list(pool.map(pipeline.decode_task, tasks, [pre] * len(tasks), ["image"] * len(tasks)))
 
 

@@ -104,6 +104,18 @@ def _decode_worker_start() -> None:
     die_with_parent()
 
 
+def decode_pool(workers: int):
+    """A ``ProcessPoolExecutor`` of ``workers`` decode processes: spawned (never a fork of a
+    process that holds torch threads), each leaving Ctrl-C to its parent and ending with it
+    (``_decode_worker_start``). Whoever decodes in processes uses this one, a benchmark too:
+    a plain pool's workers outlive a parent killed at a timeout, with their resource tracker."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_decode_worker_start)
+
+
 def decode_task(task: Task, pre: images.Preprocess, image_column: str) -> DecodedTask:
     items: list = []
     for rec in task.records:
@@ -446,12 +458,9 @@ def _decoded_stream(job: Job, workers: int, prefetch: int) -> Iterator[DecodedTa
         for t in tasks:
             yield decode_task(t, pre, col)
         return
-    import multiprocessing
     from collections import deque
-    from concurrent.futures import ProcessPoolExecutor
 
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch threads
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_decode_worker_start)
+    pool = decode_pool(workers)
     window: deque = deque()
     try:
         for t in tasks:

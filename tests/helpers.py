@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -37,19 +38,36 @@ def load_script(name: str) -> ModuleType:
 
 
 class CountingRuntime:
-    """The real runtime, recording the shape of every model call (the batch it was asked to run)."""
+    """The real runtime, recording the shape of every model call (the batch it was asked to
+    run) and when it ran (``spans``: monotonic start and end)."""
 
     def __init__(self, inner):
         self.inner, self.info = inner, inner.info
         self.calls: list[tuple[str, tuple[int, ...]]] = []
+        self.spans: list[tuple[float, float]] = []
+
+    def __getattr__(self, name: str):  # what a wrapper (PlannedRuntime, Engine) asks of the runtime
+        if name == "inner":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def sizes(self) -> list[int]:
+        """The rows of each call, in order."""
+        return [shape[0] for _, shape in self.calls]
 
     def encode(self, x):
-        self.calls.append(("encode", tuple(x.shape)))
-        return self.inner.encode(x)
+        return self._call("encode", self.inner.encode, x)
 
     def decode(self, x):
-        self.calls.append(("decode", tuple(x.shape)))
-        return self.inner.decode(x)
+        return self._call("decode", self.inner.decode, x)
+
+    def _call(self, method: str, fn, x):
+        self.calls.append((method, tuple(x.shape)))
+        t0 = time.monotonic()
+        out = fn(x)
+        self.spans.append((t0, time.monotonic()))
+        return out
 
 
 class FaultyRuntime:
@@ -158,6 +176,25 @@ def child_pids(pid: int) -> list[int]:
     from vqserve.bench.serving import process_tree
 
     return [p for p in process_tree(pid) if p != pid]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie waiting for its parent to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(predicate, seconds: float = 60.0) -> bool:
+    """Poll (not a timing assertion: a generous bound so a stuck process fails the test)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
 
 
 class ServeProcess:

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from tests.helpers import CountingRuntime
 from vqserve.export.execution import ExecutionPlan, PlannedRuntime
 from vqserve.export.synthetic import SyntheticRuntime
 from vqserve.serve.batcher import Batcher
@@ -129,29 +130,13 @@ def test_a_lone_request_on_an_idle_device_is_answered():
     assert len(asyncio.run(main())) == 3
 
 
-class TimedCalls(SyntheticRuntime):
-    """The stand-in device recording when each call starts and ends (monotonic), and its rows."""
-
-    def __init__(self, name: str):
-        super().__init__(name)
-        self.spans: list[tuple[float, float]] = []
-        self.sizes: list[int] = []
-
-    def encode(self, images):
-        t0 = time.monotonic()
-        out = super().encode(images)
-        self.spans.append((t0, time.monotonic()))
-        self.sizes.append(len(images))
-        return out
-
-
 def test_a_padded_call_waits_for_every_client_the_last_call_answered():
     """Eight closed-loop clients at micro-batch 8 whose next requests come back 6 ms apart
     (further apart than the 4 ms pause that used to start a call): each call waits for all
     eight, so none is padded. Before, the first to come back went alone (the device bound
     on the GPU: 64 one-image clients at micro-batch 64 of ``synthetic:4000`` served 0.46-0.57
     of the device, 0.82 with full calls)."""
-    inner = TimedCalls("synthetic:600000")  # 0.3 s per call of 8 64x64s
+    inner = CountingRuntime(SyntheticRuntime("synthetic:600000"))  # 0.3 s per call of 8 64x64s
     asyncio.run(_staggered_clients(PlannedRuntime(inner, ExecutionPlan(8, 2))))
     assert inner.sizes == [8, 8, 8], f"call sizes {inner.sizes}"
 
@@ -240,7 +225,7 @@ def test_the_tail_of_a_request_split_over_calls_does_not_wait_for_clients():
     """12 images at micro-batch 8: the first call answers nobody (its request goes on), so
     the call of the last 4 has no client to wait for and follows at once, not after the
     device idled for a call (0.5 s here)."""
-    inner = TimedCalls("synthetic:1000000")  # 1 s per 256x256 image: 0.5 s per call of 8 64x64s
+    inner = CountingRuntime(SyntheticRuntime("synthetic:1000000"))  # 1 s per 256x256 image: 0.5 s per call of 8 64x64s
     runtime = PlannedRuntime(inner, ExecutionPlan(8, 2))
     images = np.zeros((12, 64, 64, 3), np.uint8) + np.arange(12, dtype=np.uint8)[:, None, None, None]
 
@@ -260,7 +245,7 @@ def test_a_lone_image_waits_too_when_the_clients_of_the_last_call_are_on_their_w
     """A plan that runs a lone image unpadded: alone on an idle device it goes at once, but the
     first of eight answered clients to come back waits for the other seven instead of taking
     the device for a call of its own (which split every later call: 8, 1, 7, 1, 7)."""
-    inner = TimedCalls("synthetic:600000")  # 0.3 s per call of 8 64x64s
+    inner = CountingRuntime(SyntheticRuntime("synthetic:600000"))  # 0.3 s per call of 8 64x64s
     asyncio.run(_staggered_clients(PlannedRuntime(inner, ExecutionPlan(8, 2, lone_unpadded=("encode",))),
                                    lone_first=True))
     assert inner.sizes == [1, 8, 8, 8], f"call sizes {inner.sizes}"

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import CountingRuntime
 from vqserve.export.execution import ExecutionPlan, PlannedRuntime
 from vqserve.export.synthetic import SyntheticRuntime, block_tokens
 from vqserve.serve.batcher import DeadlineExpired
@@ -33,7 +34,7 @@ def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
 
 @contextlib.asynccontextmanager
 async def _executor(micros: float, device: str, max_batch_pixels: int | None = None, plan=None,
-                    inner: SyntheticRuntime | None = None, **remote_options):
+                    inner=None, **remote_options):
     """A real executor over synthetic:``micros`` (or ``inner``; run by ``plan`` if given) and a
     front-end's batcher connected to it: ``(state, remote)``, all closed at the end."""
     metrics = Metrics()
@@ -136,23 +137,11 @@ def test_requests_are_never_held_where_the_plan_fills_padded_calls():
     assert _held_after_two_in_flight(padded, micros=10_000) == (3, 6)  # held or not, whatever the speed
 
 
-class _CallSizes(SyntheticRuntime):
-    """The stand-in recording the rows of each model call it gets (padded ones included)."""
-
-    def __init__(self, name: str, device: str):
-        super().__init__(name, device=device)
-        self.sizes: list[int] = []
-
-    def encode(self, images):
-        self.sizes.append(len(images))
-        return super().encode(images)
-
-
 def test_closed_loop_callers_through_a_front_end_make_full_padded_calls():
     """Eight callers of one image each through a front-end, coming back 6 ms apart, at a padded
     micro-batch of 8: the executor's calls wait for all eight (the front-end does not hold
     them and the batcher waits for the clients its last call answered), so none is padded."""
-    inner = _CallSizes("synthetic:600000", "synthetic:groups-fill")  # 64x64: 0.3 s per call of 8
+    inner = CountingRuntime(SyntheticRuntime("synthetic:600000", device="synthetic:groups-fill"))  # 64x64: 0.3 s per call of 8
     images = _images(8, size=64, seed=7)
 
     async def main():

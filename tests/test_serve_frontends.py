@@ -22,29 +22,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import ServeProcess, child_pids
+from tests.helpers import ServeProcess, alive, child_pids, wait_until
 from vqserve.export.synthetic import SyntheticRuntime, block_tokens
 from vqserve.serve import wire
 from vqserve.serve.client import TokenizerClient
 from vqserve.shm import Arena, ArenaFull
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_until(predicate, seconds: float = 60.0) -> bool:
-    """Poll (not a timing assertion: a generous bound so a stuck process fails the test)."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
@@ -211,13 +193,13 @@ def test_calls_in_flight_in_a_killed_frontend_stop_counting_as_in_flight():
         callers = [threading.Thread(target=slow_call, args=(k,)) for k in range(3)]
         for c in callers:
             c.start()
-        assert _wait_until(lambda: in_flight() >= 2, 30), "the calls never showed as in flight"
+        assert wait_until(lambda: in_flight() >= 2, 30), "the calls never showed as in flight"
         os.kill(_frontend_pids(srv)[0], signal.SIGKILL)
         for c in callers:
             c.join(60)
         assert len(failures) == 3  # each caller heard that its front-end went away
-        assert _wait_until(lambda: sum('"frontend_serving"' in line for line in srv.log) >= 2, 180)
-        assert _wait_until(lambda: in_flight() == 0, 30), f"in flight {in_flight()} after the kill"
+        assert wait_until(lambda: sum('"frontend_serving"' in line for line in srv.log) >= 2, 180)
+        assert wait_until(lambda: in_flight() == 0, 30), f"in flight {in_flight()} after the kill"
         images = _images(1, seed=9, size=64)  # the replacement serves
         np.testing.assert_array_equal(TokenizerClient(srv.target).encode(images), block_tokens(images))
 
@@ -317,7 +299,7 @@ def test_sigterm_drains_and_leaves_no_process():
     assert srv.proc.wait(60) == 0
     worker.join(60)
     assert answers and np.array_equal(answers[0], block_tokens(images)), "the in-flight request was lost"
-    assert _wait_until(lambda: not any(_alive(p) for p in children)), "a front-end outlived the server"
+    assert wait_until(lambda: not any(alive(p) for p in children)), "a front-end outlived the server"
 
 
 def test_kill_9_of_the_server_ends_its_frontends():
@@ -326,14 +308,14 @@ def test_kill_9_of_the_server_ends_its_frontends():
     assert children
     srv.proc.kill()
     srv.proc.wait(30)
-    assert _wait_until(lambda: not any(_alive(p) for p in children)), "orphaned front-ends"
+    assert wait_until(lambda: not any(alive(p) for p in children)), "orphaned front-ends"
 
 
 def test_a_dead_frontend_is_replaced():
     with ServeProcess(["--model", "synthetic:0", "--frontends", "2"]) as srv:
         os.kill(_frontend_pids(srv)[0], signal.SIGKILL)
-        assert _wait_until(lambda: any('"frontend_restart"' in line for line in srv.log))
-        assert _wait_until(lambda: sum('"frontend_serving"' in line for line in srv.log) >= 3, 180)
+        assert wait_until(lambda: any('"frontend_restart"' in line for line in srv.log))
+        assert wait_until(lambda: sum('"frontend_serving"' in line for line in srv.log) >= 3, 180)
         images = _images(3, seed=11)
         for _ in range(4):
             np.testing.assert_array_equal(TokenizerClient(srv.target).encode(images), block_tokens(images))
@@ -388,7 +370,7 @@ def test_a_frontend_that_never_served_is_not_restarted(tmp_path):
     pool.settings = "not the settings"  # each front-end fails at once reading them
     pool.start()
     try:
-        assert _wait_until(lambda: all(p.poll() is not None for p in pool.procs), 60)
+        assert wait_until(lambda: all(p.poll() is not None for p in pool.procs), 60)
         time.sleep(1.0)  # five rounds of the watcher
         assert pool.restarts == 0 and all(p.poll() is not None for p in pool.procs)
         with pytest.raises(ChildProcessError, match="before serving"):

@@ -7,7 +7,9 @@ only what the runs write and say."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.helpers import alive, child_pids, wait_until
 from tests.test_tokenize import photo_set, write_folder
 from vqserve.cli import main
 from vqserve.offline import engine, shards
@@ -224,3 +227,26 @@ def test_folder_listing_records_real_paths_through_links(tmp_path):
                        ("l", str((tmp_path / "other" / "t.jpg").resolve())),
                        ("linked/sub/y", str((real / "sub" / "y.png").resolve())),
                        ("linked/x", str((real / "x.jpg").resolve()))]
+
+
+def test_decode_pool_workers_end_with_a_parent_killed_mid_run():
+    """Regression: `vqserve bench tokenize` decoded its raw pass in a plain process pool, so
+    when `bench gpu` killed it at its time limit, its two workers and their resource tracker
+    waited forever (found an hour later). It now takes the pool `vqserve tokenize` decodes
+    with (`pipeline.decode_pool`), whose workers end with their parent, kill -9 included."""
+    code = ("import time; from vqserve.offline import pipeline; pool = pipeline.decode_pool(2); "
+            "[f.result() for f in [pool.submit(time.sleep, 0.2) for _ in range(4)]]; "
+            "print('ready', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    below: list[int] = []
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        below = child_pids(proc.pid)  # the workers and multiprocessing's resource tracker
+        assert len(below) >= 2
+        proc.kill()
+        proc.wait()
+        assert wait_until(lambda: not any(alive(p) for p in below)), "a decode worker outlived its parent"
+    finally:
+        proc.kill()
+        for pid in filter(alive, below):  # a failing run leaves nothing behind either
+            os.kill(pid, signal.SIGKILL)

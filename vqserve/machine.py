@@ -68,9 +68,7 @@ def cpu_quota_cores(proc: str = "/proc/self") -> int | None:
     along the process's cgroup and its ancestors (:func:`_cgroup_chains`). Rounded down, as
     Go's automaxprocs does: 2.5 cores run 2 busy workers unthrottled rather than 3 throttled
     ones."""
-    quotas = [q for version, folders in _cgroup_chains(proc, "cpu") for folder in folders
-              if (q := (_v2_quota if version == 2 else _v1_quota)(folder))]
-    return min(quotas) if quotas else None
+    return _smallest_along(proc, "cpu", lambda version, folder: (_v2_quota if version == 2 else _v1_quota)(folder))
 
 
 def available_memory() -> int:
@@ -89,8 +87,16 @@ def memory_limit_bytes(proc: str = "/proc/self") -> int | None:
     """This process's memory limit in bytes, or None where none is set or none can be read:
     cgroup v2 ``memory.max`` ("max": none), cgroup v1 ``memory.limit_in_bytes`` (the
     kernel's ~2**63 when unlimited), the smallest along the cgroup and its ancestors."""
-    limits = [b for version, folders in _cgroup_chains(proc, "memory") for folder in folders
-              if (b := _read_limit(folder / ("memory.max" if version == 2 else "memory.limit_in_bytes")))]
+    return _smallest_along(proc, "memory", lambda version, folder: _read_limit(
+        folder / ("memory.max" if version == 2 else "memory.limit_in_bytes")))
+
+
+def _smallest_along(proc: str, controller: str, read) -> int | None:
+    """The smallest limit ``read(version, folder)`` finds in the process's cgroup and its
+    ancestors, in every hierarchy holding ``controller`` (None where none is set: a child
+    cgroup is bound by each of its ancestors' limits)."""
+    limits = [x for version, folders in _cgroup_chains(proc, controller) for folder in folders
+              if (x := read(version, folder))]
     return min(limits) if limits else None
 
 
