@@ -44,6 +44,7 @@ import numpy as np
 from vqserve.bench.load import caller_kinds, compare_layouts, mean_text, parse_cases, parse_layouts
 from vqserve.bench.serving import bench_photos
 from vqserve.export.synthetic import is_synthetic
+from vqserve.lifetime import ending_with_this_thread
 from vqserve.machine import available_cores
 
 
@@ -217,7 +218,8 @@ def measured_plan(model: str, device: str, dtype: str, folder: str, timeout: flo
     cmd = [sys.executable, "-m", "vqserve", "plan", "--model", model, "--device", device, "--dtype", dtype,
            "--out", str(out), "--plan-cache", str(Path(folder) / "cache")]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=ending_with_this_thread())  # ends if this run is killed
     except subprocess.TimeoutExpired:
         return {"error": f"vqserve plan did not finish in {timeout:.0f} s"}
     if done.returncode != 0 or not out.is_file():
@@ -260,7 +262,8 @@ def tokenize_row(model: str, device: str, dtype: str, timeout: float, count: int
                "--loader-rows", "0", "--json", str(out), "--before" if before else "--no-before",
                *([] if graphs else ["--no-cuda-graphs"])]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  preexec_fn=ending_with_this_thread())  # ends if this run is killed
         except subprocess.TimeoutExpired:
             return {**asked, "error": f"did not finish in {timeout:.0f} s"}
         if out.is_file():

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vqserve.bench.serving import fetch_metrics, process_tree
+from vqserve.lifetime import die_with_parent
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -179,6 +180,7 @@ def _client_process(target: str, method: str, request: bytes, callers: int, kind
                     stop_at: float, out) -> None:
     """One client process of ``callers`` callers of ``kind``; sends (latencies of the calls
     made in the window, the first reply, up to 3 errors)."""
+    die_with_parent()  # a killed bench leaves no clients calling its server
     run = _asyncio_callers if kind == "asyncio" else _blocking_callers
     lats, first, errors = run(target, method, request, callers, start_at, stop_at)
     out.send(([x for lat in lats for x in lat], first[0] if first else b"", errors[:3]))
@@ -272,6 +274,8 @@ def _echo_server_main(port_out, reply_bytes: int) -> None:
     """A gRPC server that answers every unary call with ``reply_bytes`` bytes and does
     nothing else: the floor gRPC Python and these clients set on this machine."""
     import asyncio
+
+    die_with_parent()
 
     import grpc
 

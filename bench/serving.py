@@ -71,6 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.lifetime import die_with_parent, ending_with_this_thread
 from vqserve.machine import available_cores
 
 PROTOCOLS = ("v1", "oip", "torchserve")
@@ -209,6 +210,7 @@ def _capacity_worker(model: str, backend: str, dtype: str | None, device: str, m
     ``(client, image index)`` from ``tasks`` until ``None``; answers ``("done", client,
     output)`` on ``results`` (``("ready", pid, threads)`` first, ``("error", text)`` if it
     fails)."""
+    die_with_parent()  # a killed bench leaves no worker behind
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch loads: no thread pool to oversubscribe
     try:
         import torch
@@ -347,7 +349,8 @@ def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | No
            *(["--max-delay-ms", str(max_delay_ms)] if max_delay_ms is not None else []),
            "--max-queue", "4096", "--grace", "5", *(extra or [])]
     env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                            preexec_fn=ending_with_this_thread())  # a killed bench leaves no server
     port: list[int] = []
     ready = threading.Event()
     log = [] if log is None else log

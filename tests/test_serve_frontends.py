@@ -475,6 +475,42 @@ def test_bench_gpu_runs_its_whole_table_without_a_gpu(tmp_path):
     assert "served" in done.stdout and "/in-proc" in done.stdout
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_a_killed_bench_serve_leaves_no_server_or_client_behind():
+    """Regression: kill -9 of `vqserve bench serve` mid-measurement left its `vqserve serve`
+    (with its front-end) serving forever and its client processes calling it, as `bench
+    gpu` killed at a device's time limit would. The server now ends with the thread that
+    started it (`lifetime.ending_with_this_thread`) and every helper process with its parent."""
+    proc = subprocess.Popen([sys.executable, "-m", "vqserve", "bench", "serve", "--model", "synthetic:200",
+                             "--size", "32", "--client-procs", "1", "--client-callers", "2",
+                             "--client-kind", "blocking", "--duration", "600", "--repeats", "1",
+                             "--cases", "v1:raw:1", "--layouts", "default=", "--floor"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    below: list[int] = []
+
+    def measuring() -> bool:  # the server, its front-end and a client process all running
+        below[:] = child_pids(proc.pid)
+        lines = [_cmdline(p) for p in below]
+        return (any("vqserve serve" in c for c in lines) and any("vqserve.serve.frontend" in c for c in lines)
+                and sum("spawn_main" in c for c in lines) >= 2)  # the echo server or a client, and a client
+    try:
+        assert wait_until(measuring, 300), [_cmdline(p) for p in below]
+        proc.kill()
+        proc.wait()
+        assert wait_until(lambda: not any(alive(p) for p in below)), \
+            [_cmdline(p) for p in below if alive(p)]
+    finally:
+        proc.kill()
+        for pid in filter(alive, below):  # a failing run leaves nothing behind either
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("kind", ["asyncio", "blocking"])
 def test_load_callers_count_only_the_calls_they_made_in_the_window(kind):
     """Either kind of caller, against a real gRPC server (the echo server the benches use as

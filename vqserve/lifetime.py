@@ -32,6 +32,32 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     return armed
 
 
+def ending_with_this_thread():
+    """A ``preexec_fn`` for ``subprocess.Popen`` (None off Linux): the child is sent SIGTERM
+    when the thread that starts it ends, kill -9 of this process included. For children
+    that cannot arm :func:`die_with_parent` themselves because they are also run by hand
+    (a benchmark's ``vqserve serve``: a server a user starts must not end with their shell).
+
+    The kernel ties the signal to the starting *thread*, so start such children from one
+    that outlives them (the main thread). ``prctl`` is looked up here, before the fork: in
+    the child, between fork and exec, only that foreign call and ``getppid`` run, no import
+    or ``dlopen`` that could wait on a lock another thread of this process held."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # this process died between the fork and the request
+            os._exit(1)
+
+    return arm
+
+
 def lower_priority(increment: int = 10) -> None:
     """Run below the parent's priority (``nice``), so serving keeps the CPU it needs."""
     with contextlib.suppress(OSError, AttributeError):
