@@ -41,7 +41,14 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.bench.load import caller_kinds, compare_layouts, mean_text, parse_cases, parse_layouts
+from vqserve.bench.load import (
+    CALL_COLUMNS,
+    call_columns,
+    caller_kinds,
+    compare_layouts,
+    parse_cases,
+    parse_layouts,
+)
 from vqserve.bench.serving import bench_photos
 from vqserve.export.synthetic import is_synthetic
 from vqserve.lifetime import ending_with_this_thread
@@ -492,7 +499,7 @@ def report(result: dict) -> str:
         lines.append(f"plan {row['dtype']} (vqserve plan, served as 'planned'): "
                      f"{row.get('line') or 'error ' + str(row.get('error'))[-200:]}")
     lines.append(f"{'served':<8}{'layout':<16}{'case':<16}{'callers':<10}{'img/s':>9}{'/in-proc':>10}{'p99 ms':>9}{'CPU µs/img':>12}"
-                 f"{'img/call':>10}{'req/group':>11}")
+                 f"{CALL_COLUMNS}")
     for row in result.get("served", []):
         if "error" in row:
             lines.append(f"{row['dtype']:<8}{row['layout']:<16}error: {row['error'][-200:]}")
@@ -502,7 +509,7 @@ def report(result: dict) -> str:
         lines.append(f"{row['dtype']:<8}{row['layout']:<16}{row['case']:<16}{row.get('caller_kind', '-'):<10}"
                      f"{row['throughput']:9.0f}{ratio:10.2f}"
                      f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}"
-                     f"{mean_text(row.get('images_per_call')):>10}{mean_text(row.get('requests_per_group')):>11}{same}")
+                     f"{call_columns(row)}{same}")
     for row in result.get("tokenize", []):
         if "error" in row:
             lines.append(f"tokenize {row['dtype']}{' (CUDA graphs)' if row.get('cuda_graphs') else ''}: error {row['error'][-300:]}")

@@ -187,12 +187,13 @@ def _client_process(target: str, method: str, request: bytes, callers: int, kind
     out.close()
 
 
-BATCHING = ("vqserve_batch_size", "vqserve_group_size")
+BATCHING = ("vqserve_batch_size", "vqserve_group_size", "vqserve_inference_seconds", "vqserve_queue_wait_seconds")
 
 
 def batching_totals(metrics_port: int | None) -> dict[str, float]:
-    """The ``_sum`` and ``_count`` of the server's rows-per-model-call and requests-per-group
-    histograms (all methods together) from its ``/metrics``; {} where it does not answer."""
+    """The ``_sum`` and ``_count`` of the server's histograms of rows per model call,
+    requests per front-end group, seconds per model call and seconds in the batcher's queue
+    (all methods together) from its ``/metrics``; {} where it does not answer."""
     page = fetch_metrics(metrics_port)
     if page is None:
         return {}
@@ -266,7 +267,23 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, caller
             "server_cpu_us_per_image": (cpu1 - cpu0) / imgs * 1e6 if imgs and server_pid else None,
             "images_per_call": mean_between(batching0, batching1, "vqserve_batch_size"),
             "requests_per_group": mean_between(batching0, batching1, "vqserve_group_size"),
+            **call_times(batching0, batching1, duration),
             "first_reply": first, "errors": errors}
+
+
+def call_times(before: dict, after: dict, duration: float) -> dict:
+    """How the model calls spent the window: ``ms_per_call`` (mean wall time of one call,
+    from the stacking copy to the answer), ``calls_busy`` (seconds of model calls per second:
+    1.0 is one call running all the time; up to the plan's workers, which run at once) and
+    ``queue_wait_ms`` (a request's mean wait in the batcher). Beside the in-process time of a
+    call of that size they tell a device left idle between calls (busy under 1) from calls
+    slowed by the serving around them (ms/call above in-process); None where unobserved."""
+    per_call = mean_between(before, after, "vqserve_inference_seconds")
+    wait = mean_between(before, after, "vqserve_queue_wait_seconds")
+    busy = after.get("vqserve_inference_seconds_sum", 0.0) - before.get("vqserve_inference_seconds_sum", 0.0)
+    return {"ms_per_call": None if per_call is None else per_call * 1e3,
+            "calls_busy": busy / duration if per_call is not None and duration > 0 else None,
+            "queue_wait_ms": None if wait is None else wait * 1e3}
 
 
 # ---- layouts side by side -------------------------------------------------------------------
@@ -447,19 +464,29 @@ def capacity_of(model: str) -> float | None:
     return rate if rate != float("inf") else None
 
 
-def mean_text(value: float | None) -> str:
-    """A mean for a table: one decimal, or "-" where nothing was observed."""
-    return "-" if value is None else f"{value:.1f}"
+def mean_text(value: float | None, digits: int = 1) -> str:
+    """A mean for a table: ``digits`` decimals, or "-" where nothing was observed."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+CALL_COLUMNS = f"{'img/call':>10}{'req/group':>11}{'ms/call':>9}{'busy':>6}"
+
+
+def call_columns(row: dict) -> str:
+    """The :data:`CALL_COLUMNS` of a served row: images per model call, requests per group,
+    mean milliseconds per model call, model-call seconds per second (:func:`call_times`)."""
+    return (f"{mean_text(row.get('images_per_call')):>10}{mean_text(row.get('requests_per_group')):>11}"
+            f"{mean_text(row.get('ms_per_call'), 2):>9}{mean_text(row.get('calls_busy'), 2):>6}")
 
 
 def layouts_table(rows: list[dict], capacity: float | None, size: int) -> str:
     """One line per (layout, case, callers' kind): img/call is the images per model call,
     req/group the requests per group a front-end sent the executor ("-": none, e.g. one
-    process)."""
+    process), ms/call and busy the model calls' time (:func:`call_times`)."""
     scale = (size * size) / (256 * 256)
     cap = capacity / scale if capacity else None
     lines = [f"{'layout':<16}{'case':<16}{'callers':<10}{'img/s':>9}" + (f"{'/capacity':>11}" if cap else "")
-             + f"{'p50 ms':>9}{'p99 ms':>9}{'server CPU µs/img':>19}{'img/call':>10}{'req/group':>11}"]
+             + f"{'p50 ms':>9}{'p99 ms':>9}{'server CPU µs/img':>19}{CALL_COLUMNS}"]
     for row in rows:
         if "error" in row:
             lines.append(f"{row['layout']:<16}the server did not start: {row['error'][-200:]}")
@@ -467,5 +494,5 @@ def layouts_table(rows: list[dict], capacity: float | None, size: int) -> str:
         lines.append(f"{row['layout']:<16}{row['case']:<16}{row.get('caller_kind', '-'):<10}{row['throughput']:9.0f}"
                      + (f"{row['throughput'] / cap:11.2f}" if cap else "")
                      + f"{row['p50_ms']:9.1f}{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:19.0f}"
-                     + f"{mean_text(row.get('images_per_call')):>10}{mean_text(row.get('requests_per_group')):>11}")
+                     + call_columns(row))
     return "\n".join(lines)

@@ -471,7 +471,11 @@ def test_bench_gpu_runs_its_whole_table_without_a_gpu(tmp_path):
     assert all(r["images_per_call"] is not None and 1 <= r["images_per_call"] <= 8 for r in served), served
     assert all((r["requests_per_group"] is None) == (r["layout"] == "single") for r in served), served
     assert all(r["requests_per_group"] >= 1 for r in served if r["layout"] == "split"), served
-    assert "req/group" in done.stdout and "blocking" in done.stdout  # a callers column
+    # a model call lasts at least its images' 20 µs of device time each; the two model slots
+    # (the stand-in's plan) keep at most two calls running (with slack for the window's edges)
+    assert all(r["ms_per_call"] >= 0.020 * r["images_per_call"] for r in served), served
+    assert all(0 < r["calls_busy"] <= 3 and r["queue_wait_ms"] >= 0 for r in served), served
+    assert "req/group" in done.stdout and "ms/call" in done.stdout and "blocking" in done.stdout
     assert "served" in done.stdout and "/in-proc" in done.stdout
 
 
