@@ -93,6 +93,7 @@ class TorchServe:
                  "--ts-config", str(self.config)],
                 cwd=self.run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
+        self._reaper = _group_reaper(self.proc.pid, self.tmp)
 
     def __enter__(self) -> TorchServe:
         return self
@@ -140,6 +141,9 @@ class TorchServe:
 
     def stop(self) -> None:
         """SIGTERM the whole group (launcher, Java frontend, Python workers), then SIGKILL."""
+        if self._reaper is not None:  # ended first: this process stops the group itself
+            self._reaper.kill()
+            self._reaper.wait()
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -164,6 +168,52 @@ class TorchServe:
             self.proc.kill()
             self.proc.wait(timeout=5)
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_REAPER = """
+import os, shutil, signal, sys, time
+group, tmp = int(sys.argv[1]), sys.argv[2]
+
+def end(*_):
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, end)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one that came while starting: now
+while True:
+    signal.pause()
+"""
+
+
+def _group_reaper(group: int, tmp: Path) -> subprocess.Popen | None:
+    """A small process that ends TorchServe's process group (its own session, so no signal
+    of ours reaches it) and removes its private folder when the process that started it
+    ends, kill -9 included: a killed benchmark or test run leaves no Java server holding
+    ports and memory. :meth:`TorchServe.stop` kills it first and stops the group itself."""
+    from vqserve.lifetime import ending_with_this_thread
+
+    arm = ending_with_this_thread()
+    if arm is None:  # not Linux: stop() is the only way the group ends
+        return None
+
+    def start() -> None:  # SIGTERM held until the reaper's handler is in place
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        arm()
+
+    return subprocess.Popen([sys.executable, "-c", _REAPER, str(group), str(tmp)], stdin=subprocess.DEVNULL,
+                            preexec_fn=start)
 
 
 def http(url: str, body: bytes | None = None, headers: dict | None = None,

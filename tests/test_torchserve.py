@@ -389,3 +389,49 @@ def test_grpc_inference_api(server, runtime, photos, tmp_path):
     # TorchServe 0.12's gRPC Predictions drops per-request status: the error is the body
     error = json.loads(out[3])
     assert error["code"] == 400 and "downsampling factor 8" in error["message"]
+
+
+@pytest.mark.slow
+def test_a_killed_caller_leaves_no_torchserve_behind(tmp_path):
+    """TorchServe runs in a session of its own (so `stop` can end its whole group), which no
+    signal of ours reaches: kill -9 of a benchmark or test process left the Java frontend
+    holding its ports and memory, and its private folder behind. A reaper armed to end with
+    the caller now stops the group and removes the folder."""
+    if shutil.which("java") is None:
+        pytest.skip("java is not on PATH: TorchServe's frontend is a Java program")
+    import os
+    import signal
+
+    from tests.helpers import wait_until
+
+    code = ("import sys, time; from pathlib import Path\n"
+            "from vqserve.export.torchserve_server import TorchServe\n"
+            "store = Path(sys.argv[1]); store.mkdir()\n"
+            f"ts = TorchServe(store, Path(sys.argv[2]), {PORT_RANGE!r}, vmargs='-Xmx256m -XX:+UseSerialGC')\n"
+            "ts.wait_ready(); print(ts.proc.pid, ts.tmp, flush=True); time.sleep(600)\n")
+    caller = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "store"), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    group, folder = None, None
+    try:
+        line = caller.stdout.readline().split()
+        assert len(line) == 2, "TorchServe did not start"
+        group, folder = int(line[0]), Path(line[1])
+        os.killpg(group, 0)  # running
+        caller.kill()
+        caller.wait()
+
+        def group_ended() -> bool:
+            try:
+                os.killpg(group, 0)
+                return False
+            except ProcessLookupError:
+                return True
+        assert wait_until(group_ended), "TorchServe outlived the process that started it"
+        assert wait_until(lambda: not folder.exists()), f"{folder} was left behind"
+    finally:
+        caller.kill()
+        if group is not None:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
