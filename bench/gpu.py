@@ -46,6 +46,7 @@ from vqserve.bench.load import (
     call_columns,
     caller_kinds,
     compare_layouts,
+    mean_text,
     parse_cases,
     parse_layouts,
 )
@@ -446,7 +447,10 @@ def served_rows(args, dtype: str, batch: int, raw, photos: np.ndarray, cases: li
     from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
 
     layouts = parse_layouts(args.layouts, ["--plan", "default", "--micro-batch", str(micro)])
-    expected = dict.fromkeys(layouts, PlannedRuntime(raw, plan_for(device, micro_batch=micro)).encode(many))
+    # each layout's own micro-batch (a layout's flags may set another, e.g. split-m32)
+    plans = {name: plan_for(device, micro_batch=layout_micro_batch(flags, micro)) for name, flags in layouts.items()}
+    tokens_by_plan = {plan: PlannedRuntime(raw, plan).encode(many) for plan in set(plans.values())}
+    expected = {name: tokens_by_plan[plan] for name, plan in plans.items()}
     # a temporary folder holds the plan file the "planned" servers read, until they stop
     with tempfile.TemporaryDirectory(prefix="vqserve-bench-gpu-") as plan_dir:
         if args.planned and device.startswith("cuda") and not synthetic:
@@ -455,12 +459,40 @@ def served_rows(args, dtype: str, batch: int, raw, photos: np.ndarray, cases: li
             _log(f"  {dtype} plan: {choice.get('line') or choice.get('error')}")
             if "file" in choice:  # what --plan auto serves: its own plan, tokens by that plan
                 layouts["planned"] = ["--plan", choice["file"], "--frontends", "auto"]
-                planned = ExecutionPlan.from_dict(choice["plan"])
+                planned = plans["planned"] = ExecutionPlan.from_dict(choice["plan"])
                 expected["planned"] = PlannedRuntime(raw, planned).encode(many)
         rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.callers, args.seconds,
                                rounds=1, device=device, dtype=dtype, log=lambda m, d=dtype: _log(f"  {d}{m}"),
                                expected=expected, warmup=1.0, kinds=args.client_kind)
-    return [{**row, "dtype": dtype, "micro_batch": micro} for row in rows]
+    lone_calls = {r["batch"]: r["one_caller"] for r in result.get("in_process", []) if r["dtype"] == dtype}
+    out = []
+    for row in rows:
+        plan = plans.get(row["layout"])
+        m = plan.micro_batch_at(args.size * args.size) if plan is not None else None
+        # a padded call costs the device a whole micro-batch: beside it, one call of m in-process
+        in_call = 1e3 * m / lone_calls[m] if m in lone_calls and not plan.bucketed else None
+        out.append({**row, "dtype": dtype, "micro_batch": m, "in_process_call_ms": in_call})
+    return out
+
+
+def layout_micro_batch(flags: list[str], default: int) -> int:
+    """The ``--micro-batch`` a layout's serve flags end with (the last one wins, as in argparse)."""
+    value = default
+    for i, flag in enumerate(flags):
+        if flag == "--micro-batch" and i + 1 < len(flags):
+            value = int(flags[i + 1])
+        elif flag.startswith("--micro-batch="):
+            value = int(flag.partition("=")[2])
+    return value
+
+
+def call_against_in_process(row: dict) -> float | None:
+    """A served model call's mean time over one lone in-process call of its micro-batch
+    (``call/in``): about 1 with ``busy`` under 1 is a device left idle between calls; well
+    above 1 is calls slowed by the serving around them (or two calls sharing the device)."""
+    if row.get("ms_per_call") is None or not row.get("in_process_call_ms"):
+        return None
+    return row["ms_per_call"] / row["in_process_call_ms"]
 
 
 def report(result: dict) -> str:
@@ -499,7 +531,7 @@ def report(result: dict) -> str:
         lines.append(f"plan {row['dtype']} (vqserve plan, served as 'planned'): "
                      f"{row.get('line') or 'error ' + str(row.get('error'))[-200:]}")
     lines.append(f"{'served':<8}{'layout':<16}{'case':<16}{'callers':<10}{'img/s':>9}{'/in-proc':>10}{'p99 ms':>9}{'CPU µs/img':>12}"
-                 f"{CALL_COLUMNS}")
+                 f"{CALL_COLUMNS}{'call/in':>9}")
     for row in result.get("served", []):
         if "error" in row:
             lines.append(f"{row['dtype']:<8}{row['layout']:<16}error: {row['error'][-200:]}")
@@ -509,7 +541,7 @@ def report(result: dict) -> str:
         lines.append(f"{row['dtype']:<8}{row['layout']:<16}{row['case']:<16}{row.get('caller_kind', '-'):<10}"
                      f"{row['throughput']:9.0f}{ratio:10.2f}"
                      f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}"
-                     f"{call_columns(row)}{same}")
+                     f"{call_columns(row)}{mean_text(call_against_in_process(row), 2):>9}{same}")
     for row in result.get("tokenize", []):
         if "error" in row:
             lines.append(f"tokenize {row['dtype']}{' (CUDA graphs)' if row.get('cuda_graphs') else ''}: error {row['error'][-300:]}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vqserve.bench import gpu
 
 
@@ -91,3 +93,33 @@ def test_the_stand_in_device_is_timed_in_fp32_alone_in_every_section(tmp_path, c
     assert [(r["dtype"], "error" in r) for r in result["tokenize"]] == [("fp32", False)], result["tokenize"]
     assert result["tokenize"][0]["images"] == 200
     assert "error" not in capsys.readouterr().out
+
+
+def test_each_layout_is_recorded_and_checked_at_its_own_micro_batch(tiny_checkpoint, tmp_path, capsys):
+    """A layout whose flags set another micro-batch (`split-m2`) was recorded with the dtype's
+    default one and its tokens checked against calls of that size. Each row now carries its
+    layout's micro-batch, and its model calls' time beside one lone in-process call of that
+    size (`call/in`), the comparison that tells an idle device from slowed calls."""
+    out = tmp_path / "gpu.json"
+    argv = _small_run(tiny_checkpoint, "fp32", out)
+    argv[argv.index("--batches") + 1] = "2,4"
+    argv[argv.index("--layouts") + 1] = "split=--frontends 1;split-m2=--frontends 1 --micro-batch 2"
+    assert gpu.main(argv) == 0
+    result = json.loads(out.read_text())
+    best = max(result["in_process"], key=lambda r: r["throughput"])["batch"]
+    lone = {r["batch"]: r["one_caller"] for r in result["in_process"]}
+    served = {r["layout"]: r for r in result["served"]}
+    assert {name: r["micro_batch"] for name, r in served.items()} == {"split": best, "split-m2": 2}
+    for r in served.values():
+        assert r["tokens_equal_in_process"] and r["calls"] > 0, r
+        assert r["in_process_call_ms"] == pytest.approx(1e3 * r["micro_batch"] / lone[r["micro_batch"]])
+        assert gpu.call_against_in_process(r) == pytest.approx(r["ms_per_call"] / r["in_process_call_ms"])
+    assert "call/in" in capsys.readouterr().out
+
+
+def test_a_layouts_micro_batch_is_the_last_its_flags_set():
+    flags = ["--plan", "default", "--micro-batch", "64", "--frontends", "auto"]
+    assert gpu.layout_micro_batch(flags, 8) == 64
+    assert gpu.layout_micro_batch([*flags, "--micro-batch", "32"], 8) == 32
+    assert gpu.layout_micro_batch([*flags, "--micro-batch=16"], 8) == 16
+    assert gpu.layout_micro_batch(["--frontends", "auto"], 8) == 8
