@@ -212,8 +212,9 @@ def _group_reaper(group: int, tmp: Path) -> subprocess.Popen | None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         arm()
 
-    return subprocess.Popen([sys.executable, "-c", _REAPER, str(group), str(tmp)], stdin=subprocess.DEVNULL,
-                            preexec_fn=start)
+    quiet = subprocess.DEVNULL  # holds no pipe of the caller's open (a reader waiting for EOF)
+    return subprocess.Popen([sys.executable, "-c", _REAPER, str(group), str(tmp)], stdin=quiet, stdout=quiet,
+                            stderr=quiet, preexec_fn=start)
 
 
 def http(url: str, body: bytes | None = None, headers: dict | None = None,
