@@ -16,6 +16,7 @@ private descriptor pool, so a caller in this interpreter never clashes with anot
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -144,57 +145,45 @@ class TorchServe:
         if self._reaper is not None:  # ended first: this process stops the group itself
             self._reaper.kill()
             self._reaper.wait()
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # workers may outlive the launcher briefly
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        end_group(self.proc.pid, self.tmp, reap=self.proc.poll)
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=5)
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-_REAPER = """
-import os, shutil, signal, sys, time
-group, tmp = int(sys.argv[1]), sys.argv[2]
-
-def end(*_):
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+def end_group(group: int, tmp: Path | str, reap=lambda: None, grace_s: float = 25.0) -> None:
+    """SIGTERM process group ``group``, wait up to ``grace_s`` for all of it to go (workers
+    may outlive the launcher briefly; ``reap`` collects a member that is our child, whose
+    zombie would otherwise count as alive), SIGKILL what is left, remove ``tmp``."""
+    def gone() -> bool:
+        reap()
         try:
-            os.killpg(group, sig)
+            os.killpg(group, 0)
         except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(group, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os._exit(0)
+            return True
+        return False
 
-signal.signal(signal.SIGTERM, end)
-signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one that came while starting: now
-while True:
-    signal.pause()
-"""
+    with contextlib.suppress(ProcessLookupError):  # the group may end at any point
+        os.killpg(group, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while not gone() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not gone():
+            os.killpg(group, signal.SIGKILL)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _reaper_main(group: int, tmp: str) -> None:
+    """The reaper's life (:func:`_group_reaper`): on SIGTERM, which the kernel sends when the
+    caller's thread ends, end the group."""
+    def end(*_):
+        end_group(group, tmp)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one that came while starting: now
+    while True:
+        signal.pause()
 
 
 def _group_reaper(group: int, tmp: Path) -> subprocess.Popen | None:
@@ -213,7 +202,8 @@ def _group_reaper(group: int, tmp: Path) -> subprocess.Popen | None:
         arm()
 
     quiet = subprocess.DEVNULL  # holds no pipe of the caller's open (a reader waiting for EOF)
-    return subprocess.Popen([sys.executable, "-c", _REAPER, str(group), str(tmp)], stdin=quiet, stdout=quiet,
+    code = "import sys; from vqserve.export.torchserve_server import _reaper_main; _reaper_main(int(sys.argv[1]), sys.argv[2])"
+    return subprocess.Popen([sys.executable, "-c", code, str(group), str(tmp)], stdin=quiet, stdout=quiet,
                             stderr=quiet, preexec_fn=start)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import threading
 import time
@@ -176,6 +177,21 @@ def child_pids(pid: int) -> list[int]:
     from vqserve.bench.serving import process_tree
 
     return [p for p in process_tree(pid) if p != pid]
+
+
+async def staggered_clients(submit, images, rounds: int = 3, gap_s: float = 0.006) -> list[list]:
+    """Closed-loop clients, one per image of ``images``: each encodes its image ``rounds``
+    times through ``submit(method, array)`` (a batcher's or a front-end's), client k coming
+    back ``gap_s * k`` after each answer (6 ms: further apart than the 4 ms pause that once
+    started a padded call); each client's answers."""
+    async def client(k: int) -> list:
+        answers = []
+        for _ in range(rounds):
+            answers.append(await submit("encode", images[k:k + 1]))
+            await asyncio.sleep(gap_s * k)
+        return answers
+
+    return await asyncio.gather(*(client(k) for k in range(len(images))))
 
 
 def alive(pid: int) -> bool:

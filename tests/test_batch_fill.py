@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from tests.helpers import CountingRuntime
+from tests.helpers import CountingRuntime, staggered_clients
 from vqserve.export.execution import ExecutionPlan, PlannedRuntime
 from vqserve.export.synthetic import SyntheticRuntime
 from vqserve.serve.batcher import Batcher
@@ -142,21 +142,15 @@ def test_a_padded_call_waits_for_every_client_the_last_call_answered():
 
 
 async def _staggered_clients(runtime, lone_first: bool = False) -> None:
-    """Eight closed-loop clients of one 64x64 image, three requests each, client k coming
-    back 6k ms after its answer (further apart than the 4 ms pause of the rule before);
-    ``lone_first``: one request alone on the idle device before them."""
-    image = np.zeros((1, 64, 64, 3), np.uint8)
+    """Eight closed-loop clients of one 64x64 image each through a batcher of ``runtime``,
+    three requests each (:func:`tests.helpers.staggered_clients`); ``lone_first``: one
+    request alone on the idle device before them."""
+    images = np.zeros((8, 64, 64, 3), np.uint8) + np.arange(8, dtype=np.uint8)[:, None, None, None]
     b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
     b.start()
     if lone_first:
-        await b.submit("encode", image)
-
-    async def client(k: int) -> None:
-        for _ in range(3):
-            await b.submit("encode", image + k)
-            await asyncio.sleep(0.006 * k)
-
-    await asyncio.gather(*(client(k) for k in range(8)))
+        await b.submit("encode", images[:1])
+    await staggered_clients(b.submit, images)
     await b.close()
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import CountingRuntime
+from tests.helpers import CountingRuntime, staggered_clients
 from vqserve.export.execution import ExecutionPlan, PlannedRuntime
 from vqserve.export.synthetic import SyntheticRuntime, block_tokens
 from vqserve.serve.batcher import DeadlineExpired
@@ -148,14 +148,7 @@ def test_closed_loop_callers_through_a_front_end_make_full_padded_calls():
         async with _executor(0, "", plan=ExecutionPlan(micro_batch=8, workers=2, intra_op_threads=1),
                              inner=inner) as (_state, remote):
 
-            async def caller(k: int) -> list[np.ndarray]:
-                answers = []
-                for _ in range(3):
-                    answers.append(await remote.submit("encode", images[k:k + 1]))
-                    await asyncio.sleep(0.006 * k)
-                return answers
-
-            return await asyncio.gather(*(caller(k) for k in range(8)))
+            return await staggered_clients(remote.submit, images)
 
     answers = asyncio.run(main())
     # the device sees padded calls of 8: 24 images in three calls means none held padding

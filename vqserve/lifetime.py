@@ -22,11 +22,8 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     is in place (Linux). Call it first thing in the child: if the parent is already gone
     (this process was re-parented), exit at once."""
     parent = os.getppid()
-    armed = False
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    prctl = _prctl()
+    armed = prctl is not None and prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     if parent == 1 or os.getppid() != parent:  # the parent died before the request was in place
         os._exit(1)
     return armed
@@ -42,11 +39,8 @@ def ending_with_this_thread():
     that outlives them (the main thread). ``prctl`` is looked up here, before the fork: in
     the child, between fork and exec, only that foreign call and ``getppid`` run, no import
     or ``dlopen`` that could wait on a lock another thread of this process held."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = _prctl()
+    if prctl is None:
         return None
     parent = os.getpid()
 
@@ -56,6 +50,16 @@ def ending_with_this_thread():
             os._exit(1)
 
     return arm
+
+
+def _prctl():
+    """libc's ``prctl`` (None off Linux, or where it cannot be found)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 def lower_priority(increment: int = 10) -> None:
