@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.bench.inputs import bench_photos
 from vqserve.bench.load import (
     CALL_COLUMNS,
     call_columns,
@@ -50,7 +51,6 @@ from vqserve.bench.load import (
     parse_cases,
     parse_layouts,
 )
-from vqserve.bench.serving import bench_photos
 from vqserve.export.synthetic import is_synthetic
 from vqserve.lifetime import ending_with_this_thread
 from vqserve.machine import available_cores
@@ -107,7 +107,7 @@ def photo_tiles(count: int, size: int, seed: int = 0) -> np.ndarray:
     scales and mirror images, seeded): many images' tokens from the few photographs."""
     from PIL import Image
 
-    from vqserve.bench.serving import PHOTOS
+    from vqserve.bench.inputs import PHOTOS
     from vqserve.model.photos import load_builtin_photo
 
     rng = np.random.default_rng(seed)

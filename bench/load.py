@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vqserve.bench.serving import fetch_metrics, process_tree
+from vqserve.bench.processes import process_tree
+from vqserve.bench.servers import fetch_metrics
 from vqserve.lifetime import die_with_parent
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -81,7 +82,7 @@ def request_bytes(case: LoadCase, images: np.ndarray) -> tuple[str, bytes]:
         return "/vqserve.v1.Tokenizer/Encode", msg.SerializeToString()
     if case.payload != "raw":
         raise ValueError(f"{case.label}: OIP takes raw UINT8 tensors only (JPEG goes through v1)")
-    from vqserve.bench.serving import oip_request
+    from vqserve.bench.calls import oip_request
 
     return "/inference.GRPCInferenceService/ModelInfer", oip_request("encode", batch).SerializeToString()
 
@@ -370,7 +371,7 @@ def reply_tokens(case: LoadCase, reply: bytes) -> np.ndarray | None:
         from vqserve.serve.service_v1 import tensor_array
 
         return tensor_array(pb.EncodeResponse.FromString(reply).indices, "indices")
-    from vqserve.bench.serving import oip_array
+    from vqserve.bench.calls import oip_array
     from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
 
     return oip_array(oip.ModelInferResponse.FromString(reply))
@@ -391,7 +392,7 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
     A layout whose server does not start is one row with its ``error``."""
     import argparse
 
-    from vqserve.bench.serving import start_server
+    from vqserve.bench.servers import start_server
 
     for kind in kinds:
         check_kind(kind)

@@ -631,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from vqserve.bench import inputs as bench_inputs
     from vqserve.bench import serving as serve_bench
     from vqserve.export import bench as runtime_bench
 
@@ -642,8 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="vqserve-bench-all-") as tmp, \
             LoadSampler(prof["load_every"]) as load:
-        model = serve_bench.bench_model(prof["model"], Path(tmp))
-        photos = serve_bench.bench_photos(prof["size"])
+        model = bench_inputs.bench_model(prof["model"], Path(tmp))
+        photos = bench_inputs.bench_photos(prof["size"])
         runtime_rows: list[dict] = []
         runtime_raw: list[dict] = []
         if args.runtimes:
@@ -674,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
                   "duration": prof["duration"], "warmup": prof["warmup"], "prime": prof["prime"],
                   "rounds": prof["rounds"], "threads": args.threads,
                   "max_batch_size": args.max_batch_size, "max_delay_ms": args.max_delay_ms,
-                  "photos": list(serve_bench.PHOTOS), "backends": prof["backends"],
+                  "photos": list(bench_inputs.PHOTOS), "backends": prof["backends"],
                   "dtypes": prof["dtypes"], "batches": prof["batches"],
                   "min_time": prof["min_time"], "runtime_rounds": prof["runtime_rounds"]})
     result["ratios"] = compute_ratios(serving["best"], serving["memory"], max(clients))

@@ -51,136 +51,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import io
 import json
 import multiprocessing
 import os
 import queue
-import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from vqserve.lifetime import die_with_parent, ending_with_this_thread
+from vqserve.bench.calls import CALL_TIMEOUT_S, connect
+from vqserve.bench.inputs import bench_model, bench_photos
+from vqserve.bench.load import caller_kinds
+from vqserve.bench.processes import pids_memory, tree_memory
+from vqserve.bench.servers import settle_plan, start_server, start_torchserve, torchserve_workers
+from vqserve.lifetime import die_with_parent
 from vqserve.machine import available_cores
 
-PROTOCOLS = ("v1", "oip", "torchserve")
-# whole colour photographs that ship inside scikit-image (never matplotlib's or sklearn's)
-PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field",
-          "immunohistochemistry", "retina", "stereo_motorcycle_left")
-TORCHSERVE_PORTS = (19000, 19099)
-CALL_TIMEOUT_S = 300.0
-PLAN_WAIT_S = 600.0  # the server's plan budget (120 s by default) plus loading and the switch
 CAPACITY = "in-process-capacity"
 
 
 def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
-
-
-def bench_photos(size: int) -> np.ndarray:
-    """The benchmark images: each whole photograph centre-cropped to a square and resized
-    (bicubic) to ``size`` x ``size``; uint8 ``[N,size,size,3]``."""
-    from PIL import Image
-
-    from vqserve.model.photos import load_builtin_photo
-
-    out = []
-    for name in PHOTOS:
-        img = load_builtin_photo(name)
-        h, w = img.shape[:2]
-        s = min(h, w)
-        square = img[(h - s) // 2:(h - s) // 2 + s, (w - s) // 2:(w - s) // 2 + s]
-        out.append(np.asarray(Image.fromarray(square).resize((size, size), Image.BICUBIC)))
-    return np.stack(out)
-
-
-# the test suite's tiny architecture (tests/conftest.py): per-call overhead dominates it
-TINY = {"channels": [16, 16, 16], "num_res_blocks": 1, "levels": [8, 5, 5, 5]}
-
-
-def make_random_model(path: Path, **config) -> str:
-    """A checkpoint with random weights: TokenizerConfig's architecture, or ``config``'s
-    (the compute cost of a trained model of that shape, nothing to download)."""
-    import torch
-
-    from vqserve.model import Tokenizer, TokenizerConfig, save_tokenizer
-
-    torch.manual_seed(0)
-    save_tokenizer(Tokenizer(TokenizerConfig(**config)).eval(), path)
-    return str(path)
-
-
-def bench_model(name: str, workdir: Path) -> str:
-    """``random`` or ``tiny`` (``TINY``): a random-weight checkpoint under ``workdir``;
-    anything else is a model name or path, returned as given."""
-    if name not in ("random", "tiny"):
-        return name
-    return make_random_model(Path(workdir) / name, **(TINY if name == "tiny" else {}))
-
-
-# ---- memory --------------------------------------------------------------------------------
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants (from ``/proc``; Linux only)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def _status_kb(pid: int, field: str) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def tree_memory(root: int, include_root: bool = True) -> dict:
-    """Peak RSS (sum of each process's ``VmHWM``: an upper bound of the tree's peak) and
-    current RSS of ``root``'s process tree, in MiB, with one entry per process."""
-    procs = []
-    for pid in process_tree(root):
-        if pid == root and not include_root:
-            continue
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        procs.append({"pid": pid, "name": name, "peak_mb": _status_kb(pid, "VmHWM") / 1024,
-                      "rss_mb": _status_kb(pid, "VmRSS") / 1024})
-    return {"peak_mb": sum(p["peak_mb"] for p in procs), "rss_mb": sum(p["rss_mb"] for p in procs),
-            "processes": procs}
-
-
-def pids_memory(pids: list[int]) -> dict:
-    """``tree_memory`` over several process trees (the capacity workers), added up."""
-    trees = [tree_memory(pid) for pid in pids]
-    return {"peak_mb": sum(t["peak_mb"] for t in trees), "rss_mb": sum(t["rss_mb"] for t in trees),
-            "processes": [p for t in trees for p in t["processes"]]}
 
 
 # ---- in-process ----------------------------------------------------------------------------
@@ -334,270 +231,6 @@ def bench_capacity(pool: CapacityPool, expected: np.ndarray, clients: int, durat
     return _closed_loop_row(mode, clients, results, lat, expected)
 
 
-# ---- servers -------------------------------------------------------------------------------
-def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | None,
-                 extra: list[str] | None = None, log: list[str] | None = None,
-                 pythonpath: str | None = None):
-    """A ``vqserve serve`` subprocess on a free loopback port, metrics on as deployed;
-    returns (process, port), the process carrying ``metrics_port``. ``max_delay_ms`` None
-    keeps the server's default; ``extra``: more flags (later ones win); ``log``: collects the
-    server's stderr lines; ``pythonpath``: run the vqserve installed there instead of this one."""
-    cmd = [sys.executable, "-m", "vqserve", "serve", "--model", model, "--backend", args.backend,
-           *(["--dtype", args.dtype] if args.dtype else []), "--device", args.device,
-           "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-           "--max-batch-size", str(max_batch_size),
-           *(["--max-delay-ms", str(max_delay_ms)] if max_delay_ms is not None else []),
-           "--max-queue", "4096", "--grace", "5", *(extra or [])]
-    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
-                            preexec_fn=ending_with_this_thread())  # a killed bench leaves no server
-    port: list[int] = []
-    ready = threading.Event()
-    log = [] if log is None else log
-
-    def pump():
-        for line in proc.stderr:
-            log.append(line)
-            if '"event": "serving"' in line:
-                record = json.loads(line)
-                proc.metrics_port = record.get("metrics_port")  # for the benches that read /metrics
-                port.append(record["port"])
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(300) or not port:
-        proc.kill()
-        raise RuntimeError("the server did not start:\n" + "".join(log[-20:]))
-    return proc, port[0]
-
-
-def log_events(lines: list[str], *names: str) -> list[dict]:
-    """The server's JSON log records (one per line) whose ``event`` is one of ``names``."""
-    out = []
-    for line in list(lines):  # the pump thread appends meanwhile
-        if '"event"' not in line:
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") in names:
-            out.append(record)
-    return out
-
-
-def plan_labels(exposition: str) -> dict | None:
-    """The labels of ``vqserve_execution_plan`` (the plan every model call runs by now:
-    backend, dtype, micro_batch, workers, intra_op_threads, source) in a ``/metrics`` page."""
-    for line in exposition.splitlines():
-        if line.startswith("vqserve_execution_plan{"):
-            return dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line[:line.rindex("}")]))
-    return None
-
-
-def fetch_metrics(metrics_port: int | None) -> str | None:
-    """The server's ``/metrics`` page on loopback; None where it is off or does not answer."""
-    if not metrics_port:
-        return None
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-            return r.read().decode()
-    except OSError:
-        return None
-
-
-def scrape_plan(metrics_port: int) -> dict | None:
-    """``plan_labels`` of the server's ``/metrics`` on loopback; None where it does not answer."""
-    page = fetch_metrics(metrics_port)
-    return None if page is None else plan_labels(page)
-
-
-def settle_plan(name: str, proc: subprocess.Popen, lines: list[str], log=print,
-                timeout: float = PLAN_WAIT_S) -> dict:
-    """Wait until the server serves by its final execution plan, and say which it is.
-
-    A ``--plan auto`` server without a cached plan serves the safe plan and measures a
-    faster one in a background process (up to its ``--plan-budget-s``), then switches: a
-    benchmark started meanwhile would time the safe plan, or a switch, under the load of
-    the measurement. Done when ``/metrics`` no longer says ``source="measuring"`` and, if it
-    did at start, the log has ``plan_switched`` or ``plan_not_measured``. Returns the
-    ``vqserve_execution_plan`` labels (or the ``serving`` line's plan) and the plan lines."""
-    serving = (log_events(lines, "serving") or [{}])[-1]
-    metrics_port = serving.get("metrics_port")
-    measuring = str(serving.get("plan_source", "")).startswith("measuring")
-    if measuring:
-        log(f"{name}: serving the safe plan while it measures a faster one in the background; "
-            "waiting for the measurement to end before measuring this server")
-    deadline = time.monotonic() + timeout
-    while True:
-        labels = scrape_plan(metrics_port) if metrics_port else None
-        source = (labels or {}).get("source") or str(serving.get("plan_source", "unknown"))
-        ended = not measuring or log_events(lines, "plan_switched", "plan_not_measured")
-        if ended and not source.startswith("measuring"):
-            break
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited {proc.returncode} while measuring its plan:\n"
-                               + "".join(lines[-20:]))
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} still measuring its plan after {timeout:.0f} s")
-        time.sleep(1.0)
-    events = [{k: e.get(k) for k in ("event", "msg", "source")}
-              for e in log_events(lines, "plan", "plan_switched", "plan_not_measured")]
-    plan = labels or {"source": source, **(serving.get("plan") or {})}
-    log(f"{name}: benchmarked on its execution plan source={source} ("
-        + ", ".join(f"{k} {v}" for k, v in plan.items() if k != "source") + ")")
-    for e in events:
-        log(f"  {name} log: {e['event']}: {e['msg']}")
-    if source.startswith("safe"):
-        log(f"  note: {name}'s plan measurement did not finish; this is the safe plan, not the "
-            "measured one (`vqserve plan --model ...` fills the cache without a budget)")
-    return {"source": source, "plan": plan, "events": events}
-
-
-def torchserve_workers(value: str) -> int:
-    """``--torchserve-workers`` / ``--capacity-workers``: a count, or ``cores`` (the cores
-    this process may run on)."""
-    n = available_cores() if value == "cores" else int(value)
-    if n < 1:
-        raise ValueError(f"workers must be 1 or more, or 'cores', got {value!r}")
-    return n
-
-
-def start_torchserve(model: str, args, workdir: Path, log=print, workers: int = 1,
-                     batch_size: int | None = None, name: str = "run"):
-    """Build the archives from ``model`` (same backend and dtype as ``vqserve serve``) into
-    ``workdir/store`` unless there already, start TorchServe on ports in 19000-19099 with
-    its own batching set like vqserve's (``batch_size``: another batch), and register the
-    archive for ``args.method`` with ``workers`` workers (``initial_workers``; each on
-    ``args.threads`` threads). ``name``: its run directory under ``workdir``, so two
-    TorchServes can run from one store. Returns the running ``TorchServe``."""
-    from vqserve.export.torchserve import ARCHIVE_NAMES, build_archives
-    from vqserve.export.torchserve_server import TorchServe
-
-    delay = int(round(args.max_delay_ms))
-    batch = batch_size or args.max_batch_size
-    store = workdir / "store"
-    if not store.exists():
-        log(f"building TorchServe archives (batch {args.max_batch_size}, delay {delay} ms)")
-        build_archives(model, store, backend=args.backend, dtype=args.dtype,
-                       batch_size=args.max_batch_size, max_batch_delay_ms=delay,
-                       device=args.device, threads=args.threads or 0)
-    (workdir / name).mkdir()
-    ts = TorchServe(store, workdir / name, TORCHSERVE_PORTS, threads=args.threads or 0)
-    try:
-        ts.wait_ready(120)
-        ts.register(ARCHIVE_NAMES[args.method], batch, delay, workers=workers,
-                    timeout=180 + 30 * workers)
-        described = ts.describe(ARCHIVE_NAMES[args.method])
-        ready = sum(w.get("status") == "READY" for w in described.get("workers", []))
-        log(f"TorchServe ({name}): {ready}/{workers} worker(s) ready, batch {described.get('batchSize')}, "
-            f"delay {described.get('maxBatchDelay')} ms")
-    except BaseException:
-        ts.stop()
-        raise
-    return ts
-
-
-# ---- clients -------------------------------------------------------------------------------
-Call = Callable[[np.ndarray], Awaitable[np.ndarray]]
-
-
-def _npy(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array)
-    return buf.getvalue()
-
-
-@contextlib.asynccontextmanager
-async def connect(protocol: str, target: str, method: str) -> AsyncIterator[Call]:
-    """One client's connection: a coroutine that sends one item (an image for encode,
-    an index grid for decode) as one request and returns the answer as numpy."""
-    import grpc
-
-    if protocol == "v1":
-        from vqserve.serve.client import AsyncTokenizerClient
-
-        async with AsyncTokenizerClient(target, timeout=CALL_TIMEOUT_S) as client:
-            if method == "encode":
-                yield lambda x: _first(client.encode_batch(x[None]))
-            else:
-                yield lambda x: _first(client.decode_batch(x[None]))
-        return
-    options = [("grpc.max_send_message_length", 64 << 20),
-               ("grpc.max_receive_message_length", 64 << 20)]
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        if protocol == "oip":
-            yield _oip_call(channel, method)
-        elif protocol == "torchserve":
-            yield _torchserve_call(channel, method)
-        else:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-
-
-async def _first(result: Awaitable[np.ndarray]) -> np.ndarray:
-    return (await result)[0]
-
-
-def oip_request(method: str, x: np.ndarray):
-    """A ModelInfer request of ``x`` (a whole batch) to ``vqserve-encode`` or ``-decode``."""
-    from vqserve.serve import codec
-    from vqserve.serve._proto import grpc_predict_v2_pb2 as pb
-
-    model, name = ("vqserve-encode", "images") if method == "encode" else ("vqserve-decode", "indices")
-    x = np.ascontiguousarray(x)
-    return pb.ModelInferRequest(model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(
-        name=name, datatype=codec.NUMPY_TO_OIP[x.dtype.name], shape=list(x.shape))],
-        raw_input_contents=[x.tobytes()])
-
-
-def oip_array(reply) -> np.ndarray:
-    """The first output of a ModelInfer response as an array."""
-    from vqserve.serve import codec
-
-    out = reply.outputs[0]
-    dtype = np.dtype(codec.OIP_TO_NUMPY[out.datatype]).newbyteorder("<")
-    return np.frombuffer(reply.raw_output_contents[0], dtype).reshape(tuple(out.shape))
-
-
-def _oip_call(channel, method: str) -> Call:
-    from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as pb_grpc
-
-    stub = pb_grpc.GRPCInferenceServiceStub(channel)
-
-    async def call(x: np.ndarray) -> np.ndarray:
-        reply = await stub.ModelInfer(oip_request(method, x[None]), timeout=CALL_TIMEOUT_S)
-        return oip_array(reply)[0]
-
-    return call
-
-
-_TS_MESSAGES: tuple | None = None
-
-
-def _torchserve_call(channel, method: str) -> Call:
-    from vqserve.export.torchserve import ARCHIVE_NAMES
-    from vqserve.export.torchserve_server import INFERENCE_SERVICE, predictions_messages
-
-    global _TS_MESSAGES
-    if _TS_MESSAGES is None:
-        _TS_MESSAGES = predictions_messages()
-    request_cls, response_cls = _TS_MESSAGES
-    predict = channel.unary_unary(f"/{INFERENCE_SERVICE}/Predictions",
-                                  request_serializer=request_cls.SerializeToString,
-                                  response_deserializer=response_cls.FromString)
-    extra = {} if method == "encode" else {"output": b"npy"}
-
-    async def call(x: np.ndarray) -> np.ndarray:
-        request = request_cls(model_name=ARCHIVE_NAMES[method], input={"data": _npy(x), **extra})
-        reply = await predict(request, timeout=CALL_TIMEOUT_S)
-        if reply.prediction[:1] == b"{":  # TorchServe's gRPC answers errors with OK + JSON
-            raise RuntimeError(f"TorchServe refused the request: {reply.prediction[:300]!r}")
-        return np.load(io.BytesIO(reply.prediction), allow_pickle=False)
-
-    return call
-
-
 async def _client_loop(protocol: str, target: str, method: str, item: np.ndarray,
                        start_at: float, stop_at: float, lat: list[float]) -> tuple[int, float, np.ndarray]:
     """Send ``item`` back to back; time the calls that start inside the window, and at least
@@ -718,8 +351,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for the in-process runtime and every server (0 = torch default)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    from vqserve.bench.load import caller_kinds  # load.py imports this module
-
     g = p.add_argument_group("clients in other processes (--client-procs P)")
     g.add_argument("--client-procs", type=int, default=0,
                    help="measure with P client processes instead (bench/load.py): each server layout "

@@ -46,7 +46,7 @@ DECODE_TOLERANCE = 1  # grey levels: CPU kernels may round differently by batch 
 def rss_bytes(pid: int) -> tuple[int, int]:
     """Resident memory of the server ``pid`` now, all its processes together (``/proc``, as
     the benchmark reads it), and how many processes that is."""
-    from vqserve.bench.serving import tree_memory
+    from vqserve.bench.processes import tree_memory
 
     tree = tree_memory(pid)
     return int(tree["rss_mb"] * 2**20), len(tree["processes"])
@@ -203,7 +203,7 @@ class Soak:
         once); v1 unary requests carry one or two images, streams one per message, OIP one."""
         import grpc
 
-        from vqserve.bench.serving import connect
+        from vqserve.bench.calls import connect
         from vqserve.serve.client import AsyncTokenizerClient, ServerError
 
         n = len(self.images)
@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive")
 
-    from vqserve.bench.serving import bench_model, bench_photos, start_server
+    from vqserve.bench.inputs import bench_model, bench_photos
+    from vqserve.bench.servers import start_server
 
     tmp = tempfile.TemporaryDirectory(prefix="vqserve-soak-")
     model = bench_model(args.model, Path(tmp.name))

@@ -174,7 +174,7 @@ def tokenize_grids(model: str, folder, out, *flags: str) -> dict:
 
 def child_pids(pid: int) -> list[int]:
     """Every process below ``pid`` (a server's front-ends), from /proc."""
-    from vqserve.bench.serving import process_tree
+    from vqserve.bench.processes import process_tree
 
     return [p for p in process_tree(pid) if p != pid]
 

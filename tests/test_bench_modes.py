@@ -15,6 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
+from vqserve.bench import inputs, processes, servers
 from vqserve.bench import serving as bench
 from vqserve.export.runtime import load_runtime
 from vqserve.serve.server import ServerConfig, ServerThread
@@ -24,7 +25,7 @@ SIZE = 32
 
 @pytest.fixture(scope="module")
 def images() -> np.ndarray:
-    return bench.bench_photos(SIZE)[:4]
+    return inputs.bench_photos(SIZE)[:4]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_capacity_pool_runs_one_thread_per_process_and_returns_the_runtimes_toke
             assert row["requests"] >= level and row["throughput"] > 0
             assert 0 < row["p50_ms"] <= row["p99_ms"]
             assert row["agreement"] == 1.0
-        memory = bench.pids_memory(pool.pids)
+        memory = processes.pids_memory(pool.pids)
         assert len(memory["processes"]) >= 2 and memory["peak_mb"] > 0
     finally:
         pool.stop()
@@ -73,22 +74,22 @@ def test_plan_is_read_from_metrics_and_the_log():
     page = ('# HELP vqserve_execution_plan 1 for the plan\n'
             'vqserve_execution_plan{backend="eager",dtype="fp32",intra_op_threads="1",'
             'micro_batch="64:8 256:1",source="measured",workers="2"} 1.0\n')
-    assert bench.plan_labels(page) == {"backend": "eager", "dtype": "fp32", "intra_op_threads": "1",
+    assert servers.plan_labels(page) == {"backend": "eager", "dtype": "fp32", "intra_op_threads": "1",
                                        "micro_batch": "64:8 256:1", "source": "measured", "workers": "2"}
-    assert bench.plan_labels("vqserve_model_info{a=\"b\"} 1.0\n") is None
+    assert servers.plan_labels("vqserve_model_info{a=\"b\"} 1.0\n") is None
     lines = [json.dumps({"event": "serving", "port": 1, "plan_source": "measuring"}) + "\n",
              "not json\n", json.dumps({"event": "plan_switched", "msg": "now serving by ..."}) + "\n"]
-    assert [e["event"] for e in bench.log_events(lines, "serving", "plan_switched")] == \
+    assert [e["event"] for e in servers.log_events(lines, "serving", "plan_switched")] == \
         ["serving", "plan_switched"]
 
 
 def test_workers_take_a_count_or_cores():
     from vqserve.machine import available_cores
 
-    assert bench.torchserve_workers("cores") == available_cores()
-    assert bench.torchserve_workers("3") == 3
+    assert servers.torchserve_workers("cores") == available_cores()
+    assert servers.torchserve_workers("3") == 3
     with pytest.raises(ValueError):
-        bench.torchserve_workers("0")
+        servers.torchserve_workers("0")
 
 
 @pytest.mark.slow
@@ -137,7 +138,7 @@ def test_torchserve_best_starts_n_workers_with_its_batch(tiny_checkpoint, tmp_pa
     if shutil.which("java") is None:
         pytest.skip("java is not on PATH: TorchServe's frontend is a Java program")
     lines: list[str] = []
-    ts = bench.start_torchserve(tiny_checkpoint, _args(), tmp_path, lines.append, workers=2,
+    ts = servers.start_torchserve(tiny_checkpoint, _args(), tmp_path, lines.append, workers=2,
                                 batch_size=8, name="run-best")
     try:
         described = ts.describe("vqserve-encode")

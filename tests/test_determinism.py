@@ -341,7 +341,7 @@ def test_original_situation_is_real_and_the_plan_removes_it(whole_photos, tmp_pa
     GroupNorm's whole-image reductions are where the threads split the work differently
     with the batch; the v2 default (per-pixel norm) shows no difference here even with
     two threads (docs/SERVING.md), so it cannot show the bug."""
-    from vqserve.bench.serving import make_random_model
+    from vqserve.bench.inputs import make_random_model
 
     inner = EagerRuntime(make_random_model(tmp_path / "groupnorm", norm="group"), dtype="bf16", device="cpu")
     before = torch.get_num_threads()

@@ -43,7 +43,7 @@ from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vqserve.bench.serving import tree_memory
+from vqserve.bench.processes import tree_memory
 from vqserve.export.runtime import EagerRuntime
 from vqserve.serve import codec
 from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
@@ -133,7 +133,7 @@ class Served:
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda n: f"frontends{n}")
 def served(tiny_checkpoint, request):
-    from vqserve.bench.serving import start_server
+    from vqserve.bench.servers import start_server
 
     log: list[str] = []
     args = argparse.Namespace(backend="eager", dtype=None, device="cpu")

@@ -141,7 +141,7 @@ def test_every_cuda_runtime_turns_tf32_off_whatever_ran_before(tiny_checkpoint, 
     flags off, and a bf16 encoder's kept fp32 layers ran in TF32 or not by what ran before."""
     import numpy as np
 
-    from vqserve.bench.serving import (
+    from vqserve.bench.inputs import (
         bench_photos,  # built in: a GPU node need not have scikit-image
     )
     from vqserve.export.runtime import EagerRuntime

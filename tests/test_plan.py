@@ -387,7 +387,7 @@ def metrics_text(port: int) -> str:
 
 
 def plan_source(body: str) -> str:
-    from vqserve.bench.serving import (
+    from vqserve.bench.servers import (
         plan_labels,  # the benchmark reads the served plan the same way
     )
 

@@ -1,0 +1,62 @@
+"""The processes a benchmark starts, read from ``/proc``: a server's whole tree (its
+front-ends, TorchServe's Java frontend and Python workers) and its memory, so a figure
+counts every process that serves, and a test can tell what a killed run left behind.
+Linux only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (from ``/proc``; Linux only)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _status_kb(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def tree_memory(root: int, include_root: bool = True) -> dict:
+    """Peak RSS (sum of each process's ``VmHWM``: an upper bound of the tree's peak) and
+    current RSS of ``root``'s process tree, in MiB, with one entry per process."""
+    procs = []
+    for pid in process_tree(root):
+        if pid == root and not include_root:
+            continue
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        procs.append({"pid": pid, "name": name, "peak_mb": _status_kb(pid, "VmHWM") / 1024,
+                      "rss_mb": _status_kb(pid, "VmRSS") / 1024})
+    return {"peak_mb": sum(p["peak_mb"] for p in procs), "rss_mb": sum(p["rss_mb"] for p in procs),
+            "processes": procs}
+
+
+def pids_memory(pids: list[int]) -> dict:
+    """``tree_memory`` over several process trees (the capacity workers), added up."""
+    trees = [tree_memory(pid) for pid in pids]
+    return {"peak_mb": sum(t["peak_mb"] for t in trees), "rss_mb": sum(t["rss_mb"] for t in trees),
+            "processes": [p for t in trees for p in t["processes"]]}
