@@ -51,6 +51,7 @@ from vqserve.bench.load import (
     parse_cases,
     parse_layouts,
 )
+from vqserve.bench.profiling import ProfileRequest
 from vqserve.export.synthetic import is_synthetic
 from vqserve.lifetime import ending_with_this_thread
 from vqserve.machine import available_cores
@@ -315,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--planned", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, also serve each dtype by the plan `vqserve plan` measures here (what "
                         "--plan auto serves), beside the fixed plans")
+    p.add_argument("--profile", metavar="CASE", default="v1 raw x1",
+                   help="after each layout's served rounds of --profile-dtypes, one more window of this case "
+                        "with py-spy sampling every server process (each thread's share of the window on the "
+                        "CPU, the top frames: in the JSON row's 'profile', raw files in --profile-dir); '' "
+                        "turns it off, and a machine without py-spy skips it")
+    p.add_argument("--profile-dtypes", default="bf16", help="the dtypes --profile samples, comma-separated")
+    p.add_argument("--profile-dir", default=None, help="py-spy's raw files (default: profile/ beside --json)")
+    p.add_argument("--profile-seconds", type=float, default=2.0, help="the profiled window")
     p.add_argument("--skip-tokens", action="store_true", help="skip section 1 (tokens against CPU fp32)")
     p.add_argument("--noise-tiles", type=int, default=256,
                    help="photo crops whose fp32 tokens are compared with CPU fp32, ties told apart (0: skip)")
@@ -463,7 +472,8 @@ def served_rows(args, dtype: str, batch: int, raw, photos: np.ndarray, cases: li
                 expected["planned"] = PlannedRuntime(raw, planned).encode(many)
         rows = compare_layouts(args.model, layouts, cases, many, args.procs, args.callers, args.seconds,
                                rounds=1, device=device, dtype=dtype, log=lambda m, d=dtype: _log(f"  {d}{m}"),
-                               expected=expected, warmup=1.0, kinds=args.client_kind)
+                               expected=expected, warmup=1.0, kinds=args.client_kind,
+                               profile=profile_request(args, dtype, cases))
     lone_calls = {r["batch"]: r["one_caller"] for r in result.get("in_process", []) if r["dtype"] == dtype}
     out = []
     for row in rows:
@@ -473,6 +483,20 @@ def served_rows(args, dtype: str, batch: int, raw, photos: np.ndarray, cases: li
         in_call = 1e3 * m / lone_calls[m] if m in lone_calls and not plan.bucketed else None
         out.append({**row, "dtype": dtype, "micro_batch": m, "in_process_call_ms": in_call})
     return out
+
+
+def profile_request(args, dtype: str, cases: list) -> ProfileRequest | None:
+    """``--profile CASE`` for the dtypes of ``--profile-dtypes``: one more window of that case
+    on every layout, each server process sampled by py-spy (raw files in ``--profile-dir``,
+    beside ``--json`` by default), to say which code held the time where a row falls short."""
+    if not args.profile or dtype not in args.profile_dtypes.split(","):
+        return None
+    if args.profile not in [c.label for c in cases]:
+        _log(f"  --profile {args.profile!r} is not one of the cases ({', '.join(c.label for c in cases)}): "
+             "nothing profiled")
+        return None
+    folder = args.profile_dir or (Path(args.json).parent / "profile" if args.json else Path("vqserve-profile"))
+    return ProfileRequest(Path(folder) / dtype, args.profile, args.profile_seconds)
 
 
 def layout_micro_batch(flags: list[str], default: int) -> int:

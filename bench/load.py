@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vqserve.bench.processes import process_tree
+from vqserve.bench.profiling import ProfileRequest, TreeSampler, describe
 from vqserve.bench.servers import fetch_metrics
 from vqserve.lifetime import die_with_parent
 
@@ -381,7 +383,8 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
                     procs: int, callers: int, seconds: float, rounds: int = 2, device: str = "auto",
                     dtype: str | None = None, floor: bool = False, log=print,
                     expected: np.ndarray | dict[str, np.ndarray] | None = None,
-                    warmup: float = 0.5, kinds: tuple[str, ...] = ("asyncio",)) -> list[dict]:
+                    warmup: float = 0.5, kinds: tuple[str, ...] = ("asyncio",),
+                    profile: ProfileRequest | None = None) -> list[dict]:
     """Every layout's server started at once, then each case measured on each layout in
     interleaved rounds (the order rotates), keeping each point's best round: the ratios
     between layouts are taken under the same conditions. ``floor``: an echo server (gRPC
@@ -389,7 +392,9 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
     ``images`` the server must answer (raw cases; ``tokens_equal_in_process`` in each row),
     or a dict of them by layout name (a layout missing from it is not compared). ``kinds``:
     the callers measured (:data:`CALLER_KINDS`), each case with each kind in the same rounds.
-    A layout whose server does not start is one row with its ``error``."""
+    A layout whose server does not start is one row with its ``error``. ``profile``: after
+    the rounds, one more window of that case on each layout it names, its servers sampled
+    by py-spy (bench/profiling.py); its summary is the ``profile`` of that case's row."""
     import argparse
 
     from vqserve.bench.servers import start_server
@@ -440,6 +445,13 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
                         f"{row['p99_ms']:6.1f} ms  server CPU {row['server_cpu_us_per_image'] or 0:6.0f} µs/img"
                         + (f"  errors {row['errors'][:1]}" if row["errors"] else "")
                         + ("  TOKENS DIFFER FROM IN-PROCESS" if row.get("tokens_equal_in_process") is False else ""))
+        if profile is not None:
+            for case in cases:
+                for name, (proc, port) in servers.items():
+                    if profile.wants(name, case.label) and (name, case.label, kinds[0]) in best:
+                        best[(name, case.label, kinds[0])]["profile"] = profiled_window(
+                            profile, name, case, f"127.0.0.1:{port}", proc, images, procs, callers,
+                            warmup, kinds[0], log)
         rows = [best[(name, case.label, kind)] for case, kind in points for name in targets
                 if (name, case.label, kind) in best]
     finally:
@@ -453,6 +465,20 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
         if echo is not None:
             echo[0].kill()
     return failed + rows
+
+
+def profiled_window(profile: ProfileRequest, name: str, case: LoadCase, target: str, proc, images: np.ndarray,
+                    procs: int, callers: int, warmup: float, kind: str, log=print) -> dict:
+    """One more window of ``case`` on the server ``proc``, every process of it sampled by
+    py-spy: the summary (bench/profiling.py), with this window's own throughput."""
+    label = re.sub(r"[^A-Za-z0-9.-]+", "-", f"{name}-{case.label}")
+    # run_load's clients start a second after they spawn, then warm up: sample the window only
+    with TreeSampler(proc.pid, profile.folder, label, profile.seconds, delay=warmup + 1.0,
+                     rate=profile.rate) as sampler:
+        row = run_load(target, case, images, procs, callers, profile.seconds, warmup, kind=kind)
+    summary = {"throughput": row["throughput"], **sampler.summary()}
+    log(f"  profiled {name} {case.label} ({row['throughput']:.0f} img/s): {describe(summary)}")
+    return summary
 
 
 def capacity_of(model: str) -> float | None:

@@ -69,6 +69,7 @@ from vqserve.bench.calls import CALL_TIMEOUT_S, connect
 from vqserve.bench.inputs import bench_model, bench_photos
 from vqserve.bench.load import caller_kinds
 from vqserve.bench.processes import pids_memory, tree_memory
+from vqserve.bench.profiling import ProfileRequest
 from vqserve.bench.servers import settle_plan, start_server, start_torchserve, torchserve_workers
 from vqserve.lifetime import die_with_parent
 from vqserve.machine import available_cores
@@ -368,6 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="protocol:payload:images per call (v1|oip, raw|jpeg), comma-separated")
     g.add_argument("--floor", action="store_true",
                    help="also measure an echo server (gRPC alone, no model): the ceiling on this machine")
+    g.add_argument("--profile", metavar="CASE", default=None,
+                   help="after the rounds, one more window of this case (e.g. 'v1 raw x1') on each layout "
+                        "with py-spy sampling every server process: each thread's share of the window on "
+                        "the CPU and its top frames, in the JSON and in raw files (needs py-spy)")
+    g.add_argument("--profile-dir", default="vqserve-profile",
+                   help="where --profile writes py-spy's raw files (created if missing)")
+    g.add_argument("--profile-seconds", type=float, default=3.0, help="the profiled window")
     return p
 
 
@@ -542,6 +550,12 @@ def client_process_mode(args) -> int:
 
     cases = parse_cases(args.cases)
     layouts = parse_layouts(args.layouts, ["--plan", args.server_plan or "default"])
+    profile = None
+    if args.profile:
+        if args.profile not in [c.label for c in cases]:
+            raise ValueError(f"--profile {args.profile!r} is not one of --cases: "
+                             + ", ".join(repr(c.label) for c in cases))
+        profile = ProfileRequest(Path(args.profile_dir), args.profile, args.profile_seconds)
     photos = bench_photos(args.size)
     capacity, cores = capacity_of(args.model), available_cores()
     print(f"bench serve: {args.model}, {args.size}x{args.size}, {args.client_procs} client processes x "
@@ -549,7 +563,7 @@ def client_process_mode(args) -> int:
           + (f"; device capacity {capacity:.0f} img/s at 256x256" if capacity else ""), flush=True)
     rows = compare_layouts(args.model, layouts, cases, photos, args.client_procs, args.client_callers,
                            args.duration, args.repeats, args.device, args.dtype, floor=args.floor,
-                           log=lambda m: print(m, flush=True), kinds=args.client_kind)
+                           log=lambda m: print(m, flush=True), kinds=args.client_kind, profile=profile)
     print()
     print(layouts_table(rows, capacity, args.size))
     if args.json:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from vqserve.bench import gpu
+from vqserve.bench.profiling import find_py_spy
 
 
 def _small_run(model: str, dtypes: str, out) -> list[str]:
@@ -123,3 +124,20 @@ def test_a_layouts_micro_batch_is_the_last_its_flags_set():
     assert gpu.layout_micro_batch([*flags, "--micro-batch", "32"], 8) == 32
     assert gpu.layout_micro_batch([*flags, "--micro-batch=16"], 8) == 16
     assert gpu.layout_micro_batch(["--frontends", "auto"], 8) == 8
+
+
+@pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
+def test_the_one_image_rows_come_back_profiled_beside_the_json(tmp_path):
+    """A lent GPU's single run also says where each layout's 1-image window went: the rows of
+    `--profile-dtypes` carry py-spy's summary, its raw stacks in profile/DTYPE/ beside --json."""
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--model", "synthetic:20", "--device", "cpu", "--batches", "8", "--seconds", "0.3",
+                     "--procs", "1", "--callers", "2", "--cases", "v1:raw:1,v1:raw:2", "--layouts",
+                     "split=--frontends 1", "--tokenize-seconds", "0", "--skip-tokens", "--noise-tiles", "0",
+                     "--profile-dtypes", "fp32", "--profile-seconds", "1", "--json", str(out)]) == 0
+    rows = {r["case"]: r for r in json.loads(out.read_text())["served"]}
+    assert "profile" not in rows["v1 raw x2"]
+    processes = rows["v1 raw x1"]["profile"]["processes"]
+    assert sorted(p["role"] for p in processes) == ["executor", "frontend"]
+    for p in processes:
+        assert p["file"].startswith(str(tmp_path / "profile" / "fp32")), p
