@@ -1,4 +1,4 @@
-"""Python clients for vqserve.v1.Tokenizer, with batching helpers.
+"""Python clients for vqserve.v1.Tokenizer.
 
     from vqserve.serve.client import TokenizerClient
     with TokenizerClient("127.0.0.1:50051") as client:
@@ -7,16 +7,17 @@
         tokens = client.encode_files(["a.png", "b.jpg"], size=256)
 
 Large arrays are split into calls of at most the server's ``max_batch_size`` images (asked
-once with GetModelInfo) and at most :data:`CALL_BYTES` of pixels, and sent over one
+once with GetModelInfo) and at most ``CALL_BYTES`` of pixels, and sent over one
 bidirectional stream, so many calls are in flight at once and the server can batch them.
-``AsyncTokenizerClient`` does the same for asyncio code: both clients share the planning
-helpers below and differ only in how they wait for the network.
+``AsyncTokenizerClient`` does the same for asyncio code: both clients share how work is cut
+into calls (:mod:`vqserve.serve.client_batches`) and differ only in how they wait for the
+network.
 
 Files (:meth:`TokenizerClient.iter_encode_files`) are read and preprocessed here by the
 one shared function (``vqserve.images.prepare``) and sent as raw uint8 pixels, so the
 server sees exactly the pixels ``vqserve tokenize`` would encode: same file, same tokens.
 
-Deadlines: ``timeout="auto"`` (the default) gives each call :func:`scaled_timeout` of its
+Deadlines: ``timeout="auto"`` (the default) gives each call ``scaled_timeout`` of its
 pixels, so a call with 32 one-megapixel photos is not held to a deadline meant for one
 thumbnail; a number is a fixed deadline per call; ``None`` waits forever.
 """
@@ -26,13 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import queue
-import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -41,23 +38,32 @@ from vqserve import images as imagelib
 from vqserve.serve import codec
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
+from vqserve.serve.client_batches import (
+    AUTO,
+    Buckets,
+    FileError,  # noqa: F401 - what encode_files raises: part of this module's API
+    Item,
+    Limits,
+    Outcome,
+    Timeout,
+    after_failure,
+    array_parts,
+    batch_pixels,
+    call_deadline,
+    check_timeout,
+    decode_pixels,
+    encode_pixels,
+    file_results,
+    grid_pixels,
+    header_pixels,
+    prefetch,
+    prepared_items,
+    preprocess_for,
+    succeeded,
+)
 
-AUTO = "auto"
-TIMEOUT_BASE_S = 30.0            # connection, queueing and a first batch on a cold server
-TIMEOUT_PER_MEGAPIXEL_S = 15.0   # ~5x a CPU encode of the default model (2.8 s per megapixel)
-INFO_TIMEOUT_S = 30.0            # GetModelInfo: tiny, but the server may still be loading
-CALL_BYTES = 16 << 20            # pixel bytes per call (well under the 64 MiB message limit)
-
-# Failures that no other call can get past: stop the whole job rather than list every file.
-FATAL_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED,
-                         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
-                         grpc.StatusCode.CANCELLED})
-# Failures that may belong to one item of a batch: resend the batch's items one by one, so
-# one bad item (say, indices outside the codebook) does not take its batch-mates with it.
-SPLIT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
-
-Timeout = float | str | None
+INFO_TIMEOUT_S = 30.0  # GetModelInfo: tiny, but the server may still be loading
+ENDED = object()  # what next() gives for an exhausted prefetch
 
 
 class ServerError(Exception):
@@ -70,14 +76,6 @@ class ServerError(Exception):
             self.code = grpc.StatusCode.UNKNOWN
         self.details = message
         super().__init__(f"{self.code.name}: {message}")
-
-
-class FileError(ValueError):
-    """A file :meth:`TokenizerClient.encode_files` could not encode; says which and why."""
-
-    def __init__(self, path: str, reason: str, code: grpc.StatusCode | None = None):
-        super().__init__(f"{path}: {reason}")
-        self.path, self.reason, self.code = path, reason, code
 
 
 def tensor_msg(array: np.ndarray) -> pb.Tensor:
@@ -122,11 +120,6 @@ def check_health(target: str, service: str = "", timeout: float = 5.0, tls_ca=No
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def chunks(array: np.ndarray, size: int) -> list[np.ndarray]:
-    """Split along axis 0 into pieces of at most ``size``."""
-    return [array[i: i + size] for i in range(0, len(array), size)]
-
-
 def _info_dict(info: pb.ModelInfo) -> dict:
     return {
         "quantizer": info.quantizer,
@@ -162,302 +155,6 @@ def _unwrap(response, field: str) -> np.ndarray:
     return tensor_array(getattr(response, field))
 
 
-# ---- deadlines ---------------------------------------------------------------------------
-def scaled_timeout(pixels: int) -> float:
-    """The automatic deadline for one call moving ``pixels`` image pixels (sent or received):
-    a fixed base plus a share per megapixel, so the deadline grows with the work."""
-    return TIMEOUT_BASE_S + TIMEOUT_PER_MEGAPIXEL_S * pixels / 1e6
-
-
-def _check_timeout(timeout: Timeout) -> Timeout:
-    if timeout is None or timeout == AUTO:
-        return timeout
-    if isinstance(timeout, str) or timeout <= 0:
-        raise ValueError(
-            f"timeout must be 'auto', None or a positive number of seconds, got {timeout!r}"
-        )
-    return float(timeout)
-
-
-def _deadline(timeout: Timeout, pixels: int, calls: int = 1) -> float | None:
-    """Seconds for a call (or a stream of ``calls`` calls) moving ``pixels`` pixels."""
-    if timeout == AUTO:
-        return scaled_timeout(pixels) + TIMEOUT_BASE_S * (calls - 1)
-    return None if timeout is None else float(timeout) * calls
-
-
-def _deadline_message(timeout: Timeout, seconds: float | None, n: int, pixels: int) -> str:
-    """DEADLINE_EXCEEDED, said so that the reader knows what to change."""
-    if timeout == AUTO:
-        how = (f"the automatic deadline: {TIMEOUT_BASE_S:.0f} s + "
-               f"{TIMEOUT_PER_MEGAPIXEL_S:.0f} s per megapixel")
-    else:
-        how = "--timeout"
-    suggest = max(60.0, 2 * (seconds or 0))
-    return (f"DEADLINE_EXCEEDED: no answer within {seconds or 0:.0f} s for {n} image(s), "
-            f"{pixels / 1e6:.1f} megapixels ({how}); the server is slower than that: raise "
-            f"--timeout (e.g. --timeout {suggest:.0f}) or lower --batch-size")
-
-
-# ---- planning shared by both clients -----------------------------------------------------
-@dataclass(frozen=True)
-class Limits:
-    """What one call may carry, from the server's GetModelInfo (asked once per client)."""
-
-    max_items: int
-    max_pixels: int
-    factor: int
-    call_bytes: int = CALL_BYTES
-
-    @classmethod
-    def from_info(cls, info: dict, batch_size: int | None, max_message_mb: int) -> Limits:
-        server_max = int(info.get("max_batch_size") or 32)
-        items = min(batch_size, server_max) if batch_size else server_max
-        call_bytes = min(CALL_BYTES, max_message_mb * (1 << 20) // 2)
-        return cls(
-            max_items=max(1, items),
-            max_pixels=int(info.get("max_pixels") or 0),
-            factor=int(info.get("factor") or 1),
-            call_bytes=call_bytes,
-        )
-
-
-@dataclass
-class Item:
-    """One image (encode, ``[H,W,3]`` uint8) or one token grid (decode, ``[h,w]``) to send.
-    ``tag`` is the caller's label for it and comes back on its :class:`Outcome`. Items with
-    a ``group`` never share a call with another group's (decode sends each token file on
-    its own, so its pixels do not depend on what else was decoded with it)."""
-
-    tag: Any
-    array: np.ndarray
-    group: Any = None
-
-
-@dataclass
-class Outcome:
-    """What became of one item: ``result`` (indices or pixels) or ``error`` (one line)."""
-
-    tag: Any
-    result: np.ndarray | None = None
-    error: str = ""
-    code: grpc.StatusCode | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.result is not None
-
-
-@dataclass(frozen=True)
-class FileTag:
-    """Where an encoded image came from: its position in the input list, its path, its size
-    as displayed and the crop box (top, left, height, width) the preprocessing took."""
-
-    index: int
-    path: str
-    original_size: tuple[int, int] = (0, 0)
-    crop: tuple[int, int, int, int] = (0, 0, 0, 0)
-
-
-def encode_pixels(item: Item) -> int:
-    """Pixels an encode call sends for this image."""
-    return int(item.array.shape[0] * item.array.shape[1])
-
-
-def decode_pixels(factor: int) -> Callable[[Item], int]:
-    """Pixels a decode call gets back for a token grid (the response is the big side)."""
-    return lambda item: int(item.array.shape[0] * item.array.shape[1] * factor * factor)
-
-
-class Buckets:
-    """Groups items of one shape and dtype into calls of at most ``max_items`` items and
-    ``max_bytes`` bytes (3 bytes per pixel; one item alone may be larger).
-
-    Memory stays bounded when images come in many sizes: once more than ``max_pending``
-    bytes wait in part-filled buckets, the fullest one is sent early.
-    """
-
-    def __init__(
-        self,
-        max_items: int,
-        max_bytes: int,
-        pixels: Callable[[Item], int],
-        max_pending: int = 8 * CALL_BYTES,
-    ):
-        self.max_items, self.max_bytes, self.pixels = max_items, max_bytes, pixels
-        self.max_pending = max_pending
-        self.groups: dict[tuple, list[Item]] = {}
-        self.bytes: dict[tuple, int] = {}
-        self.last_group: Any = None
-
-    def add(self, item: Item) -> list[list[Item]]:
-        """Queue ``item``; returns the batches that are now ready to send. A new ``group``
-        sends what the previous group left part-filled."""
-        ready = []
-        if item.group != self.last_group:
-            ready += [self._take(k) for k in list(self.groups) if k[0] == self.last_group]
-            self.last_group = item.group
-        key = (item.group, item.array.shape, item.array.dtype.str)
-        size = 3 * self.pixels(item)
-        if key in self.groups and self.bytes[key] + size > self.max_bytes:
-            ready.append(self._take(key))
-        self.groups.setdefault(key, []).append(item)
-        self.bytes[key] = self.bytes.get(key, 0) + size
-        if len(self.groups[key]) >= self.max_items or self.bytes[key] >= self.max_bytes:
-            ready.append(self._take(key))
-        if sum(self.bytes.values()) > self.max_pending:
-            ready.append(self._take(max(self.bytes, key=self.bytes.__getitem__)))
-        return ready
-
-    def flush(self) -> list[list[Item]]:
-        """Every part-filled batch, in the order its shape first appeared."""
-        return [self._take(key) for key in list(self.groups)]
-
-    def _take(self, key: tuple) -> list[Item]:
-        self.bytes.pop(key)
-        return self.groups.pop(key)
-
-
-def batch_pixels(batch: Sequence[Item], pixels: Callable[[Item], int]) -> int:
-    return sum(pixels(it) for it in batch)
-
-
-def after_failure(
-    batch: list[Item], exc: grpc.RpcError, timeout: Timeout, seconds: float | None, pixels: int
-) -> tuple[list[list[Item]], list[Outcome]]:
-    """A failed call -> (batches to resend, outcomes to report). Raises ``exc`` again when
-    no further call can succeed (server down, wrong token)."""
-    code = exc.code()
-    if code in FATAL_CODES:
-        raise exc
-    if len(batch) > 1 and code in SPLIT_CODES:
-        return [[it] for it in batch], []
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        message = _deadline_message(timeout, seconds, len(batch), pixels)
-    else:
-        message = f"{code.name}: {' '.join((exc.details() or '').split())}"
-    return [], [Outcome(it.tag, error=message, code=code) for it in batch]
-
-
-def succeeded(batch: list[Item], out: np.ndarray) -> list[Outcome]:
-    return [Outcome(it.tag, result=np.asarray(r)) for it, r in zip(batch, out, strict=True)]
-
-
-def prepared_items(
-    paths: Iterable[str | os.PathLike], pre: imagelib.Preprocess, max_pixels: int = 0
-) -> Iterator[Item | Outcome]:
-    """Image files -> model-ready pixels (:func:`vqserve.images.prepare`), one at a time; a
-    file that cannot be used becomes an :class:`Outcome` with the reason, not an exception."""
-    for i, p in enumerate(paths):
-        tag = FileTag(i, str(p))
-        try:
-            prep = imagelib.prepare(p, pre)
-        except imagelib.ImageError as exc:
-            yield Outcome(tag, error=str(exc))
-            continue
-        h, w = prep.pixels.shape[:2]
-        tag = FileTag(i, str(p), (prep.orig_height, prep.orig_width), tuple(prep.crop))
-        if max_pixels and h * w > max_pixels:
-            yield Outcome(
-                tag,
-                error=f"is {h}x{w} = {h * w} pixels after preprocessing, more than the "
-                f"server's limit of {max_pixels}; use --size to shrink it",
-            )
-            continue
-        yield Item(tag, prep.pixels)
-
-
-def file_results(outcomes: Iterable[Outcome], n: int) -> list[np.ndarray]:
-    """Outcomes of :func:`prepared_items` -> indices in input order; the first failure raises."""
-    results: list[np.ndarray | None] = [None] * n
-    for o in outcomes:
-        if not o.ok:
-            raise FileError(o.tag.path, o.error, o.code)
-        results[o.tag.index] = o.result
-    return results  # type: ignore[return-value]
-
-
-def preprocess_for(
-    info: dict, size: int = 0, keep_size: bool = False, resample: str = "bicubic"
-) -> imagelib.Preprocess:
-    """The preprocessing ``vqserve tokenize --size/--keep-size`` would use with this model."""
-    if size and keep_size:
-        raise ValueError("give --size or --keep-size, not both")
-    mode = "size" if size else "keep" if keep_size else "exact"
-    return imagelib.Preprocess(mode=mode, factor=int(info["factor"]), size=size, resample=resample)
-
-
-def array_parts(
-    array: np.ndarray, limits: Limits, per_item_pixels: int, batch_size: int | None = None
-) -> list[np.ndarray]:
-    """An array batch -> pieces that each fit in one call (items and bytes)."""
-    items = min(batch_size, limits.max_items) if batch_size else limits.max_items
-    by_bytes = max(1, limits.call_bytes // max(1, 3 * per_item_pixels))
-    return chunks(np.asarray(array), max(1, min(items, by_bytes)))
-
-
-def _header_pixels(blob: bytes) -> int:
-    """Pixels of an encoded image, from its header (no decoding); 1 MP when unreadable."""
-    import io
-
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(blob)) as img:
-            return img.size[0] * img.size[1]
-    except Exception:  # noqa: BLE001 - the server reports the real problem
-        return 1_000_000
-
-
-def _grid_pixels(shape: Sequence[int], factor: int) -> int:
-    return int(shape[1] * shape[2] * factor * factor) if len(shape) >= 3 else 0
-
-
-_END = object()
-
-
-class _Raised:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-def prefetch(items: Iterable, depth: int) -> Iterator:
-    """Run ``items`` (reading and preprocessing files) in a thread, ``depth`` ahead, so the
-    next batch is being prepared while the server works on this one."""
-    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
-    stop = threading.Event()
-
-    def put(x) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(x, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            for x in items:
-                if not put(x):
-                    return
-            put(_END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            put(_Raised(exc))
-
-    threading.Thread(target=work, daemon=True, name="vqserve-prefetch").start()
-    try:
-        while True:
-            x = q.get()
-            if x is _END:
-                return
-            if isinstance(x, _Raised):
-                raise x.exc
-            yield x
-    finally:
-        stop.set()
-
-
 def _setup_client(client, channels, target: str, token, tls_ca, tls: bool, timeout,
                   max_message_mb: int, batch_size: int | None) -> None:
     """What both clients hold: a channel from ``channels`` (``grpc`` or ``grpc.aio``), the
@@ -468,7 +165,7 @@ def _setup_client(client, channels, target: str, token, tls_ca, tls: bool, timeo
                       else channels.insecure_channel(target, options))
     client.stub = pb_grpc.TokenizerStub(client.channel)
     client.metadata = _metadata(token)
-    client.timeout = _check_timeout(timeout)
+    client.timeout = check_timeout(timeout)
     client.max_message_mb = max_message_mb
     client._batch_size = batch_size
     client._limits = None
@@ -531,7 +228,7 @@ class TokenizerClient:
     def encode_batch(self, images: np.ndarray, timeout: float | None = None) -> np.ndarray:
         """One Encode call: uint8 ``[B,H,W,3]`` -> indices ``[B,h,w]``."""
         images = np.asarray(images)
-        seconds = timeout or _deadline(self.timeout, int(np.prod(images.shape[:3])))
+        seconds = timeout or call_deadline(self.timeout, int(np.prod(images.shape[:3])))
         response = self.stub.Encode(
             pb.EncodeRequest(images=tensor_msg(images)), timeout=seconds, metadata=self.metadata
         )
@@ -540,7 +237,7 @@ class TokenizerClient:
     def encode_encoded(self, blobs: Sequence[bytes]) -> np.ndarray:
         """One Encode call with PNG/JPEG bytes (all of one size) -> indices ``[B,h,w]``.
         The server decodes them (no resizing): prefer :meth:`encode_files`."""
-        seconds = _deadline(self.timeout, sum(_header_pixels(b) for b in blobs))
+        seconds = call_deadline(self.timeout, sum(header_pixels(b) for b in blobs))
         response = self.stub.Encode(
             pb.EncodeRequest(encoded=pb.EncodedImages(images=list(blobs))),
             timeout=seconds,
@@ -564,9 +261,9 @@ class TokenizerClient:
 
     def _decode_deadline(self, shape: Sequence[int], calls: int = 1) -> float | None:
         if self.timeout != AUTO:
-            return _deadline(self.timeout, 0, calls)
-        return _deadline(
-            self.timeout, len(shape) and shape[0] * _grid_pixels(shape, self.limits().factor), calls
+            return call_deadline(self.timeout, 0, calls)
+        return call_deadline(
+            self.timeout, len(shape) and shape[0] * grid_pixels(shape, self.limits().factor), calls
         )
 
     # ---- any size: split and pipelined over a stream -----------------------------------------
@@ -575,12 +272,12 @@ class TokenizerClient:
         parts = array_parts(images, self.limits(), int(np.prod(images.shape[1:3])), batch_size)
         if len(parts) == 1:
             return self.encode_batch(parts[0])
-        seconds = _deadline(self.timeout, int(np.prod(images.shape[:3])), len(parts))
+        seconds = call_deadline(self.timeout, int(np.prod(images.shape[:3])), len(parts))
         return np.concatenate(list(self.encode_stream(parts, timeout=seconds)))
 
     def decode(self, indices: np.ndarray, batch_size: int | None = None) -> np.ndarray:
         indices = np.asarray(indices)
-        per_item = _grid_pixels(indices.shape, self.limits().factor)
+        per_item = grid_pixels(indices.shape, self.limits().factor)
         parts = array_parts(indices, self.limits(), per_item, batch_size)
         if len(parts) == 1:
             return self.decode_batch(parts[0])
@@ -646,7 +343,7 @@ class TokenizerClient:
         while todo:
             b = todo.popleft()
             n_px = batch_pixels(b, pixels)
-            seconds = _deadline(self.timeout, n_px)
+            seconds = call_deadline(self.timeout, n_px)
             try:
                 out = call(np.stack([it.array for it in b]), timeout=seconds)
             except grpc.RpcError as exc:
@@ -747,7 +444,7 @@ class AsyncTokenizerClient:
     # ---- one request ----------------------------------------------------------------------
     async def encode_batch(self, images: np.ndarray, timeout: float | None = None) -> np.ndarray:
         images = np.asarray(images)
-        seconds = timeout or _deadline(self.timeout, int(np.prod(images.shape[:3])))
+        seconds = timeout or call_deadline(self.timeout, int(np.prod(images.shape[:3])))
         response = await self.stub.Encode(
             pb.EncodeRequest(images=tensor_msg(images)), timeout=seconds, metadata=self.metadata
         )
@@ -768,9 +465,9 @@ class AsyncTokenizerClient:
 
     async def _decode_deadline(self, shape: Sequence[int], calls: int = 1) -> float | None:
         if self.timeout != AUTO:
-            return _deadline(self.timeout, 0, calls)
+            return call_deadline(self.timeout, 0, calls)
         factor = (await self.limits()).factor
-        return _deadline(self.timeout, len(shape) and shape[0] * _grid_pixels(shape, factor), calls)
+        return call_deadline(self.timeout, len(shape) and shape[0] * grid_pixels(shape, factor), calls)
 
     # ---- any size ------------------------------------------------------------------------------
     async def encode(self, images: np.ndarray, batch_size: int | None = None) -> np.ndarray:
@@ -783,14 +480,14 @@ class AsyncTokenizerClient:
         )
         if len(parts) == 1:
             return await self.encode_batch(parts[0])
-        seconds = _deadline(self.timeout, int(np.prod(images.shape[:3])), len(parts))
+        seconds = call_deadline(self.timeout, int(np.prod(images.shape[:3])), len(parts))
         return np.concatenate([r async for r in self.encode_stream(parts, timeout=seconds)])
 
     async def decode(self, indices: np.ndarray, batch_size: int | None = None) -> np.ndarray:
         """Indices ``[N,h,w]``, any N -> uint8 pixels; split like :meth:`TokenizerClient.decode`."""
         indices = np.asarray(indices)
         lim = await self.limits()
-        parts = array_parts(indices, lim, _grid_pixels(indices.shape, lim.factor), batch_size)
+        parts = array_parts(indices, lim, grid_pixels(indices.shape, lim.factor), batch_size)
         if len(parts) == 1:
             return await self.decode_batch(parts[0])
         seconds = await self._decode_deadline(indices.shape, len(parts))
@@ -841,7 +538,7 @@ class AsyncTokenizerClient:
         )
         ahead = prefetch(items, lim.max_items)
         try:
-            while (x := await asyncio.to_thread(next, ahead, _END)) is not _END:
+            while (x := await asyncio.to_thread(next, ahead, ENDED)) is not ENDED:
                 if isinstance(x, Outcome):
                     yield x
                     continue
@@ -860,7 +557,7 @@ class AsyncTokenizerClient:
         while todo:
             b = todo.popleft()
             n_px = batch_pixels(b, pixels)
-            seconds = _deadline(self.timeout, n_px)
+            seconds = call_deadline(self.timeout, n_px)
             try:
                 out = await call(np.stack([it.array for it in b]), timeout=seconds)
             except grpc.RpcError as exc:
