@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,10 +112,12 @@ class TreeSampler:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors, text=True,
                                     preexec_fn=ending_with_this_thread())
             self._runs.append((pid, role, out, proc, errors))
-        # this thread waits for them: each py-spy ends with the thread that started it
+        # this thread waits for them (each py-spy ends with the thread that started it), all
+        # within one deadline: a py-spy that hangs must not hold a lent GPU's run for long
+        deadline = time.monotonic() + self.seconds + 30
         for *_, proc, _errors in self._runs:
             try:
-                proc.wait(self.seconds + 30)
+                proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
