@@ -329,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="photo crops whose fp32 tokens are compared with CPU fp32, ties told apart (0: skip)")
     p.add_argument("--json", help="write every figure to this file (rewritten as each section ends: a run "
                                   "stopped at a time limit keeps what it measured)")
+    p.add_argument("--report", metavar="JSON", default=None,
+                   help="measure nothing: print the table and the targets of a stored run (a --json file)")
     return p
 
 
@@ -368,6 +370,13 @@ class _Sections:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report:
+        try:
+            stored = json.loads(Path(args.report).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--report {args.report}: not a readable bench gpu JSON ({exc})") from None
+        print(report(stored))
+        return 0
     started = time.perf_counter()
     device = args.device
     synthetic = is_synthetic(args.model)

@@ -166,3 +166,16 @@ def test_the_targets_are_read_from_a_stored_run_as_the_issue_states_them():
     assert verdicts["served tokens = the same plan in-process"]["measured"].startswith("17/18 rows (fp32 single")
     assert not verdicts["fp32 tokens identical to CPU fp32"]["met"]
     assert "MISSED fp32 tokens identical to CPU fp32" in gpu.report(run6)
+
+
+def test_a_stored_run_is_reported_without_measuring(capsys, tmp_path):
+    from pathlib import Path
+
+    run6 = Path(__file__).parents[1] / "docs/bench/gpu-h200-run6.json"
+    assert gpu.main(["--report", str(run6), "--device", "cuda"]) == 0  # no GPU touched
+    out = capsys.readouterr().out
+    assert "MISSED bf16 v1 raw x1 served / in-process >= 0.8: 0.393" in out
+    assert "met    fp32 v1 raw x16 served / in-process >= 0.9" in out
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable bench gpu JSON"):
+        gpu.main(["--report", str(tmp_path / "bad.json")])
