@@ -80,8 +80,9 @@ class FaultyRuntime:
     threads) and runs a start-up check through it: tests clear ``calls`` and arm ``poison``
     once the server is up, and look at the rows the model saw, not at call boundaries."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, min_call_s: float = 0.0):
         self.inner, self.info = inner, inner.info
+        self.min_call_s = min_call_s  # each encode lasts at least this: a slow device on any CPU
         self.poison: int | None = None
         self.calls: list[list[int]] = []
         self.entered = threading.Event()
@@ -94,7 +95,10 @@ class FaultyRuntime:
         self.gate.wait(60)
         if self.poison is not None and any(int(row[0, 0, 0]) == self.poison for row in x):
             raise RuntimeError("simulated device failure")
-        return self.inner.encode(x)
+        started = time.monotonic()
+        out = self.inner.encode(x)
+        time.sleep(max(0.0, self.min_call_s - (time.monotonic() - started)))
+        return out
 
     def decode(self, x):
         return self.inner.decode(x)
