@@ -51,7 +51,7 @@ from vqserve.bench.load import (
     parse_cases,
     parse_layouts,
 )
-from vqserve.bench.profiling import ProfileRequest
+from vqserve.bench.profiling import ProfileRequest, brief
 from vqserve.export.synthetic import is_synthetic
 from vqserve.lifetime import ending_with_this_thread
 from vqserve.machine import available_cores
@@ -576,6 +576,16 @@ def report(result: dict) -> str:
                      f"{row['throughput']:9.0f}{ratio:10.2f}"
                      f"{row['p99_ms']:9.1f}{row['server_cpu_us_per_image'] or 0:12.0f}"
                      f"{call_columns(row)}{mean_text(call_against_in_process(row), 2):>9}{same}")
+    for row in result.get("served", []):
+        profile = row.get("profile")
+        if not profile:
+            continue
+        alone = profile.get("executor_alone") or {}
+        vs_in = (f" ({alone['throughput'] / best[row['dtype']]['throughput']:.2f} of in-process)"
+                 if alone.get("throughput") and row["dtype"] in best else "")
+        lines.append(f"profiled {row['dtype']} {row['layout']} {row['case']}: "
+                     + (f"the executor alone (no gRPC) {alone['throughput']:.0f} img/s{vs_in}; " if alone else "")
+                     + brief(profile))
     for row in result.get("tokenize", []):
         if "error" in row:
             lines.append(f"tokenize {row['dtype']}{' (CUDA graphs)' if row.get('cuda_graphs') else ''}: error {row['error'][-300:]}")

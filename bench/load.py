@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vqserve.bench.executor_load import run_executor_load
 from vqserve.bench.processes import process_tree
 from vqserve.bench.profiling import ProfileRequest, TreeSampler, describe
 from vqserve.bench.servers import fetch_metrics
@@ -478,6 +479,14 @@ def profiled_window(profile: ProfileRequest, name: str, case: LoadCase, target: 
         row = run_load(target, case, images, procs, callers, profile.seconds, warmup, kind=kind)
     summary = {"throughput": row["throughput"], **sampler.summary()}
     log(f"  profiled {name} {case.label} ({row['throughput']:.0f} img/s): {describe(summary)}")
+    socket_path = getattr(proc, "executor_socket", None)
+    if socket_path and case.payload == "raw":  # the executor and device alone, with no gRPC before them
+        request = np.ascontiguousarray(np.resize(images, (case.images, *images.shape[1:])))
+        alone = summary["executor_alone"] = run_executor_load(socket_path, request, procs, callers,
+                                                              profile.seconds, warmup)
+        log(f"  {name} {case.label}, the executor alone (stand-in front-ends, no gRPC, "
+            f"{alone['requests_per_group'] or 0:.1f} requests per group): {alone['throughput']:.0f} img/s"
+            + (f"; errors {alone['errors'][:1]}" if alone["errors"] else ""))
     return summary
 
 

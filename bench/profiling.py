@@ -198,6 +198,24 @@ def summarize(raw: str, window_samples: float) -> dict:
             "self": top(innermost), "inclusive": top(ours)}
 
 
+def brief(summary: dict) -> str:
+    """Shorter than :func:`describe` for many front-ends: the executor's busiest threads, and
+    the range of the front-ends' main-thread shares."""
+    if "error" in summary:
+        return summary["error"]
+    parts, frontends = [], []
+    for p in summary.get("processes", []):
+        if "error" in p:
+            parts.append(f"{p['role']} {p['pid']}: {p['error']}")
+        elif p["role"] == "frontend":
+            frontends.append(p["threads"].get("MainThread", 0.0))
+        elif p["role"] == "executor":
+            parts.append("executor " + ", ".join(f"{t} {s:.0%}" for t, s in list(p["threads"].items())[:3]))
+    if frontends:
+        parts.append(f"{len(frontends)} front-end(s): main thread {min(frontends):.0%}-{max(frontends):.0%}")
+    return "; ".join(parts)
+
+
 def describe(summary: dict) -> str:
     """One line: each process's busiest threads and its top innermost frame."""
     if "error" in summary:

@@ -44,9 +44,13 @@ def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | No
     ready = threading.Event()
     log = [] if log is None else log
 
+    proc.executor_socket = None  # where the front-ends reach the device executor (--frontends N)
+
     def pump():
         for line in proc.stderr:
             log.append(line)
+            if '"event": "listening"' in line and '"executor_socket"' in line:
+                proc.executor_socket = json.loads(line).get("executor_socket")
             if '"event": "serving"' in line:
                 record = json.loads(line)
                 proc.metrics_port = record.get("metrics_port")  # for the benches that read /metrics

@@ -241,7 +241,7 @@ class TokenizerServer:
         cores = available_cores()  # what --frontends auto sized by: a container's CPU limit included
         self._listening("listening", f"gRPC listening on {cfg.host}:{self.port} ({cfg.frontends} front-end "
                         f"processes, one device executor; {cores} usable cores)", frontends=cfg.frontends,
-                        cores=cores)
+                        cores=cores, executor_socket=self.executor.path)
         if cfg.frontends > cores:  # each starts a Python with gRPC: start-up time and memory, for no speed
             _event("frontends_exceed_cores", f"{cfg.frontends} front-end processes on {cores} cores: more "
                    "processes than cores only adds CPU per request, memory and start-up time (--frontends "

@@ -141,6 +141,8 @@ def test_the_one_image_rows_come_back_profiled_beside_the_json(tmp_path):
     assert sorted(p["role"] for p in processes) == ["executor", "frontend"]
     for p in processes:
         assert p["file"].startswith(str(tmp_path / "profile" / "fp32")), p
+    assert rows["v1 raw x1"]["profile"]["executor_alone"]["throughput"] > 0
+    assert "profiled fp32 split v1 raw x1: the executor alone (no gRPC)" in gpu.report(json.loads(out.read_text()))
 
 
 def test_the_targets_are_read_from_a_stored_run_as_the_issue_states_them():

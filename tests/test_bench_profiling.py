@@ -13,7 +13,7 @@ import re
 import pytest
 
 from vqserve.bench import serving
-from vqserve.bench.profiling import describe, find_py_spy, summarize
+from vqserve.bench.profiling import brief, describe, find_py_spy, summarize
 
 RAW = """\
 thread (0x1): MainThread;<module> (serve/frontend.py:420);main (serve/frontend.py:414);run (asyncio/runners.py:190);Handle._run (asyncio/events.py:80) 50
@@ -34,6 +34,14 @@ def test_a_summary_gives_each_threads_share_of_the_window_and_the_frames_that_he
     assert not any(f.startswith(("<module>", "main (")) for f in names), names
     assert "Thread.run (threading.py)" not in names  # not vqserve's own code
     assert summarize("", 100) == {"samples": 0, "threads": {}, "self": [], "inclusive": []}
+
+
+def test_brief_gives_the_executors_threads_and_the_front_ends_range():
+    fe = {"role": "frontend", "pid": 2, "threads": {"MainThread": 0.3}}
+    summary = {"processes": [{"role": "executor", "pid": 1, "threads": {"MainThread": 0.4, "infer_0": 0.2}},
+                             fe, {**fe, "pid": 3, "threads": {"MainThread": 0.6}}]}
+    assert brief(summary) == "executor MainThread 40%, infer_0 20%; 2 front-end(s): main thread 30%-60%"
+    assert brief({"error": "py-spy not found"}) == "py-spy not found"
 
 
 def test_describe_says_why_nothing_was_sampled():
@@ -75,4 +83,8 @@ def test_a_profiled_window_samples_the_executor_and_each_front_end(tmp_path, cap
         assert p["samples"] > 0 and p["threads"], p
         assert any(wanted in frame for frame, _ in p["inclusive"]), (role, p["inclusive"])
         assert (folder / p["file"].rsplit("/", 1)[-1]).is_file()
-    assert "profiled split v1 raw x1" in capsys.readouterr().out
+    # beside it, the executor and device alone: stand-in front-ends, each request in a group of its own
+    alone = profile["executor_alone"]
+    assert alone["throughput"] > 0 and alone["requests_per_group"] == 1.0 and not alone["errors"], alone
+    out = capsys.readouterr().out
+    assert "profiled split v1 raw x1" in out and "the executor alone (stand-in front-ends, no gRPC" in out

@@ -1,0 +1,95 @@
+"""The device executor alone: closed-loop load sent straight to a running server's executor
+by stand-in front-ends, with no gRPC, no client and no request parsing on the way.
+
+Each stand-in is the front-end's own client of the executor
+(:class:`vqserve.serve.frontend.RemoteBatcher`: the pixels through a shared arena, one
+header per group over the Unix socket), in a process of its own, with callers that each
+keep one request in flight. ``group_rows`` caps the requests a group carries: 1 sends each
+request alone, as a front-end does when gRPC hands it about one request per turn of its
+event loop.
+
+Why: a served row that falls short of in-process says only that something between the
+client and the device is slower. Next to it, this says what the executor and the device
+give on their own. About in-process: the front-ends, gRPC or the clients hold the rest;
+short of it too: the executor's process (its event loop, batching, the model threads' host
+work) or the device. Measured on the 2-core machine (``synthetic:0``, a padded micro-batch
+of 32, 2 processes x 32 callers of one 256x256 image): 9,200 requests/s alone in groups of
+one, 11,400 in pairs, 12,700 in fours, 18,100 in groups of 32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+
+import numpy as np
+
+from vqserve.lifetime import die_with_parent
+
+ARENA_BYTES = 64 << 20
+
+
+def _stand_in_main(socket_path: str, method: str, request: np.ndarray, callers: int, group_rows: int,
+                   start_at: float, stop_at: float, send) -> None:
+    """One stand-in front-end: ``callers`` coroutines sending ``request`` back to back."""
+    die_with_parent()
+    from vqserve.serve.frontend import RemoteBatcher
+
+    async def run() -> tuple[int, int, int, list[str]]:
+        batcher = RemoteBatcher(socket_path, ARENA_BYTES, max_group_rows=group_rows)
+        await batcher.connect(60)
+        counted, errors = [0], []
+
+        async def caller() -> None:
+            while time.time() < stop_at:
+                began = time.time()
+                try:
+                    await batcher.submit(method, request)
+                except Exception as exc:  # noqa: BLE001 - counted and reported, the load goes on
+                    if len(errors) < 3:
+                        errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                    continue
+                if began >= start_at:
+                    counted[0] += 1
+
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        sent = (batcher.groups_sent, batcher.requests_sent)
+        await batcher.close()
+        return counted[0], *sent, errors
+
+    try:
+        send.send(asyncio.run(run()))
+    except Exception as exc:  # noqa: BLE001 - the parent reports it
+        send.send((0, 0, 0, [f"{type(exc).__name__}: {exc}"[:300]]))
+
+
+def run_executor_load(socket_path: str, request: np.ndarray, procs: int, callers: int, seconds: float,
+                      warmup: float = 1.0, group_rows: int = 1, method: str = "encode") -> dict:
+    """``procs`` stand-in front-ends x ``callers`` callers, each sending ``request`` (one
+    request's rows) to the executor at ``socket_path`` for ``seconds`` after ``warmup``:
+    images/s, requests per group and the first errors."""
+    ctx = mp.get_context("spawn")
+    start_at = time.time() + warmup + 1.0  # a spawned process takes a moment to start
+    stop_at = start_at + seconds
+    pipes, children = [], []
+    for _ in range(procs):
+        recv, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_stand_in_main, daemon=True,
+                            args=(socket_path, method, request, callers, group_rows, start_at, stop_at, send))
+        child.start()
+        send.close()
+        pipes.append(recv)
+        children.append(child)
+    calls = groups = requests = 0
+    errors: list[str] = []
+    for recv, child in zip(pipes, children, strict=True):
+        try:
+            n, g, r, errs = recv.recv()
+        except EOFError:
+            n, g, r, errs = 0, 0, 0, [f"stand-in front-end ended with exit code {child.exitcode}"]
+        calls, groups, requests = calls + n, groups + g, requests + r
+        errors += errs
+        child.join(30)
+    return {"throughput": calls * len(request) / seconds, "requests_per_group": requests / groups if groups else None,
+            "group_rows": group_rows, "procs": procs, "callers": callers, "errors": errors[:3]}
