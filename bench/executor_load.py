@@ -20,11 +20,11 @@ one, 11,400 in pairs, 12,700 in fours, 18,100 in groups of 32.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import time
 
 import numpy as np
 
+from vqserve.bench.processes import gather_reports, spawn_reporters
 from vqserve.lifetime import die_with_parent
 
 ARENA_BYTES = 64 << 20
@@ -46,10 +46,10 @@ def _stand_in_main(socket_path: str, method: str, request: np.ndarray, callers: 
                 began = time.time()
                 try:
                     await batcher.submit(method, request)
-                except Exception as exc:  # noqa: BLE001 - counted and reported, the load goes on
-                    if len(errors) < 3:
+                except Exception as exc:  # noqa: BLE001 - reported; this caller stops (a closed
+                    if len(errors) < 3:       # executor would be called again in a tight loop)
                         errors.append(f"{type(exc).__name__}: {exc}"[:200])
-                    continue
+                    return
                 if began >= start_at:
                     counted[0] += 1
 
@@ -69,27 +69,12 @@ def run_executor_load(socket_path: str, request: np.ndarray, procs: int, callers
     """``procs`` stand-in front-ends x ``callers`` callers, each sending ``request`` (one
     request's rows) to the executor at ``socket_path`` for ``seconds`` after ``warmup``:
     images/s, requests per group and the first errors."""
-    ctx = mp.get_context("spawn")
     start_at = time.time() + warmup + 1.0  # a spawned process takes a moment to start
     stop_at = start_at + seconds
-    pipes, children = [], []
-    for _ in range(procs):
-        recv, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_stand_in_main, daemon=True,
-                            args=(socket_path, method, request, callers, group_rows, start_at, stop_at, send))
-        child.start()
-        send.close()
-        pipes.append(recv)
-        children.append(child)
-    calls = groups = requests = 0
-    errors: list[str] = []
-    for recv, child in zip(pipes, children, strict=True):
-        try:
-            n, g, r, errs = recv.recv()
-        except EOFError:
-            n, g, r, errs = 0, 0, 0, [f"stand-in front-end ended with exit code {child.exitcode}"]
-        calls, groups, requests = calls + n, groups + g, requests + r
-        errors += errs
-        child.join(30)
+    stand_ins = spawn_reporters(_stand_in_main, (socket_path, method, request, callers, group_rows, start_at,
+                                                 stop_at), procs)
+    reports = gather_reports(stand_ins, lambda code: (0, 0, 0, [f"stand-in front-end ended with exit code {code}"]))
+    calls, groups, requests = (sum(r[i] for r in reports) for i in range(3))
+    errors = [e for r in reports for e in r[3]]
     return {"throughput": calls * len(request) / seconds, "requests_per_group": requests / groups if groups else None,
             "group_rows": group_rows, "procs": procs, "callers": callers, "errors": errors[:3]}

@@ -644,7 +644,7 @@ def targets(result: dict) -> list[dict]:
     by_point: dict[tuple, list[dict]] = {}
     for row in served:
         by_point.setdefault((row["dtype"], row["case"], row.get("caller_kind")), []).append(row)
-    for (dtype, case, _kind), rows in by_point.items():
+    for (dtype, case, kind), rows in by_point.items():
         top = max(rows, key=lambda r: r["throughput"])
         want = SERVED_TARGETS.get(dtype)
         if want is not None and best_in.get(dtype) and case.endswith(("x1", "x16")) and "jpeg" not in case:
@@ -655,8 +655,8 @@ def targets(result: dict) -> list[dict]:
             clients = top.get("procs", 0) * (top.get("callers") or top.get("threads") or 0)
             add(f"{dtype} {case} p99 at {clients} clients <= {P99_MS_TARGET:.0f} ms", top["p99_ms"],
                 top["p99_ms"] <= P99_MS_TARGET, top["layout"], ".0f")
-        if " jpeg " in f" {case} ":
-            raw = by_point.get((dtype, case.replace("jpeg", "raw"), _kind))
+        if "jpeg" in case.split():
+            raw = by_point.get((dtype, case.replace("jpeg", "raw"), kind))
             if raw:
                 ratio = top["throughput"] / max(r["throughput"] for r in raw)
                 add(f"{dtype} {case} / raw >= {JPEG_TARGET}", ratio, ratio >= JPEG_TARGET, top["layout"], ".3f")

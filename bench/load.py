@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vqserve.bench.executor_load import run_executor_load
-from vqserve.bench.processes import process_tree
+from vqserve.bench.processes import gather_reports, process_tree, spawn_reporters
 from vqserve.bench.profiling import ProfileRequest, TreeSampler, describe
 from vqserve.bench.servers import fetch_metrics
 from vqserve.lifetime import die_with_parent
@@ -229,18 +229,9 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, caller
     read at the window's edges."""
     check_kind(kind)
     method, request = request_bytes(case, images)
-    ctx = mp.get_context("spawn")  # no inherited gRPC state
     start_at = time.time() + warmup + 1.0  # spawn takes a moment
     stop_at = start_at + duration
-    pipes, children = [], []
-    for _ in range(procs):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_client_process, args=(target, method, request, callers, kind, start_at, stop_at, send),
-                        daemon=True)
-        p.start()
-        send.close()  # the child holds the only sending end: its death ends recv() with EOFError
-        pipes.append(recv)
-        children.append(p)
+    clients = spawn_reporters(_client_process, (target, method, request, callers, kind, start_at, stop_at), procs)
     cpu0 = cpu1 = 0.0
     batching0 = batching1 = {}
     if server_pid or metrics_port:
@@ -253,15 +244,10 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, caller
     lats: list[float] = []
     first = b""
     errors: list[str] = []
-    for recv, p in zip(pipes, children, strict=True):
-        try:
-            got, reply, errs = recv.recv()
-        except EOFError:
-            got, reply, errs = [], b"", [f"client process ended with exit code {p.exitcode}"]
+    for got, reply, errs in gather_reports(clients, lambda code: ([], b"", [f"client process ended with exit code {code}"])):
         lats += got
         first = first or reply
         errors += errs
-        p.join(30)
     calls = len(lats)
     imgs = calls * case.images
     lat = np.array(lats) if lats else np.array([0.0])

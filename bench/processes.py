@@ -60,3 +60,34 @@ def pids_memory(pids: list[int]) -> dict:
     trees = [tree_memory(pid) for pid in pids]
     return {"peak_mb": sum(t["peak_mb"] for t in trees), "rss_mb": sum(t["rss_mb"] for t in trees),
             "processes": [p for t in trees for p in t["processes"]]}
+
+
+def spawn_reporters(target, args: tuple, procs: int) -> list[tuple]:
+    """``procs`` spawned processes (no inherited gRPC or torch state) running ``target(*args,
+    send)``, each sending one report on its pipe; returns ``(receiving end, process)`` pairs.
+    Each child holds the only sending end of its pipe, so its death ends ``recv()`` with
+    EOFError instead of a wait."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    started = []
+    for _ in range(procs):
+        recv, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=target, args=(*args, send), daemon=True)
+        child.start()
+        send.close()
+        started.append((recv, child))
+    return started
+
+
+def gather_reports(started: list[tuple], gone) -> list:
+    """Each process's report, or ``gone(exit code)`` for one that died first; joins them."""
+    reports = []
+    for recv, child in started:
+        try:
+            reports.append(recv.recv())
+        except EOFError:
+            child.join(5)
+            reports.append(gone(child.exitcode))
+        child.join(30)
+    return reports
