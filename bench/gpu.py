@@ -52,6 +52,7 @@ from vqserve.bench.load import (
     parse_layouts,
 )
 from vqserve.bench.profiling import ProfileRequest, brief
+from vqserve.export.runtime import resolve_device
 from vqserve.export.synthetic import is_synthetic
 from vqserve.lifetime import ending_with_this_thread
 from vqserve.machine import available_cores
@@ -380,10 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     device = args.device
     synthetic = is_synthetic(args.model)
+    if not synthetic:  # no GPU here: one line now, not an AssertionError from the first section
+        device = resolve_device(device)
     dtypes = ["fp32"] if synthetic else [d for d in args.dtypes.split(",") if d]  # synthetic:N is exact only
     photos = bench_photos(args.size)
     result: dict = {"model": args.model, "device": device, "size": args.size}
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and not synthetic:
         import torch
 
         result["gpu"] = torch.cuda.get_device_name(0)

@@ -43,6 +43,7 @@ def required_agreement(dtype: str, min_agreement: float | None) -> float:
 def check_combination(fmt: str, dtype: str, device: str, opset: int | None = None) -> None:
     """Refuse format/dtype/device/opset combinations that cannot work, before any work."""
     from vqserve.export.onnx_export import check_onnx_dtype, check_opset
+    from vqserve.model.devices import resolve_device
 
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -54,8 +55,7 @@ def check_combination(fmt: str, dtype: str, device: str, opset: int | None = Non
             check_opset(opset)
     elif opset is not None:
         raise ValueError(f"--opset applies to --format onnx only, not {fmt}; drop it")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} requested but no CUDA GPU is available here")
+    resolve_device(device)
 
 
 def parity_message(fmt: str, dtype: str, parity: dict, required: float, fp32_stream: bool = True) -> str:

@@ -20,6 +20,7 @@ import torch
 
 from vqserve.export.info import Runtime, RuntimeInfo, index_dtype_for  # noqa: F401 - their home before
 from vqserve.identity import same_tokens  # noqa: F401 - where runtimes' users look for it
+from vqserve.model.devices import resolve_device  # noqa: F401 - where serve/offline/bench look for it
 from vqserve.model.mixed_precision import low_precision_encoder
 
 
@@ -61,17 +62,6 @@ def check_expected_hash(expected: str | None, actual: str, where: str | os.PathL
     if expected and actual != expected.lower():
         raise ModelHashMismatch(f"{where} has model hash {actual}, not the expected {expected.lower()} "
                                 "(--expect-hash); refusing to load it")
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when available, else ``cpu``; ``cuda`` without a GPU is an error."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but no CUDA GPU is available here")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
-    return device
 
 
 class EagerRuntime:

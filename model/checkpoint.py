@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from vqserve.model.atomic import atomic_directory
 from vqserve.model.config import TokenizerConfig
+from vqserve.model.devices import resolve_device
 from vqserve.model.families import CONFIG_NAME, FamilyConfig, family_for
 from vqserve.model.families.vqserve_native import VQSERVE, WEIGHTS_NAME
 from vqserve.model.precision import parse_dtype
@@ -159,5 +160,7 @@ def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_NAME,
     """Load a tokenizer of any family in eval mode: ``"default"``, a vqserve checkpoint, a
     diffusers VQModel directory, ... (``vqserve.model.families``). Only safetensors are
     read: nothing is unpickled."""
+    if isinstance(device, str):
+        device = resolve_device(device)  # a GPU this machine lacks: one line, before any read
     path = resolve_model_path(name_or_path)
     return family_for(path).load(path, device)

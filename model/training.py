@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 from vqserve.model.atomic import atomic_directory
 from vqserve.model.checkpoint import load_tokenizer, save_tokenizer
 from vqserve.model.config import TokenizerConfig
+from vqserve.model.devices import resolve_device
 from vqserve.model.evaluation import code_counts, codebook_stats, psnr
 from vqserve.model.precision import PrecisionPolicy, fp32_island, policy
 from vqserve.model.quantizers import FSQ
@@ -266,9 +267,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False):
         self.cfg = cfg
         self.out = Path(cfg.out)
-        self.device = torch.device(cfg.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False")
+        self.device = torch.device(resolve_device(cfg.device))
         if cfg.threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.threads)
         if self.device.type == "cuda":

@@ -161,6 +161,63 @@ def test_serve_missing_model_is_one_line_before_binding(tmp_path, capsys, monkey
     assert str(missing) in one_line(capsys.readouterr().err)
 
 
+NO_GPU = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@pytest.mark.parametrize("device, fragment", [
+    ("tpu", "device must be auto, cpu or cuda[:N], got 'tpu'"),
+    ("cuda:x", "device must be auto, cpu or cuda[:N], got 'cuda:x'"),
+    pytest.param("cuda", "device 'cuda' requested but no CUDA GPU is available here", marks=NO_GPU),
+])
+def test_serve_device_it_cannot_use_is_one_line_before_starting(device, fragment, monkeypatch, capsys):
+    # before: the executor's and a front-end's "listening" lines, load_failed, two
+    # "draining" and two "stopped" lines, then the error, 1.5 s later
+    from vqserve.serve import server
+
+    def never(config):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(server, "serve_until_signal", never)
+    assert main(["serve", "--device", device, "--port", "0", "--metrics-port", "-1"]) == 2
+    assert one_line(capsys.readouterr().err) == f"vqserve serve: error: {fragment}"
+    # synthetic:N stands in for any device: nothing to refuse (the server "starts" here)
+    assert main(["serve", "--model", "synthetic:0", "--device", device, "--port", "0", "--metrics-port", "-1"]) == 1
+    assert "AssertionError: the server started" in one_line(capsys.readouterr().err)
+
+
+@NO_GPU
+@pytest.mark.parametrize("argv", [
+    ["bench", "gpu", "--json", "{tmp}/gpu.json"],  # its default device is cuda
+    ["eval", "--model", "{model}", "--images", "{tmp}", "--out", "{tmp}/eval", "--device", "cuda"],
+    ["train", "--device", "cuda", "--steps", "1", "--out", "{tmp}/run"],
+])
+def test_a_gpu_this_machine_lacks_is_one_line(argv, tiny_checkpoint, tmp_path, capsys):
+    # before: bench gpu and eval ended in "AssertionError: Torch not compiled with CUDA
+    # enabled (unexpected; ...)", exit 1; train said so in words of its own
+    argv = [a.format(tmp=tmp_path, model=tiny_checkpoint) for a in argv]
+    assert main(argv) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.endswith("error: device 'cuda' requested but no CUDA GPU is available here"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+def test_resolve_device_names_what_it_refuses(monkeypatch):
+    from vqserve.model import devices
+
+    assert devices.resolve_device("cpu") == "cpu"
+    assert devices.resolve_device("auto") in ("cpu", "cuda")
+    for bad in ("gpu", "cuda:", "cuda:-1", "cuda:0,1", "CPU", ""):
+        with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
+            devices.resolve_device(bad)
+    # the index check needs a GPU count: two GPUs stood in for by torch's own queries (none here)
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices.torch.cuda, "device_count", lambda: 2)
+    assert devices.resolve_device("cuda:1") == "cuda:1"
+    assert devices.resolve_device("auto") == "cuda"
+    with pytest.raises(ValueError, match=r"this machine has 2 CUDA GPUs \(cuda:0..cuda:1\)"):
+        devices.resolve_device("cuda:2")
+
+
 @pytest.fixture(scope="module")
 def onnx_fp32(tiny_checkpoint, tmp_path_factory) -> str:
     """The tiny tokenizer exported to ONNX in fp32 (its dtype is fixed from here on)."""

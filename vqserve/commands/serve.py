@@ -337,6 +337,20 @@ def check_plan_file(config) -> None:
     PlanChoice.from_file(config.plan, config.model, resolve_device(config.device), config.dtype)
 
 
+def check_device(config) -> None:
+    """A device this machine lacks (``--device cuda`` with no GPU, ``cuda:3`` on one GPU) or
+    no device at all, refused in one line before a port is bound or a front-end started;
+    the model's load would otherwise report it after both. ``auto`` and ``cpu`` need no
+    check, and so no torch import here; ``synthetic:N`` stands in for any device."""
+    from vqserve.export.synthetic import is_synthetic
+
+    if config.device in ("auto", "cpu") or is_synthetic(config.model):
+        return
+    from vqserve.model.devices import resolve_device
+
+    resolve_device(config.device)
+
+
 def run(args: argparse.Namespace) -> int:
     from vqserve.serve.preflight import PortInUseError
     from vqserve.serve.server import serve_until_signal, setup_logging
@@ -345,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
     # before any log line or bound port, so a usage error is the only output
     config = config_from_args(args)
     check_model_exists(config.model, ENV_VARS["model"])
+    check_device(config)
     check_artifact_dtype(config.model, config.dtype)
     check_plan_file(config)
     if config.expect_hash:  # a one-line refusal before any port is bound; the load checks again
