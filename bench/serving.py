@@ -573,7 +573,10 @@ def client_process_mode(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vqserve.export.runtime import resolve_device
+
     args = build_parser().parse_args(argv)
+    resolve_device(args.device)  # a GPU this machine lacks: one line, before any server starts
     if args.client_procs:
         return client_process_mode(args)
     result = run(args)

@@ -180,14 +180,20 @@ def test_serve_device_it_cannot_use_is_one_line_before_starting(device, fragment
     monkeypatch.setattr(server, "serve_until_signal", never)
     assert main(["serve", "--device", device, "--port", "0", "--metrics-port", "-1"]) == 2
     assert one_line(capsys.readouterr().err) == f"vqserve serve: error: {fragment}"
-    # synthetic:N stands in for any device: nothing to refuse (the server "starts" here)
-    assert main(["serve", "--model", "synthetic:0", "--device", device, "--port", "0", "--metrics-port", "-1"]) == 1
+    # the stand-in plans for the device it is given, so it is refused the same way
+    assert main(["serve", "--model", "synthetic:0", "--device", device, "--port", "0", "--metrics-port", "-1"]) == 2
+    assert one_line(capsys.readouterr().err) == f"vqserve serve: error: {fragment}"
+    # and a device it can use starts the server (stood in for here by the refusal above)
+    assert main(["serve", "--model", "synthetic:0", "--device", "cpu", "--port", "0", "--metrics-port", "-1"]) == 1
     assert "AssertionError: the server started" in one_line(capsys.readouterr().err)
 
 
 @NO_GPU
 @pytest.mark.parametrize("argv", [
     ["bench", "gpu", "--json", "{tmp}/gpu.json"],  # its default device is cuda
+    ["bench", "gpu", "--model", "synthetic:20", "--json", "{tmp}/gpu.json"],  # before: each server failed
+    ["bench", "serve", "--model", "synthetic:200", "--device", "cuda"],  # before: "the server did not start"
+    ["bench", "runtimes", "--device", "cuda"],  # before: every runtime skipped, then KeyError: 'batch'
     ["eval", "--model", "{model}", "--images", "{tmp}", "--out", "{tmp}/eval", "--device", "cuda"],
     ["train", "--device", "cuda", "--steps", "1", "--out", "{tmp}/run"],
 ])

@@ -341,10 +341,9 @@ def check_device(config) -> None:
     """A device this machine lacks (``--device cuda`` with no GPU, ``cuda:3`` on one GPU) or
     no device at all, refused in one line before a port is bound or a front-end started;
     the model's load would otherwise report it after both. ``auto`` and ``cpu`` need no
-    check, and so no torch import here; ``synthetic:N`` stands in for any device."""
-    from vqserve.export.synthetic import is_synthetic
-
-    if config.device in ("auto", "cpu") or is_synthetic(config.model):
+    check, and so no torch import here. ``synthetic:N`` is checked too: its plan is the
+    named device's, so the load resolves that device as well."""
+    if config.device in ("auto", "cpu"):
         return
     from vqserve.model.devices import resolve_device
 
