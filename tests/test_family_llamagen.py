@@ -263,6 +263,21 @@ def test_bad_checkpoints_get_one_line_errors_and_write_nothing(tmp_path, referen
     assert not (tmp_path / "PWNED").exists()  # the payload never ran
 
 
+@settings(max_examples=60, deadline=None)
+@given(content=st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode),
+                         st.sampled_from([b"hi\n", b"hello", b"{}", b"\x80\x02}q\x00.", b"PK\x03\x04"])))
+def test_any_file_that_is_not_a_checkpoint_is_one_line_and_writes_nothing(content, tmp_path_factory):
+    # before: a text file beginning "hi" ended in "KeyError: 105 (unexpected; ...)", exit 1:
+    # the weights-only unpickler raises KeyError, IndexError, ... on bytes that are no pickle
+    folder = tmp_path_factory.mktemp("bytes")
+    path, out = folder / "file.pt", folder / "out"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        import_llamagen(path, out)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+    assert not out.exists()
+
+
 def test_config_preset_mismatch_and_unknown_state_key(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="--config vq-16 expects encoder_ch_mult"):
         import_llamagen(checkpoint, tmp_path / "x", preset="vq-16")

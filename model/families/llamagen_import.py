@@ -86,8 +86,11 @@ def read_checkpoint(path: Path, resave_hint: str = RESAVE_HINT) -> object:
             f"{path}: refused, this pickle holds more than weights ({what}); vqserve reads checkpoints "
             "with torch.load(weights_only=True) only and never runs a full unpickle. If you trust the "
             f"file, {resave_hint}") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a PyTorch checkpoint torch.load can read ({_first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - on bytes that are no pickle, the weights-only
+        # unpickler raises what its parsing meets (KeyError, IndexError, struct.error, ...)
+        told = isinstance(exc, (RuntimeError, EOFError, OSError, ValueError))  # these say what
+        detail = _first_line(exc) if told else "its bytes are neither a zip archive nor a pickle"
+        raise CheckpointError(f"{path}: not a PyTorch checkpoint torch.load can read ({detail})") from None
 
 
 def _first_line(exc: BaseException) -> str:
