@@ -15,17 +15,22 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from vqserve.model.atomic import atomic_directory
 from vqserve.model.config import TokenizerConfig
 from vqserve.model.devices import resolve_device
 from vqserve.model.families import CONFIG_NAME, FamilyConfig, family_for
+from vqserve.model.families.base import read_json_file, read_safetensors
 from vqserve.model.families.vqserve_native import VQSERVE, WEIGHTS_NAME
 from vqserve.model.precision import parse_dtype
 from vqserve.model.tokenizer import Tokenizer, TokenizerBase
 
 DEFAULT_NAME = "default"
+# What makes a damaged vqserve checkpoint directory whole: it is written whole (config and
+# weights renamed into place together), so a bad file there was damaged after the write.
+NATIVE_REMEDY = ("the checkpoint directory is damaged: copy it again, or save it again with "
+                 "`vqserve train` (which writes config and weights together)")
 # The tokenizers shipped inside the package, by the name ``--model`` takes: the undithered
 # default (tokens a generative model learns well) and the dithered one (smoother flat colour
 # for reconstruction-only uses; its codes depend on their position modulo 4, docs/TRAINING.md).
@@ -94,7 +99,7 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, extra: dict | 
 
 def read_native_config(path: str | os.PathLike) -> tuple[TokenizerConfig, dict]:
     """(config, meta) from a vqserve checkpoint directory."""
-    data = json.loads((Path(path) / CONFIG_NAME).read_text())
+    data = read_json_file(Path(path) / CONFIG_NAME, NATIVE_REMEDY)
     meta = data.pop("meta", {}) or {}
     return TokenizerConfig.from_dict(data), meta
 
@@ -141,7 +146,7 @@ def load_native_tokenizer(path: str | os.PathLike, device: str | torch.device = 
     path = Path(path)
     config, _ = read_native_config(path)
     tokenizer = Tokenizer(config)
-    state = load_file(str(path / WEIGHTS_NAME), device="cpu")
+    state = read_safetensors(path / WEIGHTS_NAME, NATIVE_REMEDY)
     try:
         missing, unexpected = tokenizer.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatches

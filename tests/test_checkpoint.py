@@ -73,6 +73,30 @@ def test_clear_errors(tmp_path):
         load_tokenizer(path)
 
 
+@pytest.mark.parametrize("damage, file, says", [
+    (lambda b: b"junk\n", "model.safetensors", "not a readable safetensors file (Error while deserializing header"),
+    (lambda b: b[:len(b) // 2], "model.safetensors", "not a readable safetensors file (Error while deserializing header"),
+    (lambda b: b"\x80\x02}q\x00.", "model.safetensors", "not a readable safetensors file"),  # a pickle: never run
+    (lambda b: b"{bad json", "config.json", "not readable JSON (Expecting property name"),
+    (lambda b: b"[1, 2]", "config.json", "holds a JSON list, not an object"),
+])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(damage, file, says, tmp_path, capsys):
+    # before: "SafetensorError: Error while deserializing header: header too small (unexpected;
+    # ...)" and a JSON error with no file named, from serve, tokenize, plan, export alike
+    path = save_tokenizer(make_tokenizer(), tmp_path / "ckpt")
+    (path / file).write_bytes(damage((path / file).read_bytes()))
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(path)
+    line = str(err.value)
+    assert line.startswith(f"{path / file}: {says}") and "\n" not in line, line
+    assert line.endswith("copy it again, or save it again with `vqserve train` (which writes config and weights together)")
+    from vqserve.cli import main
+
+    assert main(["tokenize", str(tmp_path), "--out", str(tmp_path / "tokens"), "--model", str(path)]) == 2
+    assert capsys.readouterr().err.strip().endswith(line)
+    assert not (tmp_path / "tokens").exists()
+
+
 def test_the_shipped_names_are_the_same_for_the_cli_and_the_loader():
     from vqserve.commands.common import PACKAGED_MODEL_NAMES
     from vqserve.model.checkpoint import PACKAGED_MODELS, packaged_model_dir, resolve_model_path

@@ -306,7 +306,7 @@ def test_a_pickle_in_place_of_model_safetensors_is_one_line(imported, tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text((Path(imported) / "config.json").read_text())
     torch.save({"x": torch.zeros(1)}, broken / "model.safetensors")
-    with pytest.raises(ValueError, match="model.safetensors: not a safetensors file .*never unpickles") as err:
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file .*never unpickles: import the checkpoint again with `vqserve import cosmos`") as err:
         load_tokenizer(broken)
     assert "\n" not in str(err.value)
 

@@ -50,6 +50,35 @@ import torch
 CONFIG_NAME = "config.json"
 
 
+def _first_words(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:160] or type(exc).__name__
+
+
+def read_json_file(file: str | os.PathLike, remedy: str) -> dict:
+    """A model directory's JSON file as a dict, or one line naming the file, what is wrong
+    with it and ``remedy`` (what makes the directory whole again)."""
+    try:
+        data = json.loads(Path(file).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{file}: not readable JSON ({_first_words(exc)}); {remedy}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: holds a JSON {type(data).__name__}, not an object; {remedy}")
+    return data
+
+
+def read_safetensors(file: str | os.PathLike, remedy: str) -> dict[str, torch.Tensor]:
+    """A model directory's weights, or one line naming the file (a truncated copy, a pickle
+    saved under that name) and ``remedy``. Weights are read from safetensors only: nothing
+    here ever unpickles, whatever the file holds."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file), device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"{file}: not a readable safetensors file ({_first_words(exc)}); vqserve reads "
+                         f"weights from safetensors only and never unpickles: {remedy}") from None
+
+
 def read_config_json(path: str | os.PathLike) -> dict | None:
     """``path/config.json`` as a dict, or None when it is missing or not a JSON object
     (detection must never fail: the family that owns the directory reports the problem)."""

@@ -23,12 +23,10 @@ import hashlib
 import math
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from vqserve.model.families.base import FamilyConfig
 from vqserve.model.families.cosmos_networks import PATCH_METHODS, CosmosDecoder, CosmosEncoder
@@ -261,14 +259,6 @@ class CosmosFamily(ImportedFamily):
     config_class = CosmosConfig
     tokenizer_class = CosmosTokenizer
     label = "Cosmos DI"
-
-    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
-        try:
-            return load_file(str(path), device="cpu")
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            detail = str(exc).split("\n")[0][:200]
-            raise ValueError(f"{path}: not a safetensors file ({detail}); vqserve never unpickles weights: "
-                             "make the directory again with `vqserve import cosmos`") from None
 
 
 COSMOS = CosmosFamily()

@@ -20,10 +20,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
-from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.base import (
+    CONFIG_NAME,
+    Family,
+    FamilyConfig,
+    read_config_json,
+    read_safetensors,
+)
 from vqserve.model.families.codebook import CdistVQ
 from vqserve.model.precision import cast_to
 from vqserve.model.tokenizer import TokenizerBase
@@ -198,7 +203,7 @@ class DiffusersVQFamily(Family):
         VQModel = import_diffusers()
         with torch.device("meta"):  # no random init of weights about to be replaced
             model = VQModel.from_config(data)
-        state = load_file(str(path / WEIGHTS_NAME), device="cpu")
+        state = read_safetensors(path / WEIGHTS_NAME, "save the model again with VQModel.save_pretrained(DIR)")
         fix_keys = getattr(model, "_fix_state_dict_keys_on_load", None)
         if fix_keys is not None:  # diffusers' own renaming of pre-0.14 attention weights
             state = fix_keys(dict(state))

@@ -22,9 +22,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors.torch import load_file
 
-from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.base import (
+    CONFIG_NAME,
+    Family,
+    FamilyConfig,
+    read_config_json,
+    read_safetensors,
+)
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -101,12 +106,7 @@ def load_strict_weights(tokenizer: torch.nn.Module, state: dict[str, torch.Tenso
 def read_safetensors_weights(path: Path, importer: str) -> dict[str, torch.Tensor]:
     """``model.safetensors`` of an imported directory; anything else (a pickle saved under
     that name, a truncated file) is one line, and nothing is unpickled."""
-    try:
-        return load_file(str(path), device="cpu")
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        detail = " ".join(str(exc).split())[:160] or type(exc).__name__
-        raise ValueError(f"{path}: not a readable safetensors file ({detail}); vqserve reads weights from "
-                         f"safetensors only: import the checkpoint again with `vqserve import {importer}`") from None
+    return read_safetensors(path, f"import the checkpoint again with `vqserve import {importer}`")
 
 
 class ImportedFamily(Family):

@@ -18,11 +18,9 @@ code's in fp32 (tests/test_family_llamagen.py, against fixtures made by the orig
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
-from safetensors.torch import load_file
 
 from vqserve.model.families.base import FamilyConfig
 from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
@@ -124,10 +122,6 @@ class LlamaGenFamily(ImportedFamily):
     config_class = LlamaGenConfig
     tokenizer_class = LlamaGenTokenizer
     label = "LlamaGen"
-
-    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
-        """safetensors' own error for a file that is not one (as before the shared base)."""
-        return load_file(str(path), device="cpu")
 
 
 LLAMAGEN = LlamaGenFamily()

@@ -41,7 +41,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
+from vqserve.model.families.base import (
+    CONFIG_NAME,
+    Family,
+    FamilyConfig,
+    read_config_json,
+    read_safetensors,
+)
 from vqserve.model.families.imported import key_mismatch
 from vqserve.model.families.transformers_quantizer import SquaredDistanceVQ
 from vqserve.model.precision import Fp32StateModule, cast_to
@@ -404,7 +410,7 @@ class TransformersVQFamily(Family):
         where = str(path / WEIGHTS_NAME)
         with torch.device("meta"):  # no random init of weights about to be replaced
             model = getattr(transformers, self.kind.model_class)(config)
-        load_weights(model, read_safetensors(path / WEIGHTS_NAME), where)
+        load_weights(model, read_safetensors(path / WEIGHTS_NAME, "save it with save_pretrained(DIR)"), where)
         model = model.float().eval()  # bf16/fp16 weight files are served from fp32 copies
         tokenizer = TransformersVQTokenizer.from_model(
             self.kind, model, self.family_config(config, path, scaling, scaling_source), scaling)
@@ -441,18 +447,6 @@ def check_config(kind: Kind, config, where: str) -> None:
         if attention != {config.hidden_size} or config.hidden_size % config.num_attention_heads:
             raise bad(f"hidden_size ({config.hidden_size}) must equal the channels where attention runs "
                       f"({sorted(attention)}) and divide by num_attention_heads")
-
-
-def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors, or one line saying it is not one (nothing is unpickled)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(file), device="cpu")
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"{file} is not a safetensors file ({_one_line(exc)}); vqserve reads "
-                         "safetensors only and never unpickles: save it with save_pretrained(DIR)") from None
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
