@@ -39,7 +39,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise FileNotFoundError(
             f"{directory} has no {MANIFEST_NAME}: not an artifact directory written by `vqserve export`"
         )
-    data = json.loads(path.read_text())
+    from vqserve.model.families.base import read_json_file
+
+    data = read_json_file(path, "export the model again with `vqserve export`")
     if data.get("manifest_format") != MANIFEST_FORMAT:
         raise ValueError(f"{path} is not a vqserve export manifest")
     if int(data.get("manifest_version", 0)) > MANIFEST_VERSION:

@@ -132,6 +132,21 @@ def test_tampered_artifact_is_refused(ts_fp32, tmp_path):
         load_runtime(copy)
 
 
+@pytest.mark.parametrize("text, says", [("{bad", "not readable JSON (Expecting property name"),
+                                         ("[]", "holds a JSON list, not an object")])
+def test_a_damaged_manifest_is_one_line_naming_it(ts_fp32, tmp_path, text, says):
+    # before: "Expecting property name ..." naming no file; a list: AttributeError (unexpected)
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ts_fp32, copy)
+    (copy / "manifest.json").write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_runtime(copy)
+    assert str(err.value).startswith(f"{copy / 'manifest.json'}: {says}") and "\n" not in str(err.value)
+    assert str(err.value).endswith("; export the model again with `vqserve export`")
+
+
 def test_unsupported_provider_and_dtype_are_named():
     import onnxruntime as ort
 
