@@ -323,6 +323,12 @@ def test_manifest_settings_build_a_valid_server_config(monkeypatch):
     c = container()
     variables = env(c)
     assert all(variables[k] for k in ("VQSERVE_DEVICE", "VQSERVE_DTYPE", "VQSERVE_GRACE"))
+    import torch
+
+    # the manifest is for GPU nodes, and serve refuses --device cuda where there is none: a
+    # node with one GPU stood in for by torch's own device queries (no GPU on the test machine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     config = config_from_env(monkeypatch, variables)
     assert config.device == "cuda" and config.dtype == "fp32"  # exact by default on GPU nodes too
     assert config.port == ports(c)["grpc"] == DEFAULTS["port"]
