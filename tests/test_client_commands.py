@@ -325,6 +325,27 @@ def test_npy_that_is_not_a_token_array_is_one_line_with_the_file(server, tmp_pat
     assert tree(tmp_path / "rec", ".png") == ["good.png"]
 
 
+def test_a_grid_that_decodes_past_the_servers_pixel_limit_is_one_line_before_sending(server, tmp_path, capsys):
+    """Was: a 4096x4096 grid went out and came back "RESOURCE_EXHAUSTED: CLIENT: Sent message
+    larger than max"; a smaller oversized one cost a call for the server's refusal."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    np.save(tok / "good.npy", np.zeros((4, 4), np.uint16))
+    np.save(tok / "edge.npy", np.zeros((128, 128), np.uint16))  # 1024x1024: exactly the limit
+    np.save(tok / "wide.npy", np.zeros((128, 129), np.uint16))
+    np.save(tok / "stack.npy", np.zeros((2, 200, 200), np.uint16))
+    np.save(tok / "huge.npy", np.zeros((4096, 4096), np.int32))
+    assert dec(server, str(tok), "--out", str(tmp_path / "rec")) == 1
+    err = capsys.readouterr().err
+    for name, h, w in (("wide", 128, 129), ("stack", 200, 200), ("huge", 4096, 4096)):
+        hits = [ln for ln in err.splitlines() if f"{name}.npy" in ln]
+        assert len(hits) == 1, (name, err)
+        assert (f"a {h}x{w} grid decodes to {h * 8}x{w * 8} = {h * w * 64} pixels, more than the "
+                f"server's limit of 1048576 per image") in hits[0], hits[0]
+    assert "RESOURCE_EXHAUSTED" not in err and "INVALID_ARGUMENT" not in err
+    assert tree(tmp_path / "rec", ".png") == ["edge.png", "good.png"]
+
+
 # ---- item 7: the async client splits like the sync one ----------------------------------
 def test_async_client_splits_batches_and_encodes_files(server, runtime, tmp_path):
     """Was: AsyncTokenizerClient sent any batch in one call, so more images than the

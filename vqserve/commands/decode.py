@@ -162,6 +162,21 @@ def _plan(src: Source, per_image_ndim: int) -> _TokenFile:
     return tf
 
 
+def _refuse_oversized(files: list[_TokenFile], per_image: int, factor: int, max_pixels: int) -> None:
+    """A grid whose image would exceed the server's pixel limit fails here, naming both
+    sizes, rather than in a call the server refuses (or, for a huge grid, one gRPC cannot
+    even send)."""
+    if not max_pixels:
+        return
+    for tf in files:
+        if tf.error:
+            continue
+        h, w = tf.shape[-per_image:][:2]
+        if h * w * factor * factor > max_pixels:
+            tf.error = (f"a {h}x{w} grid decodes to {h * factor}x{w * factor} = {h * w * factor * factor} "
+                        f"pixels, more than the server's limit of {max_pixels} per image")
+
+
 def read_identity(src: Source) -> dict | None:
     """The identity file beside ``x.npy`` (``x.json``), or None when there is none."""
     path = Path(src.path).with_suffix(".json")
@@ -231,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
                              "decode its tokens where a decoder for them is served")
         per_image = 2 if int(info.get("codes_per_position") or 1) <= 1 else 3
         files = [_plan(s, per_image) for s in sources]
+        _refuse_oversized(files, per_image, int(info.get("factor") or 1), int(info.get("max_pixels") or 0))
         good = [tf for tf in files if not tf.error]
         refuse_collisions(((n, tf.src.shown) for tf in good for n in tf.names), out)
         refuse_existing([out / n for tf in good for n in tf.names], args.overwrite)
