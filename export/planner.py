@@ -654,6 +654,24 @@ def _write_json(path: Path, data: dict) -> Path:
     return path
 
 
+def check_plan_out(path: str | os.PathLike) -> None:
+    """``vqserve plan --out PATH``, refused in one line before anything is measured when the
+    write would fail (a folder) or replace a file of the user's that is not a plan file; an
+    earlier plan file there is replaced, as re-planning is for."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--out {path} is a folder; give a file path, e.g. {path / 'plan.json'}")
+    if not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if not isinstance(data, dict) or data.get("format") != PLAN_FILE_FORMAT:
+        raise ValueError(f"--out {path} exists and is not a vqserve plan file: refusing to replace it "
+                         "(a plan file there would be); choose another path")
+
+
 def write_cached(directory: Path, key: dict, result: dict) -> Path | None:
     """Store atomically; a cache that cannot be written is skipped: the plan still serves,
     the next start measures again."""

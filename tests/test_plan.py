@@ -31,6 +31,35 @@ def label(row: dict) -> str:
     return row["dtype"] if row.get("backend", "eager") == "eager" else f"{row['backend']}/{row['dtype']}"
 
 
+def test_plan_out_never_replaces_a_file_that_is_not_a_plan(tmp_path, capsys, monkeypatch):
+    # before: `--out notes.json` measured for a minute, then replaced the user's file with a
+    # plan; `--out FOLDER` measured, then failed on ".FOLDER.tmp123: is a directory"
+    from vqserve.export import planner
+
+    def never(*args, **kwargs):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(planner, "choose_plan", never)
+    notes = tmp_path / "notes.json"
+    for text in ('{"mine": 1}\n', "not json at all", "[1, 2]"):
+        notes.write_text(text)
+        assert main(["plan", "--model", "synthetic:0", *FAST, "--out", str(notes)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert line == (f"vqserve plan: error: --out {notes} exists and is not a vqserve plan file: refusing to "
+                        "replace it (a plan file there would be); choose another path"), line
+        assert notes.read_text() == text
+    assert main(["plan", "--model", "synthetic:0", *FAST, "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"vqserve plan: error: --out {tmp_path} is a folder; give a file "
+                                               f"path, e.g. {tmp_path / 'plan.json'}")
+    monkeypatch.undo()
+    plan = tmp_path / "plan.json"  # a plan file is replaced, and one that is not there is made
+    for _ in range(2):
+        assert main(["plan", "--model", "synthetic:0", *FAST, "--plan-cache", str(tmp_path / "plans"),
+                     "--out", str(plan), "--json"]) == 0
+        assert json.loads(plan.read_text())["format"] == "vqserve-plan"
+    capsys.readouterr()
+
+
 def test_plan_is_exact_by_default_fp32_paths_with_identical_tokens_and_pixels_only(tiny_checkpoint, tmp_path,
                                                                                     capsys):
     cache = tmp_path / "plans"

@@ -91,8 +91,12 @@ def run(args: argparse.Namespace) -> int:
     sizes = _ints(args.sizes, "--sizes")
     micro = _ints(args.micro_batches, "--micro-batches") if args.micro_batches else None
     check_model_exists(args.model, "VQSERVE_MODEL")
-    from vqserve.export.planner import EXPORT_BACKENDS, PlanCancelled, choose_plan
+    from vqserve.export import planner
+    from vqserve.export.planner import EXPORT_BACKENDS, PlanCancelled, check_plan_out
     from vqserve.export.runtime import load_runtime, resolve_device
+
+    if args.out:
+        check_plan_out(args.out)
 
     device = resolve_device(args.device)
     factor = load_runtime(args.model, backend=args.backend, dtype=None if args.dtype == "auto" else args.dtype,
@@ -113,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         kw["backends"] = backends
     deadline = t0 + args.budget_s if args.budget_s else None
     try:
-        chosen = choose_plan(args.model, device, args.backend, args.dtype, min_agreement, args.plan_cache,
+        chosen = planner.choose_plan(args.model, device, args.backend, args.dtype, min_agreement, args.plan_cache,
                              log=log, refresh=args.refresh,
                              should_stop=(lambda: time.monotonic() > deadline) if deadline else None, **kw)
     except PlanCancelled:
