@@ -325,6 +325,22 @@ def test_npy_that_is_not_a_token_array_is_one_line_with_the_file(server, tmp_pat
     assert tree(tmp_path / "rec", ".png") == ["good.png"]
 
 
+def test_tls_to_a_server_without_it_says_to_drop_tls(server, tmp_path, capsys):
+    """Was: "UNAVAILABLE: ... Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL ...;
+    is `vqserve serve` running and ready there?", which it was."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    from PIL import Image
+
+    Image.fromarray(photo(32, 32)).save(folder / "p.png")
+    assert enc(server, str(folder), "--out", str(tmp_path / "tok"), "--tls") == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"vqserve encode: error: the TLS handshake with {server.target} failed"), line
+    assert line.endswith("does it serve TLS (vqserve serve --tls-cert/--tls-key)? If not, drop --tls; "
+                         "if it does, pass its CA with --tls-ca"), line
+    assert not (tmp_path / "tok").exists()
+
+
 def test_a_grid_that_decodes_past_the_servers_pixel_limit_is_one_line_before_sending(server, tmp_path, capsys):
     """Was: a 4096x4096 grid went out and came back "RESOURCE_EXHAUSTED: CLIENT: Sent message
     larger than max"; a smaller oversized one cost a call for the server's refusal."""

@@ -222,6 +222,12 @@ def rpc_failure(exc, server: str) -> str:
     import grpc
 
     code, details = exc.code(), one_line(exc.details() or "")
+    if code == grpc.StatusCode.UNAVAILABLE and "handshake" in details.lower():
+        return (
+            f"the TLS handshake with {server} failed (UNAVAILABLE: {details[:160]}); does it serve "
+            "TLS (vqserve serve --tls-cert/--tls-key)? If not, drop --tls; if it does, pass its CA "
+            "with --tls-ca"
+        )
     if code == grpc.StatusCode.UNAVAILABLE:
         return (
             f"cannot use the server at {server}: UNAVAILABLE: {details}; is `vqserve serve` "
