@@ -36,7 +36,7 @@ def config(**kw) -> ServerConfig:
 # ---- TLS and auth -------------------------------------------------------------------------
 
 
-def test_tls_and_bearer_token(tiny_checkpoint, cert, photos):
+def test_tls_and_bearer_token(tiny_checkpoint, cert, photos, tmp_path, capsys):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     cert_path, key_path = cert
@@ -66,6 +66,19 @@ def test_tls_and_bearer_token(tiny_checkpoint, cert, photos):
             with pytest.raises(grpc.RpcError) as err:
                 c.encode_batch(photos[:1])
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # ... and the CLI says what to pass (was: "is `vqserve serve` running and ready there?")
+        from PIL import Image
+
+        from vqserve.cli import main
+
+        Image.fromarray(photos[0]).save(tmp_path / "p.png")
+        capsys.readouterr()
+        assert main(["health", "--server", target]) == 1
+        assert main(["encode", "--server", target, str(tmp_path), "--out", str(tmp_path / "tok")]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 2 and all(ln.endswith("a server that serves TLS closes a plaintext connection like "
+                                                   "this: then pass --tls (and --tls-ca CA.pem for a certificate "
+                                                   "of your own CA)") for ln in lines), lines
 
 
 # ---- a real `vqserve serve` process ------------------------------------------------------------

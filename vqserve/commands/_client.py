@@ -217,6 +217,15 @@ def finish_run(command: str, done: int, total: int, where: str, seconds: float,
     return 1 if failures or stopped else 0
 
 
+def plaintext_hint(details: str) -> str:
+    """A server that expects TLS closes a plaintext connection at once ("Socket closed"):
+    the one gRPC detail that points there, turned into what to pass."""
+    if "socket closed" not in details.lower():
+        return ""
+    return ("; a server that serves TLS closes a plaintext connection like this: then pass --tls "
+            "(and --tls-ca CA.pem for a certificate of your own CA)")
+
+
 def rpc_failure(exc, server: str) -> str:
     """A gRPC error that stops the whole run -> one line with what to do."""
     import grpc
@@ -231,7 +240,7 @@ def rpc_failure(exc, server: str) -> str:
     if code == grpc.StatusCode.UNAVAILABLE:
         return (
             f"cannot use the server at {server}: UNAVAILABLE: {details}; is `vqserve serve` "
-            f"running and ready there? (check: vqserve health --server {server})"
+            f"running and ready there? (check: vqserve health --server {server}){plaintext_hint(details)}"
         )
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return (

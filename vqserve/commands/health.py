@@ -29,12 +29,14 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    from vqserve.commands._client import plaintext_hint
     from vqserve.serve.client import check_health
 
     try:
         status = check_health(args.server, args.service, args.timeout, tls_ca=args.tls_ca, tls=args.tls)
     except grpc.RpcError as exc:
-        print(f"{args.server}: unreachable or failing ({exc.code().name}: {exc.details()})", file=sys.stderr)
+        hint = "" if args.tls or args.tls_ca else plaintext_hint(exc.details() or "")
+        print(f"{args.server}: unreachable or failing ({exc.code().name}: {exc.details()}){hint}", file=sys.stderr)
         return 1
     print(f"{args.server}{' ' + args.service if args.service else ''}: {status}")
     return 0 if status == "SERVING" else 1
