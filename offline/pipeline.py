@@ -33,6 +33,21 @@ from vqserve.machine import available_cores, machine_record, same_arithmetic
 from vqserve.offline import shards, sources
 
 
+def setting_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """``key: was X, now Y`` for each setting that differs, nested settings named by their
+    path (``preprocess.size: was 256, now 128``), so a refusal to mix two configurations
+    names what changed rather than printing both whole."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        was, now = old.get(key), new.get(key)
+        if was == now:
+            continue
+        if isinstance(was, dict) and isinstance(now, dict):
+            lines += setting_differences(was, now, f"{prefix}{key}.")
+        else:
+            lines.append(f"{prefix}{key}: was {json.dumps(was)}, now {json.dumps(now)}")
+    return lines
+
 class TokenizeError(RuntimeError):
     """The run cannot go on (settings mismatch, changed inputs, --fail-fast); one line."""
 
@@ -344,9 +359,7 @@ class Job:
                 raise TokenizeError(f"{self.out} holds a {self.layout.manifest} that is not a vqserve tokenize "
                                     "manifest; choose an empty or new --out folder") from None
             if old_ident != ident:
-                diffs = [k for k in sorted(set(old_ident) | set(ident)) if old_ident.get(k) != ident.get(k)]
-                detail = "; ".join(f"{k}: was {json.dumps(old_ident.get(k))}, now {json.dumps(ident.get(k))}"
-                                   for k in diffs)
+                detail = "; ".join(setting_differences(old_ident, ident))
                 raise TokenizeError(f"{self.out} holds tokens made with other settings ({detail[:600]}); "
                                     "refusing to mix two configurations: use a new --out folder")
         elif self.out.exists() and any(p for p in self.out.iterdir() if not p.name.startswith(".")):

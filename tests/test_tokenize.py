@@ -199,7 +199,7 @@ def test_refusals_and_fail_fast(tiny_checkpoint, tmp_path, capsys, one_thread):
     capsys.readouterr()
     assert tok([str(tmp_path / "in"), "--out", str(out), "--size", "64"], tiny_checkpoint) == 2
     err = capsys.readouterr().err
-    assert "other settings" in err and '"size": 32' in err and '"size": 64' in err and "new --out" in err
+    assert "other settings (preprocess.size: was 32, now 64); refusing to mix" in err and "new --out" in err
     assert folder_bytes(out) == before  # nothing touched
     foreign = tmp_path / "mine"
     foreign.mkdir()
