@@ -663,10 +663,12 @@ def check_plan_out(path: str | os.PathLike) -> None:
         raise ValueError(f"--out {path} is a folder; give a file path, e.g. {path / 'plan.json'}")
     if not path.exists():
         return
+    data = None
     try:
-        data = json.loads(path.read_text())
+        if path.stat().st_size < 16 << 20:  # a plan file is kilobytes: a big file is not one, unread
+            data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
-        data = None
+        pass
     if not isinstance(data, dict) or data.get("format") != PLAN_FILE_FORMAT:
         raise ValueError(f"--out {path} exists and is not a vqserve plan file: refusing to replace it "
                          "(a plan file there would be); choose another path")
