@@ -127,6 +127,10 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
             )
         return packaged_model_dir(name)
     path = Path(name_or_path)
+    if not path.exists() and str(name_or_path).startswith("synthetic:"):
+        raise ValueError(f"model {str(name_or_path)!r} is the simulated accelerator (serve, tokenize, plan "
+                         "and bench take it): it has no network to load here; use 'default', 'dithered' "
+                         "or a checkpoint directory")
     if not path.exists():
         raise FileNotFoundError(f"model {str(path)!r} does not exist (use 'default', 'dithered' "
                                 "or a checkpoint directory)")

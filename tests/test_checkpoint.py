@@ -97,6 +97,21 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(damage, file, says, tm
     assert not (tmp_path / "tokens").exists()
 
 
+@pytest.mark.parametrize("argv", [
+    ["eval", "--model", "synthetic:0", "--images", "{tmp}", "--out", "{tmp}/eval"],
+    ["export", "--model", "synthetic:200", "--format", "onnx", "--out", "{tmp}/onnx"],
+    ["train", "--init-from", "synthetic:0", "--steps", "1", "--out", "{tmp}/run"],
+])
+def test_the_stand_in_where_a_network_is_needed_is_named_as_such(argv, tmp_path, capsys):
+    # before: "model 'synthetic:0' does not exist", though serve and tokenize take it
+    from vqserve.cli import main
+
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "is the simulated accelerator (serve, tokenize, plan and bench take it): it has no network" in line
+    assert "\n" not in line and list(tmp_path.iterdir()) == []
+
+
 def test_the_shipped_names_are_the_same_for_the_cli_and_the_loader():
     from vqserve.commands.common import PACKAGED_MODEL_NAMES
     from vqserve.model.checkpoint import PACKAGED_MODELS, packaged_model_dir, resolve_model_path
