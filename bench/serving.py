@@ -572,10 +572,32 @@ def client_process_mode(args) -> int:
     return 0
 
 
+def check_numbers(args) -> None:
+    """The run's counts and seconds, refused in one line before any server starts (before:
+    --duration 0 or --clients 0 ended in ZeroDivisionError, --repeats 0 in KeyError, and
+    --client-callers 0 printed a table of zeros)."""
+    try:
+        clients = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        raise ValueError(f"--clients takes comma-separated counts, got {args.clients!r}") from None
+    rules = [("--duration", args.duration > 0, "a positive number of seconds", args.duration),
+             ("--warmup", args.warmup >= 0, "0 or more seconds", args.warmup),
+             ("--prime", args.prime >= 0, "0 or more seconds", args.prime),
+             ("--repeats", args.repeats >= 1, "at least 1", args.repeats),
+             ("--clients", min(clients) >= 1, "counts of at least 1", args.clients),
+             ("--client-procs", args.client_procs >= 0, "0 (clients in this process) or more", args.client_procs),
+             ("--client-callers", args.client_callers >= 1, "at least 1", args.client_callers),
+             ("--profile-seconds", args.profile_seconds > 0, "a positive number of seconds", args.profile_seconds)]
+    for flag, ok, want, got in rules:
+        if not ok:
+            raise ValueError(f"{flag} must be {want}, got {got}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from vqserve.export.runtime import resolve_device
 
     args = build_parser().parse_args(argv)
+    check_numbers(args)
     resolve_device(args.device)  # a GPU this machine lacks: one line, before any server starts
     if args.client_procs:
         return client_process_mode(args)

@@ -207,6 +207,25 @@ def test_a_gpu_this_machine_lacks_is_one_line(argv, tiny_checkpoint, tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["health", "--timeout", "0"], "vqserve health: error: --timeout must be a positive number of seconds, got 0"),
+    (["health", "--timeout", "-1"], "vqserve health: error: --timeout must be a positive number of seconds, got -1"),
+    (["bench", "serve", "--duration", "0"], "vqserve bench: error: --duration must be a positive number of seconds, got 0.0"),
+    (["bench", "serve", "--clients", "1,0"], "vqserve bench: error: --clients must be counts of at least 1, got 1,0"),
+    (["bench", "serve", "--clients", "a"], "vqserve bench: error: --clients takes comma-separated counts, got 'a'"),
+    (["bench", "serve", "--repeats", "0"], "vqserve bench: error: --repeats must be at least 1, got 0"),
+    (["bench", "serve", "--client-procs", "1", "--client-callers", "0"],
+     "vqserve bench: error: --client-callers must be at least 1, got 0"),
+    (["bench", "serve", "--client-procs", "-1"],
+     "vqserve bench: error: --client-procs must be 0 (clients in this process) or more, got -1"),
+])
+def test_counts_and_seconds_that_cannot_work_are_one_line_before_starting(argv, line, capsys):
+    # before: health asked with no time and said DEADLINE_EXCEEDED (unreachable); bench serve
+    # started servers, then ZeroDivisionError or KeyError (unexpected), or a table of zeros
+    assert main(argv) == 2
+    assert one_line(capsys.readouterr().err) == line
+
+
 def test_resolve_device_names_what_it_refuses(monkeypatch):
     from vqserve.model import devices
 
