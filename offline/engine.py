@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vqserve import images
+from vqserve.lifetime import ctrl_c_deferred
 from vqserve.offline import pipeline
 from vqserve.shm import round_up
 
@@ -415,6 +416,14 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
     """Decode in ``workers`` processes (0: in this thread), encode on every runtime of
     ``runtimes`` (device name -> runtime) in two executor threads each, write in one writer
     thread; returns ``Committer.finish()`` with ``stages`` (:class:`Stages`) added."""
+    # Ctrl-C, from here on, is a flag checked at the loop's safe points (``check``), never an
+    # exception in the middle of a queue operation or a join; the run then ends as below
+    with ctrl_c_deferred() as ctrl_c:
+        return _run_overlapped(job, runtimes, workers, fail_fast, progress, slots, use_shm, ctrl_c)
+
+
+def _run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: bool, progress: bool | None,
+                    slots: int, use_shm: bool, ctrl_c) -> dict:
     devices = list(runtimes)
     stages = Stages(workers=workers, devices=devices)
     busy = {d: _Busy() for d in devices}
@@ -496,6 +505,7 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
     def check() -> None:
         if errors:
             raise _Failed
+        ctrl_c.check()
 
     with pipeline.Committer(job, fail_fast, progress) as committer:
         threads = [threading.Thread(target=execute, args=(d,), name=f"vqserve-exec-{d}", daemon=True)
@@ -521,7 +531,7 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
                     decoded = pipeline.decode_task(pending, pre, col)
                     stages.decode_s += time.perf_counter() - t1
                     stages.decode_images += len(pending.records)
-                    while todo.qsize() >= 2 * len(devices) and not errors:  # bounded
+                    while todo.qsize() >= 2 * len(devices) and not errors and not ctrl_c.requested:
                         time.sleep(0.001)
                     todo.put((decoded, None))
                     pending = next(tasks, None)
@@ -547,7 +557,8 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
             done.put(None)
             while writer.is_alive():
                 writer.join(0.2)
-            check()
+                check()
+            check()  # a Ctrl-C at the very end still ends as interrupted: exit 130, no manifest
         except _Failed:
             raise errors[0] from None
         finally:
@@ -556,10 +567,11 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
                 todo.put(None)
             done.put(None)
             # Ctrl-C or a failure: each executor ends after its current model call, and the
-            # writer after the task in hand. Waited for here, before the arena they read is
-            # unmapped and before the interpreter exits: a torch call still running in a
-            # daemon thread at exit aborted the process ("terminate called without an active
-            # exception", exit -6 instead of 130, in 2 of 8 interrupted runs).
+            # writer after the task in hand (a second Ctrl-C meanwhile is only noted). Waited
+            # for here, before the arena they read is unmapped and before the interpreter
+            # exits: a torch call still running in a daemon thread at exit aborted the process
+            # ("terminate called without an active exception", exit -6 instead of 130, in 2
+            # of 8 interrupted runs).
             for t in (*threads, writer):
                 if t.is_alive():
                     t.join(timeout=120)

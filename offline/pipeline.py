@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve import __version__, images
+from vqserve.lifetime import ctrl_c_deferred
 from vqserve.machine import available_cores, machine_record, same_arithmetic
 from vqserve.offline import shards, sources
 
@@ -541,6 +542,12 @@ def run_serial(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bo
     ``workers=0``, else pickled back from ``workers`` processes), encode it, commit. What a
     CPU run with inline decoding uses (the model has every core; nothing to overlap), and
     what the local engine did for every run before the overlapped engine."""
+    with ctrl_c_deferred() as ctrl_c:  # Ctrl-C: a flag, checked between tasks
+        return _run_serial(job, runtime, workers, prefetch, fail_fast, progress, ctrl_c)
+
+
+def _run_serial(job: Job, runtime, workers: int, prefetch: int, fail_fast: bool, progress: bool | None,
+                ctrl_c) -> dict:
     prefetch = prefetch or max(4, 2 * workers + 2)
     shards.load_writer(job.settings.shard_format)
     cpu0 = time.process_time()
@@ -549,6 +556,7 @@ def run_serial(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bo
     with Committer(job, fail_fast, progress) as committer:
         stream = _decoded_stream(job, workers, prefetch)
         while True:
+            ctrl_c.check()
             t1 = time.perf_counter()
             decoded = next(stream, None)
             t2 = time.perf_counter()
@@ -560,6 +568,7 @@ def run_serial(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bo
             committer.add(enc)
             device_s += t3 - t2
             write_s += time.perf_counter() - t3
+        ctrl_c.check()  # a Ctrl-C at the very end still ends as interrupted
     result = committer.finish()
     from vqserve.offline.engine import Stages
 

@@ -158,6 +158,13 @@ def _chosen_plan(args: argparse.Namespace, device: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    from vqserve.lifetime import CtrlC
+
+    with CtrlC():  # a Ctrl-C whose exception Python loses is still noted: the engine stops on it
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from vqserve.offline import pipeline, sources
 
     if args.workers is not None and args.workers < 0:
