@@ -332,8 +332,25 @@ def _interrupt_after_first_shard(folder: Path, out: Path, model: str, size: int)
     while time.time() < deadline and not list(out.glob("shard-*.parquet")):
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # say where every thread waits, then fail
+        stacks = _thread_stacks(proc.pid)
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"tokenize still running 120 s after Ctrl-C; stderr:\n{err}\nits threads:\n{stacks}")
     return proc.returncode, err
+
+
+def _thread_stacks(pid: int) -> str:
+    """Every thread's Python stack in process ``pid`` (py-spy), or why there are none."""
+    from vqserve.bench.profiling import find_py_spy
+
+    spy = find_py_spy()
+    if spy is None:
+        return "(py-spy is not installed)"
+    res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    return res.stdout + res.stderr
 
 
 def _ctrl_c_args(folder: Path, out: Path, model: str, size: int) -> list[str]:
