@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import queue
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vqserve import images
-from vqserve.lifetime import ctrl_c_deferred
+from vqserve.lifetime import Stopped, stop_signals_deferred
 from vqserve.offline import pipeline
 from vqserve.shm import round_up
 
@@ -226,7 +227,7 @@ def _worker_start(address: str | None) -> None:
     its priority, then maps the parent's arena, whose descriptor it receives over the Unix
     socket at ``address``."""
     global _ARENA
-    pipeline._decode_worker_start()
+    pipeline._decode_worker_start(leave_sigterm_to_parent=True)
     from vqserve.lifetime import lower_priority
 
     lower_priority(5)  # the main process feeds the device: it must get a core whenever it asks
@@ -342,8 +343,14 @@ class _DecodePool:
             try:
                 got = conn.recv()
             except (EOFError, OSError):
-                raise pipeline.TokenizeError(f"decode worker {i} (pid {self.procs[i].pid}) died "
-                                             f"(exit code {self.procs[i].exitcode})") from None
+                proc = self.procs[i]
+                proc.join(1)
+                if proc.exitcode in (-signal.SIGINT, -signal.SIGTERM):
+                    # the stop signal sent to the whole process group, which reached this
+                    # worker while it started, before it could leave the signal to us
+                    raise Stopped(-proc.exitcode) from None
+                raise pipeline.TokenizeError(f"decode worker {i} (pid {proc.pid}) died "
+                                             f"(exit code {proc.exitcode})") from None
             if isinstance(got, str):
                 raise pipeline.TokenizeError(got)
             got.task, slot = self.queued[i].popleft()
@@ -358,8 +365,8 @@ class _DecodePool:
                 pass
         for proc in self.procs:
             proc.join(5)
-            if proc.is_alive():
-                proc.terminate()
+            if proc.is_alive():  # it ignores SIGTERM (its parent handles stopping)
+                proc.kill()
                 proc.join(5)
         self.selector.close()
         for conn in self.conns:
@@ -418,7 +425,7 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
     thread; returns ``Committer.finish()`` with ``stages`` (:class:`Stages`) added."""
     # Ctrl-C, from here on, is a flag checked at the loop's safe points (``check``), never an
     # exception in the middle of a queue operation or a join; the run then ends as below
-    with ctrl_c_deferred() as ctrl_c:
+    with stop_signals_deferred() as ctrl_c:
         return _run_overlapped(job, runtimes, workers, fail_fast, progress, slots, use_shm, ctrl_c)
 
 

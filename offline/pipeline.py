@@ -23,13 +23,14 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from vqserve import __version__, images
-from vqserve.lifetime import ctrl_c_deferred
+from vqserve.lifetime import Stopped, stop_signals_deferred, stop_status
 from vqserve.machine import available_cores, machine_record, same_arithmetic
 from vqserve.offline import shards, sources
 
@@ -54,7 +55,12 @@ class TokenizeError(RuntimeError):
 
 
 class Interrupted(TokenizeError):
-    """Ctrl-C: complete shards are kept; the message says how to resume."""
+    """Ctrl-C or SIGTERM: complete shards are kept; the message says how to resume, and
+    ``status`` is the exit status (130, 143)."""
+
+    def __init__(self, message: str, status: int = 130):
+        super().__init__(message)
+        self.status = status
 
 
 class FailFast(TokenizeError):
@@ -108,16 +114,24 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # ---- decode (worker processes; no torch) ----------------------------------------------------
-def _decode_worker_start() -> None:
-    """A decode worker leaves Ctrl-C to its parent (which stops it), and ends with its parent
+def _decode_worker_start(leave_sigterm_to_parent: bool = False) -> None:
+    """A decode worker leaves Ctrl-C to its parent, which stops it, and ends with its parent
     whatever ends that (kill -9 included): an orphan would hold multiprocessing's resource
-    tracker alive with it, both forever."""
+    tracker alive with it, both forever.
+
+    ``leave_sigterm_to_parent`` (the overlapped engine's workers, which their parent stops
+    and kills itself): SIGTERM too, so that a scheduler's SIGTERM to the whole process group
+    stops the run cleanly instead of killing the workers under it; the parent's death then
+    sends SIGKILL. Not for a ``ProcessPoolExecutor``'s workers: a broken pool ends them
+    with SIGTERM and waits for them without a timeout."""
     import signal
 
     from vqserve.lifetime import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
+    if leave_sigterm_to_parent:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL if leave_sigterm_to_parent else signal.SIGTERM)
 
 
 def decode_pool(workers: int):
@@ -487,10 +501,23 @@ def _decoded_stream(job: Job, workers: int, prefetch: int) -> Iterator[DecodedTa
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _pool_broke(stop) -> BaseException:
+    """What a decode pool whose worker died means: the stop signal sent to the whole process
+    group (Ctrl-C in a terminal, a scheduler's SIGTERM), which also reaches this process
+    within moments; else a worker that crashed."""
+    deadline = time.monotonic() + 1.0
+    while not stop.requested and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if stop.requested:
+        return Stopped(stop.signum)
+    return TokenizeError("a decode worker process died (a crash in an image decoder?); run the same "
+                         "command again to resume, with --workers 0 to decode in this process")
+
+
 class Committer:
     """The engines' shared back end: takes encoded tasks in any order, commits a shard when
     its last task arrives, keeps the progress bar and counts, applies --fail-fast, and turns
-    Ctrl-C into :class:`Interrupted` with the resume hint. ``finish()`` writes the manifest."""
+    Ctrl-C or SIGTERM into :class:`Interrupted` with the resume hint. ``finish()`` writes the manifest."""
 
     def __init__(self, job: Job, fail_fast: bool = False, progress: bool | None = None):
         from tqdm import tqdm
@@ -525,9 +552,11 @@ class Committer:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.bar.close()
-        if exc_type is KeyboardInterrupt:
-            raise Interrupted(f"interrupted: {self.committed} of {self.job.shard_count} shards are "
-                              f"complete in {self.job.out}; run the same command again to resume") from None
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            status, what = stop_status(exc)
+            raise Interrupted(f"{what}: {self.committed} of {self.job.shard_count} shards are "
+                              f"complete in {self.job.out}; run the same command again to resume",
+                              status) from None
 
     def finish(self) -> dict:
         elapsed = time.perf_counter() - self.t0
@@ -542,7 +571,7 @@ def run_serial(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bo
     ``workers=0``, else pickled back from ``workers`` processes), encode it, commit. What a
     CPU run with inline decoding uses (the model has every core; nothing to overlap), and
     what the local engine did for every run before the overlapped engine."""
-    with ctrl_c_deferred() as ctrl_c:  # Ctrl-C: a flag, checked between tasks
+    with stop_signals_deferred() as ctrl_c:  # Ctrl-C: a flag, checked between tasks
         return _run_serial(job, runtime, workers, prefetch, fail_fast, progress, ctrl_c)
 
 
@@ -558,7 +587,10 @@ def _run_serial(job: Job, runtime, workers: int, prefetch: int, fail_fast: bool,
         while True:
             ctrl_c.check()
             t1 = time.perf_counter()
-            decoded = next(stream, None)
+            try:
+                decoded = next(stream, None)
+            except BrokenProcessPool:
+                raise _pool_broke(ctrl_c) from None
             t2 = time.perf_counter()
             if decoded is None:
                 break

@@ -323,15 +323,22 @@ def test_ctrl_c_during_model_calls_exits_130_not_an_abort(tiny_checkpoint, tmp_p
     assert codes == [130] * 5
 
 
-def _interrupt_after_first_shard(folder: Path, out: Path, model: str, size: int) -> tuple[int, str]:
-    """``vqserve tokenize`` with a decode worker, Ctrl-C once its first shard is written:
-    (exit code, stderr)."""
-    args = _ctrl_c_args(folder, out, model, size)
-    proc = subprocess.Popen(_cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def _interrupt_after_first_shard(folder: Path, out: Path, model: str, size: int, sig: int = signal.SIGINT,
+                                 whole_group: bool = False, extra: list[str] | None = None) -> tuple[int, str]:
+    """``vqserve tokenize`` with a decode worker, Ctrl-C (or ``sig``; to its whole process
+    group, as a terminal or a batch scheduler sends it, with ``whole_group``) once its first
+    shard is written: (exit code, stderr)."""
+    args = [*_ctrl_c_args(folder, out, model, size), *(extra or [])]
+    proc = subprocess.Popen(_cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=whole_group)
     deadline = time.time() + 120
     while time.time() < deadline and not list(out.glob("shard-*.parquet")):
         time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
+    if whole_group:
+        _last_group[:] = [proc.pid]
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:  # say where every thread waits, then fail
@@ -340,6 +347,21 @@ def _interrupt_after_first_shard(folder: Path, out: Path, model: str, size: int)
         _, err = proc.communicate()
         pytest.fail(f"tokenize still running 120 s after Ctrl-C; stderr:\n{err}\nits threads:\n{stacks}")
     return proc.returncode, err
+
+
+_last_group: list[int] = []  # the process group the last whole-group signal went to
+
+
+def _group_gone(pgid: int, within_s: float = 30.0) -> bool:
+    """Whether process group ``pgid`` has no process left (waiting up to ``within_s``)."""
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _thread_stacks(pid: int) -> str:
@@ -408,6 +430,30 @@ def test_ctrl_c_that_lands_in_a_finalizer_still_stops_the_run(tiny_checkpoint, t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("whole_group", "engine_flags"), [(False, []), (True, []), (True, ["--serial-engine"])],
+                         ids=["to-the-process", "to-its-group", "to-its-group-serial-engine"])
+def test_sigterm_stops_cleanly_with_143_and_resumes(tiny_checkpoint, tmp_path, whole_group, engine_flags):
+    """A batch scheduler's SIGTERM (Kubernetes, Slurm: to the whole job) stops the run as
+    Ctrl-C does: the call in hand ends, complete shards are kept, exit 143 with the resume
+    hint. Before, the process died at once; sent to the group, it also killed the decode
+    workers, whose parent then failed with "decode worker died"."""
+    write_folder(tmp_path / "in", 120, bad=False)
+    out = tmp_path / "out"
+    code, err = _interrupt_after_first_shard(tmp_path / "in", out, tiny_checkpoint, 128, signal.SIGTERM, whole_group,
+                                             engine_flags)
+    assert code == 143, err
+    assert "terminated (SIGTERM):" in err and "run the same command again to resume" in err, err
+    assert "Traceback" not in err and "decode worker" not in err, err
+    assert not list(out.rglob(".tmp-*"))
+    if whole_group:  # nothing of the run is left: decode workers, resource tracker
+        assert _group_gone(_last_group[0]), "processes of the stopped run are still running"
+    res = subprocess.run(_cli(_ctrl_c_args(tmp_path / "in", out, tiny_checkpoint, 128)), capture_output=True,
+                         text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "__vqserve__" / "manifest.json").read_text())["totals"]["rows"] == 120
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tiny_checkpoint, tmp_path):
     write_folder(tmp_path / "in", 150, bad=False)
     out = tmp_path / "out"
@@ -417,3 +463,18 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tiny_checkpoint, tmp_path):
     args = _ctrl_c_args(tmp_path / "in", out, tiny_checkpoint, 32)
     res = subprocess.run(_cli(args), capture_output=True, text=True, timeout=180)
     assert res.returncode == 0 and json.loads((out / "__vqserve__" / "manifest.json").read_text())["totals"]["rows"] == 150
+
+
+def test_a_decode_pool_that_broke_is_the_stop_signal_or_one_line():
+    """The serial engine's decode pool breaks when a worker dies: from the stop signal sent
+    to the whole process group (this process has it too: a clean stop), or from a crash (one
+    line that says how to go on, not BrokenProcessPool as "unexpected")."""
+    from vqserve.lifetime import Stopped, StopSignals
+    from vqserve.offline import pipeline
+
+    stop = StopSignals()
+    crashed = pipeline._pool_broke(stop)
+    assert isinstance(crashed, pipeline.TokenizeError) and "--workers 0" in str(crashed)
+    stop.signum = signal.SIGTERM
+    stopped = pipeline._pool_broke(stop)
+    assert isinstance(stopped, Stopped) and stopped.status == 143

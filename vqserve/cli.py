@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve trained image tokenizers: pixels in, integer token indices out, and back.",
         epilog="Run `vqserve COMMAND --help` for each command's options. "
         "Every command that takes a model accepts `--model default` (the shipped tokenizer) or a path. "
-        "Exit status: 0 success, 1 failure, 2 usage error, 130 interrupted.",
+        "Exit status: 0 success, 1 failure, 2 usage error, 130 interrupted (Ctrl-C), 143 stopped by SIGTERM.",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"vqserve {__version__}")
@@ -131,9 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where a command stops on it
+        from vqserve.lifetime import stop_status
+
+        status, what = stop_status(exc)
+        print(what, file=sys.stderr)
+        return status
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line and a status
         if _debug(args):
             traceback.print_exc()

@@ -71,9 +71,33 @@ def lower_priority(increment: int = 10) -> None:
 
 
 
-class CtrlC:
-    """Ctrl-C (SIGINT) noted in a flag, so that it can never be lost, and raised as
-    ``KeyboardInterrupt`` at once outside :meth:`deferred` regions, at a point of the run
+
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, raised where the run chose to stop. A ``KeyboardInterrupt``, so
+    whatever already ends cleanly on Ctrl-C ends the same way on SIGTERM."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__()
+        self.signum = int(signum)
+
+    @property
+    def status(self) -> int:
+        """The shell's exit status for it: 130 for Ctrl-C, 143 for SIGTERM."""
+        return 128 + self.signum
+
+    @property
+    def what(self) -> str:
+        return "terminated (SIGTERM)" if self.signum == signal.SIGTERM else "interrupted"
+
+
+def stop_status(exc: BaseException) -> tuple[int, str]:
+    """(exit status, word) for a ``KeyboardInterrupt``: Python's own is Ctrl-C."""
+    return (exc.status, exc.what) if isinstance(exc, Stopped) else (130, "interrupted")
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM noted in a flag, so that neither can be lost, and raised
+    as :class:`Stopped` at once outside :meth:`deferred` regions, at a point of the run
     loop's choosing (:meth:`check`) inside them.
 
     Why: Python raises ``KeyboardInterrupt`` at the next bytecode of the main thread. When
@@ -83,48 +107,58 @@ class CtrlC:
     exited 0. Raised inside ``queue``/``threading`` internals it can also leave a lock or a
     waiter list half updated while other threads use them. The flag survives a lost
     exception (the run loop's next :meth:`check` raises it again), and inside a deferred
-    region nothing is raised behind the loop's back.
+    region nothing is raised behind the loop's back. SIGTERM, which a batch scheduler sends
+    before it kills a job (Kubernetes, Slurm), gets the same clean stop instead of death in
+    the middle of a shard.
 
-    Installed only in the main thread, and only over Python's default handler (a program
+    Installed only in the main thread, and only over Python's default handlers (a program
     that embeds the engine keeps its own); elsewhere :meth:`check` reports nothing. A
-    second Ctrl-C in a deferred region changes nothing: the run is already stopping.
+    second signal in a deferred region changes nothing: the run is already stopping.
     """
 
+    DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
     def __init__(self) -> None:
-        self.requested = False
+        self.signum: int | None = None  # the first signal received
         self._deferring = 0
-        self._previous = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
     @classmethod
-    def active(cls) -> CtrlC | None:
+    def active(cls) -> StopSignals | None:
         """The instance whose handler is installed now, if any."""
         owner = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
         return owner if isinstance(owner, cls) else None
 
-    def __enter__(self) -> CtrlC:
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._previous = signal.signal(signal.SIGINT, self._note)
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum, default in self.DEFAULTS.items():
+                if signal.getsignal(signum) is default:
+                    self._previous[signum] = signal.signal(signum, self._note)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
 
     def _note(self, signum, frame) -> None:
-        self.requested = True
+        if self.signum is None:
+            self.signum = int(signum)
         if not self._deferring:
-            raise KeyboardInterrupt
+            raise Stopped(self.signum)
 
     def check(self) -> None:
-        """Raise ``KeyboardInterrupt`` if Ctrl-C was pressed since this instance began."""
-        if self.requested:
-            raise KeyboardInterrupt
+        """Raise :class:`Stopped` if a stop signal arrived since this instance began."""
+        if self.signum is not None:
+            raise Stopped(self.signum)
 
     @contextlib.contextmanager
     def deferred(self):
-        """A region in which Ctrl-C only sets the flag."""
+        """A region in which a stop signal only sets the flag."""
         self._deferring += 1
         try:
             yield self
@@ -133,15 +167,16 @@ class CtrlC:
 
 
 @contextlib.contextmanager
-def ctrl_c_deferred():
-    """For a run loop whose threads share queues with the main thread: Ctrl-C only sets a
-    flag, which the loop turns into ``KeyboardInterrupt`` with ``check()`` where that is
-    safe. Joins the command's :class:`CtrlC` if one is installed (a Ctrl-C it already noted,
-    whose exception was lost, is raised at the first check); else installs its own."""
-    outer = CtrlC.active()
+def stop_signals_deferred():
+    """For a run loop whose threads share queues with the main thread: Ctrl-C and SIGTERM
+    only set a flag, which the loop turns into :class:`Stopped` with ``check()`` where that
+    is safe. Joins the command's :class:`StopSignals` if one is installed (a signal it
+    already noted, whose exception was lost, is raised at the first check); else installs
+    its own."""
+    outer = StopSignals.active()
     if outer is not None:
         with outer.deferred():
             yield outer
         return
-    with CtrlC() as own, own.deferred():
+    with StopSignals() as own, own.deferred():
         yield own

@@ -17,9 +17,10 @@ reason; the run goes on). The folder itself is the dataset: pd.read_parquet(OUT)
 pyarrow.dataset.dataset(OUT), datasets.load_dataset("parquet", data_dir=OUT), or
 vqserve.data.TokenShards(OUT) for a sharded, shuffled, resumable PyTorch loader.
 
-Resume: run the same command again after a crash, kill -9 or Ctrl-C. Complete shards are
-kept, the rest is redone, and the result is byte-identical to an uninterrupted run. A run
-with other settings into the same folder is refused.
+Resume: run the same command again after a crash, kill -9, Ctrl-C or SIGTERM (the last two
+stop cleanly after the model call in hand: exit 130 or 143). Complete shards are kept, the
+rest is redone, and the result is byte-identical to an uninterrupted run. A run with other
+settings into the same folder is refused.
 
 Examples:
   vqserve tokenize photos/ --out tokens/ --size 256
@@ -158,9 +159,9 @@ def _chosen_plan(args: argparse.Namespace, device: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from vqserve.lifetime import CtrlC
+    from vqserve.lifetime import StopSignals
 
-    with CtrlC():  # a Ctrl-C whose exception Python loses is still noted: the engine stops on it
+    with StopSignals():  # Ctrl-C or SIGTERM: noted even where Python loses its exception; the engine stops on it
         return _run(args)
 
 
@@ -245,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
                                         progress=False if args.no_progress else None, serial=serial)
     except pipeline.Interrupted as exc:
         print(f"vqserve tokenize: {exc}", file=sys.stderr)
-        return 130
+        return exc.status
     except (pipeline.TokenizeError, sources.InputError) as exc:
         print(f"vqserve tokenize: error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, pipeline.FailFast) else 2
