@@ -429,6 +429,25 @@ def test_ctrl_c_that_lands_in_a_finalizer_still_stops_the_run(tiny_checkpoint, t
                  "--out", str(out), "--workers", str(workers), "--no-progress"]) == 0
 
 
+def test_ctrl_c_after_the_folder_is_prepared_says_how_to_resume(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """Ctrl-C between preparing the output folder and the engine's start (the runtime's plan
+    is being applied): before, a bare "interrupted", with no word of the folder."""
+    from vqserve.offline import pipeline
+
+    write_folder(tmp_path / "in", 16, bad=False)
+
+    def pressed(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(pipeline, "planned_runtime", pressed)
+    code = main(["tokenize", str(tmp_path / "in"), "--size", "32", "--shard-size", "8", "--model", tiny_checkpoint,
+                 "--out", str(tmp_path / "out"), "--workers", "0", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130
+    assert err[-1] == (f"vqserve tokenize: interrupted: 0 of 2 shards are complete in {tmp_path / 'out'}; "
+                       "run the same command again to resume")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("whole_group", "engine_flags"), [(False, []), (True, []), (True, ["--serial-engine"])],
                          ids=["to-the-process", "to-its-group", "to-its-group-serial-engine"])

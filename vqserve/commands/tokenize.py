@@ -219,9 +219,11 @@ def _run(args: argparse.Namespace) -> int:
     info = {**runtime.info.to_dict(), "device": device}
     if args.engine == "ray":
         del runtime, runtimes
+    prepared = None
     try:
         job = build_job(args, info, inputs)
         job.prepare()
+        prepared = job
         left = len(job.records) - job.done_records
         print(f"tokenize: {len(job.records)} images in {job.shard_count} shards -> {job.out} "
               f"({info['backend']} {info['dtype']} on {info['device']}); "
@@ -247,6 +249,15 @@ def _run(args: argparse.Namespace) -> int:
     except pipeline.Interrupted as exc:
         print(f"vqserve tokenize: {exc}", file=sys.stderr)
         return exc.status
+    except KeyboardInterrupt as exc:  # stopped after the folder was prepared, before the engine ran
+        if prepared is None:
+            raise
+        from vqserve.lifetime import stop_status
+
+        status, what = stop_status(exc)
+        print(f"vqserve tokenize: {what}: {prepared.shard_count - len(prepared.pending)} of {prepared.shard_count} "
+              f"shards are complete in {prepared.out}; run the same command again to resume", file=sys.stderr)
+        return status
     except (pipeline.TokenizeError, sources.InputError) as exc:
         print(f"vqserve tokenize: error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, pipeline.FailFast) else 2
