@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve import images
+from vqserve.lifetime import StopSignals
 from vqserve.machine import available_cores
 from vqserve.offline import pipeline, shards, sources
 
@@ -138,7 +139,10 @@ def _init_ray(address: str | None):
     kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
     if address is None:
         kwargs["num_cpus"] = available_cores()  # a local instance: this machine's cores, no more
+    stop = StopSignals.active()
     ray.init(address=address, **kwargs)
+    if stop is not None:  # SIGTERM stops the run as Ctrl-C does, not by Ray's handler (exit 15)
+        stop.reclaim()
     return ray, True
 
 

@@ -154,3 +154,36 @@ def test_ray_runs_the_drivers_plan_and_either_engine_resumes_the_other(ray_local
     (local / "shard-000000.parquet").unlink()  # and a local run finished on Ray
     assert tokenize(photos_dir, local, tiny_checkpoint, "ray", *args) == 0
     assert folder_bytes(local) == want
+
+
+def test_sigterm_stops_a_ray_run_as_ctrl_c_does(photos_dir, tiny_checkpoint, tmp_path):
+    """``ray.init`` replaced the SIGTERM handler: a scheduler's SIGTERM ended the driver with
+    Ray's fault log and exit status 15, in the middle of a shard. The driver now takes the
+    signal back: exit 143 and the resume hint, as with Ctrl-C. A separate process starts its
+    own local Ray here (the module's Ray, already running, would not call ``ray.init``)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "vqserve.cli", "tokenize", str(photos_dir), "--out", str(out), "--model",
+            tiny_checkpoint, "--device", "cpu", "--size", "32", "--shard-size", "1", "--batch-size", "1",
+            "--engine", "ray", "--workers", "0", "--ray-actors", "1", "--no-progress"]
+    env = {**os.environ, "RAY_raylet_start_wait_time_s": "90", "RAY_gcs_server_port_wait_time_s": "90"}
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and not list(out.glob("shard-*.parquet")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the Ray driver still ran 120 s after SIGTERM:\n{err}")
+    if proc.returncode == 0:
+        pytest.skip("the run ended before the signal (nothing to stop)")
+    assert proc.returncode == 143, err
+    assert "terminated (SIGTERM):" in err and "run the same command again to resume" in err, err

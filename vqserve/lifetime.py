@@ -140,6 +140,14 @@ class StopSignals:
                     self._previous[signum] = signal.signal(signum, self._note)
         return self
 
+    def reclaim(self) -> None:
+        """Take back the signals this instance holds from a library that replaced their
+        handlers (``ray.init`` installs its own SIGTERM handler, which exits with status 15
+        in the middle of a shard). Always installed again: a handler set from C is invisible
+        to ``signal.getsignal``, which still names ours."""
+        for signum in self._previous:
+            signal.signal(signum, self._note)
+
     def __exit__(self, *exc) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
