@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vqserve import images
-from vqserve.lifetime import Stopped, stop_signals_deferred
+from vqserve.lifetime import Stopped
 from vqserve.offline import pipeline
 from vqserve.shm import round_up
 
@@ -423,14 +423,6 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
     """Decode in ``workers`` processes (0: in this thread), encode on every runtime of
     ``runtimes`` (device name -> runtime) in two executor threads each, write in one writer
     thread; returns ``Committer.finish()`` with ``stages`` (:class:`Stages`) added."""
-    # Ctrl-C, from here on, is a flag checked at the loop's safe points (``check``), never an
-    # exception in the middle of a queue operation or a join; the run then ends as below
-    with stop_signals_deferred() as ctrl_c:
-        return _run_overlapped(job, runtimes, workers, fail_fast, progress, slots, use_shm, ctrl_c)
-
-
-def _run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: bool, progress: bool | None,
-                    slots: int, use_shm: bool, ctrl_c) -> dict:
     devices = list(runtimes)
     stages = Stages(workers=workers, devices=devices)
     busy = {d: _Busy() for d in devices}
@@ -509,12 +501,12 @@ def _run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: 
             stages.write_s += w1 - w0
             stages.marks.append((w1 - t0, committer.new_images))
 
-    def check() -> None:
+    def check() -> None:  # a failure, or Ctrl-C/SIGTERM (a flag until here: see Committer)
         if errors:
             raise _Failed
-        ctrl_c.check()
+        committer.check_stop()
 
-    with pipeline.Committer(job, fail_fast, progress) as committer:
+    with pipeline.Committer(job, fail_fast, progress, defer_stop=True) as committer:
         threads = [threading.Thread(target=execute, args=(d,), name=f"vqserve-exec-{d}", daemon=True)
                    for d in devices for _ in range(EXECUTORS_PER_DEVICE)]
         writer = threading.Thread(target=write, args=(committer,), name="vqserve-writer", daemon=True)
@@ -538,7 +530,7 @@ def _run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: 
                     decoded = pipeline.decode_task(pending, pre, col)
                     stages.decode_s += time.perf_counter() - t1
                     stages.decode_images += len(pending.records)
-                    while todo.qsize() >= 2 * len(devices) and not errors and not ctrl_c.requested:
+                    while todo.qsize() >= 2 * len(devices) and not errors and not committer.stop.requested:
                         time.sleep(0.001)
                     todo.put((decoded, None))
                     pending = next(tasks, None)

@@ -18,6 +18,7 @@ The pieces, each used by both engines (local processes here, Ray Data in ``offli
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve import __version__, images
-from vqserve.lifetime import Stopped, stop_signals_deferred, stop_status
+from vqserve.lifetime import Stopped, StopSignals, stop_signals_deferred, stop_status
 from vqserve.machine import available_cores, machine_record, same_arithmetic
 from vqserve.offline import shards, sources
 
@@ -382,6 +383,14 @@ class Job:
                                 "choose an empty or new folder (nothing there is overwritten)")
 
     # -- per shard ------------------------------------------------------------------------------
+    def interrupted(self, stop: KeyboardInterrupt, committed: int | None = None) -> Interrupted:
+        """The run stopped by Ctrl-C or SIGTERM (``stop``) with ``committed`` shards complete
+        (default: those complete before it began): how many, and how to resume."""
+        status, what = stop_status(stop)
+        done = self.shard_count - len(self.pending) if committed is None else committed
+        return Interrupted(f"{what}: {done} of {self.shard_count} shards are complete in {self.out}; "
+                           "run the same command again to resume", status)
+
     def commit(self, shard: int, encoded: list[EncodedTask]) -> None:
         encoded = sorted(encoded, key=lambda e: e.task.index)
         rows = [r for e in encoded for r in e.rows]
@@ -501,7 +510,7 @@ def _decoded_stream(job: Job, workers: int, prefetch: int) -> Iterator[DecodedTa
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _pool_broke(stop) -> BaseException:
+def _pool_broke(stop: StopSignals) -> BaseException:
     """What a decode pool whose worker died means: the stop signal sent to the whole process
     group (Ctrl-C in a terminal, a scheduler's SIGTERM), which also reaches this process
     within moments; else a worker that crashed."""
@@ -517,12 +526,17 @@ def _pool_broke(stop) -> BaseException:
 class Committer:
     """The engines' shared back end: takes encoded tasks in any order, commits a shard when
     its last task arrives, keeps the progress bar and counts, applies --fail-fast, and turns
-    Ctrl-C or SIGTERM into :class:`Interrupted` with the resume hint. ``finish()`` writes the manifest."""
+    Ctrl-C or SIGTERM into :class:`Interrupted` with the resume hint, deferring them to the
+    engine's safe points meanwhile. ``finish()`` writes the manifest."""
 
-    def __init__(self, job: Job, fail_fast: bool = False, progress: bool | None = None):
+    def __init__(self, job: Job, fail_fast: bool = False, progress: bool | None = None, defer_stop: bool = False):
         from tqdm import tqdm
 
         self.job, self.fail_fast = job, fail_fast
+        # defer_stop (the local engines, which then call ``check_stop``): Ctrl-C and SIGTERM
+        # are a flag while the run is in hand, never an exception in the middle of a queue
+        # operation or a join (vqserve.lifetime.StopSignals); the Ray engine leaves them to Ray
+        self.defer_stop, self.stop, self._scopes = defer_stop, None, contextlib.ExitStack()
         # on a terminal a live bar; in a log file (not a TTY) one update every 30 s
         tty = sys.stderr.isatty()
         self.bar = tqdm(total=len(job.records), initial=job.done_records, unit="img", desc="tokenize",
@@ -548,15 +562,21 @@ class Committer:
             self.committed += 1
 
     def __enter__(self) -> Committer:
+        if self.defer_stop:
+            self.stop = self._scopes.enter_context(stop_signals_deferred())
         return self
 
+    def check_stop(self) -> None:
+        """Raise :class:`~vqserve.lifetime.Stopped` if Ctrl-C or SIGTERM arrived: the local
+        engines call it where stopping is safe (between tasks, in their waits)."""
+        if self.stop is not None:
+            self.stop.check()
+
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._scopes.close()
         self.bar.close()
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
-            status, what = stop_status(exc)
-            raise Interrupted(f"{what}: {self.committed} of {self.job.shard_count} shards are "
-                              f"complete in {self.job.out}; run the same command again to resume",
-                              status) from None
+            raise self.job.interrupted(exc, self.committed) from None
 
     def finish(self) -> dict:
         elapsed = time.perf_counter() - self.t0
@@ -571,26 +591,20 @@ def run_serial(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bo
     ``workers=0``, else pickled back from ``workers`` processes), encode it, commit. What a
     CPU run with inline decoding uses (the model has every core; nothing to overlap), and
     what the local engine did for every run before the overlapped engine."""
-    with stop_signals_deferred() as ctrl_c:  # Ctrl-C: a flag, checked between tasks
-        return _run_serial(job, runtime, workers, prefetch, fail_fast, progress, ctrl_c)
-
-
-def _run_serial(job: Job, runtime, workers: int, prefetch: int, fail_fast: bool, progress: bool | None,
-                ctrl_c) -> dict:
     prefetch = prefetch or max(4, 2 * workers + 2)
     shards.load_writer(job.settings.shard_format)
     cpu0 = time.process_time()
     stages_decode, t0 = 0.0, time.perf_counter()
     device_s = write_s = 0.0
-    with Committer(job, fail_fast, progress) as committer:
+    with Committer(job, fail_fast, progress, defer_stop=True) as committer:
         stream = _decoded_stream(job, workers, prefetch)
         while True:
-            ctrl_c.check()
+            committer.check_stop()
             t1 = time.perf_counter()
             try:
                 decoded = next(stream, None)
             except BrokenProcessPool:
-                raise _pool_broke(ctrl_c) from None
+                raise _pool_broke(committer.stop) from None
             t2 = time.perf_counter()
             if decoded is None:
                 break
@@ -600,7 +614,7 @@ def _run_serial(job: Job, runtime, workers: int, prefetch: int, fail_fast: bool,
             committer.add(enc)
             device_s += t3 - t2
             write_s += time.perf_counter() - t3
-        ctrl_c.check()  # a Ctrl-C at the very end still ends as interrupted
+        committer.check_stop()  # a stop at the very end still ends as interrupted
     result = committer.finish()
     from vqserve.offline.engine import Stages
 

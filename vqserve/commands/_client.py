@@ -51,11 +51,17 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
+def check_timeout(timeout: float | None) -> None:
+    """--timeout of a command that calls a server: positive (0 or less asked anyway, and the
+    call failed as DEADLINE_EXCEEDED, as if the server were unreachable)."""
+    if timeout is not None and not timeout > 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+
+
 def client_from_args(args: argparse.Namespace):
     from vqserve.serve.client import AUTO, TokenizerClient
 
-    if args.timeout is not None and args.timeout <= 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    check_timeout(args.timeout)
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     token = None

@@ -14,8 +14,6 @@ import argparse
 import os
 import sys
 
-from vqserve.commands.common import UsageError
-
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=os.environ.get("VQSERVE_HEALTH_SERVER", "localhost:50051"),
@@ -31,11 +29,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from vqserve.commands._client import plaintext_hint
+    from vqserve.commands._client import check_timeout, plaintext_hint
     from vqserve.serve.client import check_health
 
-    if not args.timeout > 0:  # before: 0 or less asked anyway and reported DEADLINE_EXCEEDED
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    check_timeout(args.timeout)
     try:
         status = check_health(args.server, args.service, args.timeout, tls_ca=args.tls_ca, tls=args.tls)
     except grpc.RpcError as exc:

@@ -246,18 +246,13 @@ def _run(args: argparse.Namespace) -> int:
                         for d, r in runtimes.items()}
             result = pipeline.run_local(job, runtimes, workers=workers, fail_fast=args.fail_fast,
                                         progress=False if args.no_progress else None, serial=serial)
-    except pipeline.Interrupted as exc:
+    except (pipeline.Interrupted, KeyboardInterrupt) as exc:
+        if not isinstance(exc, pipeline.Interrupted):  # stopped before the engine's run began
+            if prepared is None:
+                raise
+            exc = prepared.interrupted(exc)
         print(f"vqserve tokenize: {exc}", file=sys.stderr)
         return exc.status
-    except KeyboardInterrupt as exc:  # stopped after the folder was prepared, before the engine ran
-        if prepared is None:
-            raise
-        from vqserve.lifetime import stop_status
-
-        status, what = stop_status(exc)
-        print(f"vqserve tokenize: {what}: {prepared.shard_count - len(prepared.pending)} of {prepared.shard_count} "
-              f"shards are complete in {prepared.out}; run the same command again to resume", file=sys.stderr)
-        return status
     except (pipeline.TokenizeError, sources.InputError) as exc:
         print(f"vqserve tokenize: error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, pipeline.FailFast) else 2
