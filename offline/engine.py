@@ -227,7 +227,7 @@ def _worker_start(address: str | None) -> None:
     its priority, then maps the parent's arena, whose descriptor it receives over the Unix
     socket at ``address``."""
     global _ARENA
-    pipeline._decode_worker_start(leave_sigterm_to_parent=True)
+    pipeline._decode_worker_start()
     from vqserve.lifetime import lower_priority
 
     lower_priority(5)  # the main process feeds the device: it must get a core whenever it asks

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
 
 import numpy as np
@@ -115,36 +116,47 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # ---- decode (worker processes; no torch) ----------------------------------------------------
-def _decode_worker_start(leave_sigterm_to_parent: bool = False) -> None:
-    """A decode worker leaves Ctrl-C to its parent, which stops it, and ends with its parent
-    whatever ends that (kill -9 included): an orphan would hold multiprocessing's resource
-    tracker alive with it, both forever.
-
-    ``leave_sigterm_to_parent`` (the overlapped engine's workers, which their parent stops
-    and kills itself): SIGTERM too, so that a scheduler's SIGTERM to the whole process group
-    stops the run cleanly instead of killing the workers under it; the parent's death then
-    sends SIGKILL. Not for a ``ProcessPoolExecutor``'s workers: a broken pool ends them
-    with SIGTERM and waits for them without a timeout."""
+def _decode_worker_start() -> None:
+    """A decode worker leaves Ctrl-C and a scheduler's SIGTERM to the whole process group
+    (Kubernetes, Slurm) to its parent, which stops the run cleanly, and ends with its parent
+    whatever ends that (SIGKILL, kill -9 of the parent included): an orphan would hold
+    multiprocessing's resource tracker alive with it, both forever. Whoever must end a
+    worker kills it (the overlapped engine's pool, and ``decode_pool``'s processes)."""
     import signal
 
     from vqserve.lifetime import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if leave_sigterm_to_parent:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL if leave_sigterm_to_parent else signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+
+
+class _DecodeWorkerProcess(SpawnProcess):
+    """A spawned decode worker whose ``terminate()`` kills it. A ``ProcessPoolExecutor``
+    whose worker crashed ends the others with ``terminate()`` and then waits for them without
+    a timeout, and these workers ignore SIGTERM (``_decode_worker_start``), so it must be
+    SIGKILL. They ignore it because a worker killed by the group's SIGTERM while it sent its
+    result left half a message in the pool's one shared result pipe, whose write end the
+    parent also holds: the pool's manager thread then read from it for ever, and tokenize
+    hung after printing its resume line."""
+
+    def terminate(self) -> None:
+        self.kill()
+
+
+class _DecodeWorkerContext(SpawnContext):
+    Process = _DecodeWorkerProcess
 
 
 def decode_pool(workers: int):
     """A ``ProcessPoolExecutor`` of ``workers`` decode processes: spawned (never a fork of a
-    process that holds torch threads), each leaving Ctrl-C to its parent and ending with it
-    (``_decode_worker_start``). Whoever decodes in processes uses this one, a benchmark too:
-    a plain pool's workers outlive a parent killed at a timeout, with their resource tracker."""
-    import multiprocessing
+    process that holds torch threads), each leaving Ctrl-C and SIGTERM to its parent and
+    ending with it (``_decode_worker_start``). Whoever decodes in processes uses this one, a
+    benchmark too: a plain pool's workers outlive a parent killed at a timeout, with their
+    resource tracker."""
     from concurrent.futures import ProcessPoolExecutor
 
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_decode_worker_start)
+    return ProcessPoolExecutor(workers, mp_context=_DecodeWorkerContext(), initializer=_decode_worker_start)
 
 
 def decode_task(task: Task, pre: images.Preprocess, image_column: str) -> DecodedTask:
@@ -596,8 +608,10 @@ def run_serial(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bo
     cpu0 = time.process_time()
     stages_decode, t0 = 0.0, time.perf_counter()
     device_s = write_s = 0.0
-    with Committer(job, fail_fast, progress, defer_stop=True) as committer:
-        stream = _decoded_stream(job, workers, prefetch)
+    # the stream closes (its decode pool shuts down) inside the Committer's deferred-stop
+    # region, before a stop's resume line, not whenever the generator is collected
+    with (Committer(job, fail_fast, progress, defer_stop=True) as committer,
+          contextlib.closing(_decoded_stream(job, workers, prefetch)) as stream):
         while True:
             committer.check_stop()
             t1 = time.perf_counter()

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from PIL import Image
 from tests.helpers import alive, child_pids, wait_until
 from tests.test_tokenize import photo_set, write_folder
 from vqserve.cli import main
-from vqserve.offline import engine, shards
+from vqserve.offline import engine, pipeline, shards
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "synthetic:0"  # no simulated device time: the pipeline alone
@@ -250,3 +251,57 @@ def test_decode_pool_workers_end_with_a_parent_killed_mid_run():
         proc.kill()
         for pid in filter(alive, below):  # a failing run leaves nothing behind either
             os.kill(pid, signal.SIGKILL)
+
+
+def _signal_handled(pid: int) -> bool:
+    """Whether process ``pid`` has dealt with the signals sent to it: none pending any more
+    (taken, or ignored), or it died of one."""
+    if not alive(pid):
+        return True
+    with open(f"/proc/{pid}/status") as fh:
+        fields = dict(line.split(":", 1) for line in fh if ":" in line)
+    return int(fields["ShdPnd"], 16) == 0 and int(fields["SigPnd"], 16) == 0
+
+
+def test_decode_pool_workers_leave_a_schedulers_sigterm_to_their_parent():
+    """Regression (a CI hang): a scheduler's SIGTERM to the whole process group reached the
+    serial engine's decode workers, and one killed while it sent its result back left half a
+    message in the pool's shared result pipe. The pool's manager thread then read from it for
+    ever, and tokenize hung after printing its resume line. A worker now leaves a SIGTERM
+    from anyone but its parent to the parent (here `kill`, another process, sends it)."""
+    with pipeline.decode_pool(1) as pool:
+        pid = pool.submit(os.getpid).result(timeout=60)
+        subprocess.run(["kill", "-TERM", str(pid)], check=True)
+        assert wait_until(lambda: _signal_handled(pid))
+        assert alive(pid), "a decode worker died of a SIGTERM its parent did not send"
+        assert pool.submit(os.getpid).result(timeout=60) == pid
+
+
+def test_a_broken_decode_pool_still_ends_its_workers_which_ignore_sigterm():
+    """The other side of the rule above: when a worker dies, the pool ends the others with
+    ``terminate()`` and waits for them without a timeout (a busy one too, whose result
+    nobody reads any more). Workers that ignore SIGTERM must still end then: the pool's
+    ``terminate()`` kills them."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    pool = pipeline.decode_pool(2)
+    procs: list = []
+    try:
+        # two calls at once start both workers (the pool starts them as calls find none idle)
+        [f.result(timeout=60) for f in [pool.submit(os.getpid) for _ in range(2)]]
+        procs = list(pool._processes.values())
+        assert len(procs) == 2
+        procs[0].terminate()
+        procs[0].join(60)
+        assert procs[0].exitcode == -signal.SIGKILL, "terminate() did not end a decode worker"
+        with pytest.raises(BrokenProcessPool):
+            pool.submit(os.getpid).result(timeout=60)
+        ended = threading.Thread(target=pool.shutdown, kwargs={"wait": True}, daemon=True)
+        ended.start()
+        ended.join(120)
+        assert not ended.is_alive(), "the broken pool's shutdown waited for ever"
+        assert not any(alive(p.pid) for p in procs)
+    finally:
+        for proc in procs:
+            if alive(proc.pid):
+                os.kill(proc.pid, signal.SIGKILL)
