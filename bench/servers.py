@@ -30,7 +30,11 @@ def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | No
     """A ``vqserve serve`` subprocess on a free loopback port, metrics on as deployed;
     returns (process, port), the process carrying ``metrics_port``. ``max_delay_ms`` None
     keeps the server's default; ``extra``: more flags (later ones win); ``log``: collects the
-    server's stderr lines; ``pythonpath``: run the vqserve installed there instead of this one."""
+    server's stderr lines; ``pythonpath``: run the vqserve installed there instead of this one
+    (from that folder: ``python -m`` puts the working directory first on ``sys.path``, so in
+    this checkout's root PYTHONPATH alone ran this checkout's code as "before")."""
+    if pythonpath and Path(model).exists():
+        model = str(Path(model).resolve())  # it runs in another folder
     cmd = [sys.executable, "-m", "vqserve", "serve", "--model", model, "--backend", args.backend,
            *(["--dtype", args.dtype] if args.dtype else []), "--device", args.device,
            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
@@ -39,7 +43,7 @@ def start_server(model: str, args, max_batch_size: int, max_delay_ms: float | No
            "--max-queue", "4096", "--grace", "5", *(extra or [])]
     env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
-                            preexec_fn=ending_with_this_thread())  # a killed bench leaves no server
+                            cwd=pythonpath or None, preexec_fn=ending_with_this_thread())  # a killed bench leaves no server
     port: list[int] = []
     ready = threading.Event()
     log = [] if log is None else log

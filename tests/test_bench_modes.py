@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,3 +151,32 @@ def test_torchserve_best_starts_n_workers_with_its_batch(tiny_checkpoint, tmp_pa
         assert row["requests"] >= 4 and row["agreement"] == 1.0
     finally:
         ts.stop()
+
+
+def test_the_baseline_server_runs_the_install_it_names(tmp_path, monkeypatch):
+    """Regression: ``--baseline-pythonpath DIR`` set PYTHONPATH alone, and ``python -m``
+    puts the working directory first on ``sys.path``, so a benchmark run from this
+    checkout's root served this checkout's code as "before" (found when both rows of a
+    comparison logged the same plan line). Here DIR holds a stand-in ``vqserve`` that says
+    which it is, and the benchmark runs from the checkout's root."""
+    stub = tmp_path / "before" / "vqserve"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "__main__.py").write_text(
+        "import json, sys, time\n"
+        "print(json.dumps({'event': 'stand-in', 'argv': sys.argv[1:]}), file=sys.stderr, flush=True)\n"
+        "print(json.dumps({'event': 'serving', 'port': 1, 'metrics_port': None}), file=sys.stderr, flush=True)\n"
+        "time.sleep(60)\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    args = argparse.Namespace(backend="eager", dtype=None, device="cpu")
+    log: list[str] = []
+    proc, _ = servers.start_server(str(model), args, 8, None, log=log, pythonpath=str(tmp_path / "before"))
+    try:
+        started = servers.log_events(log, "stand-in")
+        assert started, "the baseline ran another vqserve than the one in its folder:\n" + "".join(log[-5:])
+        assert started[0]["argv"][started[0]["argv"].index("--model") + 1] == str(model.resolve())
+    finally:
+        proc.kill()
+        proc.wait()
