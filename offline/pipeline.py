@@ -524,7 +524,8 @@ def _decoded_stream(job: Job, workers: int, prefetch: int) -> Iterator[DecodedTa
 
 def _pool_broke(stop: StopSignals) -> BaseException:
     """What a decode pool whose worker died means: the stop signal sent to the whole process
-    group (Ctrl-C in a terminal, a scheduler's SIGTERM), which also reaches this process
+    group (Ctrl-C in a terminal, a scheduler's SIGTERM) that reached a worker still starting,
+    before ``_decode_worker_start`` left both signals to this process, which has it too
     within moments; else a worker that crashed."""
     deadline = time.monotonic() + 1.0
     while not stop.requested and time.monotonic() < deadline:

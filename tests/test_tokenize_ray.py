@@ -52,15 +52,21 @@ def _kill_ray_children() -> None:
             pass
 
 
+def _give_ray_time_to_start() -> None:
+    """Longer start-up waits for a local Ray (this process's, and those of the processes it
+    starts): on a loaded 2-core CI box its raylet and its GCS have missed Ray's defaults."""
+    import os
+
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "90")
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "90")
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """A local Ray. On a loaded 2-core CI box its raylet (and once, on the retry, its GCS)
     has missed Ray's start-up waits: wait longer, clear what a failed try left, try again,
     and fail with the logs that say why."""
-    import os
-
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "90")
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "90")
+    _give_ray_time_to_start()
     reports = []
     for attempt in range(RAY_START_ATTEMPTS):
         try:
@@ -161,7 +167,6 @@ def test_sigterm_stops_a_ray_run_as_ctrl_c_does(photos_dir, tiny_checkpoint, tmp
     Ray's fault log and exit status 15, in the middle of a shard. The driver now takes the
     signal back: exit 143 and the resume hint, as with Ctrl-C. A separate process starts its
     own local Ray here (the module's Ray, already running, would not call ``ray.init``)."""
-    import os
     import signal
     import sys
 
@@ -169,8 +174,7 @@ def test_sigterm_stops_a_ray_run_as_ctrl_c_does(photos_dir, tiny_checkpoint, tmp
     args = [sys.executable, "-m", "vqserve.cli", "tokenize", str(photos_dir), "--out", str(out), "--model",
             tiny_checkpoint, "--device", "cpu", "--size", "32", "--shard-size", "1", "--batch-size", "1",
             "--engine", "ray", "--workers", "0", "--ray-actors", "1", "--no-progress"]
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "90")  # as the module's own Ray (ray_local)
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "90")
+    _give_ray_time_to_start()  # as the module's own Ray (ray_local)
     code, err = stop_after_first_shard(args, out, signal.SIGTERM, wait_s=600)
     if code == 0:
         pytest.skip("the run ended before the signal (nothing to stop)")
