@@ -19,6 +19,7 @@ FROM ${PYTHON_IMAGE} AS wheels
 WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
 COPY vqserve ./vqserve
+COPY core ./core
 COPY model ./model
 COPY export ./export
 COPY serve ./serve

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from vqserve.bench.processes import gather_reports, spawn_reporters
-from vqserve.lifetime import die_with_parent
+from vqserve.core.lifetime import die_with_parent
 
 ARENA_BYTES = 64 << 20
 

@@ -52,10 +52,10 @@ from vqserve.bench.load import (
     parse_layouts,
 )
 from vqserve.bench.profiling import ProfileRequest, brief
+from vqserve.core.lifetime import ending_with_this_thread
+from vqserve.core.machine import available_cores
 from vqserve.export.runtime import resolve_device
 from vqserve.export.synthetic import is_synthetic
-from vqserve.lifetime import ending_with_this_thread
-from vqserve.machine import available_cores
 
 
 def _log(msg: str) -> None:

@@ -32,7 +32,7 @@ from vqserve.bench.executor_load import run_executor_load
 from vqserve.bench.processes import gather_reports, process_tree, spawn_reporters
 from vqserve.bench.profiling import ProfileRequest, TreeSampler, describe
 from vqserve.bench.servers import fetch_metrics
-from vqserve.lifetime import die_with_parent
+from vqserve.core.lifetime import die_with_parent
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO
 
 from vqserve.bench.processes import process_tree
-from vqserve.lifetime import ending_with_this_thread
+from vqserve.core.lifetime import ending_with_this_thread
 
 TOP_FRAMES = 12
 

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from vqserve.machine import cpu_info
+from vqserve.core.machine import cpu_info
 
 DOC_NAME = "BENCHMARKS.md"
 # Sections measured by other commands (each says which) that `bench all` keeps when it

@@ -17,8 +17,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vqserve.lifetime import ending_with_this_thread
-from vqserve.machine import available_cores
+from vqserve.core.lifetime import ending_with_this_thread
+from vqserve.core.machine import available_cores
 
 TORCHSERVE_PORTS = (19000, 19099)
 PLAN_WAIT_S = 600.0  # the server's plan budget (120 s by default) plus loading and the switch

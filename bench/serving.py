@@ -71,8 +71,8 @@ from vqserve.bench.load import caller_kinds
 from vqserve.bench.processes import pids_memory, tree_memory
 from vqserve.bench.profiling import ProfileRequest
 from vqserve.bench.servers import settle_plan, start_server, start_torchserve, torchserve_workers
-from vqserve.lifetime import die_with_parent
-from vqserve.machine import available_cores
+from vqserve.core.lifetime import die_with_parent
+from vqserve.core.machine import available_cores
 
 CAPACITY = "in-process-capacity"
 

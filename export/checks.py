@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vqserve.model.rules import check_image_batch, check_index_shape
+from vqserve.core.input_rules import check_image_batch, check_index_shape
 
 
 def check_images(images, factor: int) -> np.ndarray:

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vqserve.machine import available_cores
+from vqserve.core.machine import available_cores
 
 
 def default_model_workers(device: str) -> int:

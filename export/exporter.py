@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from vqserve.core.files import atomic_directory
 from vqserve.export.manifest import MANIFEST_FORMAT, MANIFEST_NAME, file_entries, write_manifest
-from vqserve.model.atomic import atomic_directory
 
 FORMATS = ("torchscript", "onnx", "pt2")
 DTYPES = ("fp32", "bf16", "fp16")

@@ -52,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from vqserve.core.machine import available_cores
     from vqserve.export.execution import PlannedRuntime, apply_intra_op_threads, plan_for
     from vqserve.export.planner import images_per_second
     from vqserve.export.runtime import load_runtime
-    from vqserve.machine import available_cores
 
     cores = available_cores()
     batches = [int(b) for b in args.batches.split(",")]

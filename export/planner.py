@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.core.machine import available_cores, cpu_info
 from vqserve.export.determinism import check_invariance, synthetic_images
 from vqserve.export.execution import (
     ExecutionPlan,
@@ -56,7 +57,6 @@ from vqserve.export.execution import (
     default_model_workers,
     label_of,
 )
-from vqserve.machine import available_cores, cpu_info
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 DTYPES = ("fp32", "bf16", "fp16")

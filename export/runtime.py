@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vqserve.export.info import Runtime, RuntimeInfo, index_dtype_for  # noqa: F401 - their home before
-from vqserve.identity import same_tokens  # noqa: F401 - where runtimes' users look for it
+from vqserve.core.identity import same_tokens  # noqa: F401 - where runtimes' users look for it
+from vqserve.core.runtime_info import Runtime, RuntimeInfo, index_dtype_for  # noqa: F401 - their home before
 from vqserve.model.devices import resolve_device  # noqa: F401 - where serve/offline/bench look for it
 from vqserve.model.mixed_precision import low_precision_encoder
 

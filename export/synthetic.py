@@ -114,7 +114,7 @@ class SyntheticRuntime:
             device = "synthetic:0"  # the kind alone, auto, cpu or cuda: the first simulated device
         self.device = simulated_device(device)
         self.name = model
-        from vqserve.export.info import RuntimeInfo
+        from vqserve.core.runtime_info import RuntimeInfo
 
         self.info = RuntimeInfo(
             backend="synthetic", dtype="fp32", device=device, quantizer="vq",

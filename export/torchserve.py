@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vqserve.model.atomic import atomic_directory
+from vqserve.core.files import atomic_directory
 
 ARCHIVE_NAMES = {"encode": "vqserve-encode", "decode": "vqserve-decode"}
 BACKENDS = ("auto", "eager", "torchscript", "onnx", "pt2")

@@ -10,7 +10,7 @@ same fp32 quantizer island and the same input rules as ``vqserve serve``.
 One request is one item (TorchServe sends a list of them per batch):
 
 * ``encode``: the body is one image, PNG or JPEG bytes (decoded by the rules of
-  ``vqserve.images.load_rgb``: EXIF orientation applied, alpha over white, 16-bit
+  ``vqserve.core.images.load_rgb``: EXIF orientation applied, alpha over white, 16-bit
   scaled by 1/257, grayscale/palette/CMYK to RGB, no resizing), or an ``.npy`` of uint8
   ``[H,W,3]``. The response is an ``.npy`` of indices ``[H/f,W/f]`` in the model's index
   dtype, or JSON with ``output=json``.
@@ -150,9 +150,9 @@ def load_npy(blob: bytes, what: str) -> np.ndarray:
 
 def load_image(blob: bytes, max_pixels: int) -> np.ndarray:
     """PNG/JPEG bytes -> uint8 ``[H,W,3]`` as displayed, by vqserve's one preprocessing
-    function (``vqserve.images``, shared with the server and the batch CLI); the pixel limit
+    function (``vqserve.core.images``, shared with the server and the batch CLI); the pixel limit
     is checked from the header, before any pixel is decoded."""
-    from vqserve.images import ImageError, load_rgb
+    from vqserve.core.images import ImageError, load_rgb
 
     try:
         return load_rgb(blob, formats=IMAGE_FORMATS, max_pixels=max_pixels)

@@ -191,7 +191,7 @@ def _group_reaper(group: int, tmp: Path) -> subprocess.Popen | None:
     of ours reaches it) and removes its private folder when the process that started it
     ends, kill -9 included: a killed benchmark or test run leaves no Java server holding
     ports and memory. :meth:`TorchServe.stop` kills it first and stops the group itself."""
-    from vqserve.lifetime import ending_with_this_thread
+    from vqserve.core.lifetime import ending_with_this_thread
 
     arm = ending_with_this_thread()
     if arm is None:  # not Linux: stop() is the only way the group ends

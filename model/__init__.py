@@ -7,7 +7,7 @@ only, so serving never pulls it in.
 import importlib
 
 # name -> the submodule that defines it, imported on first use (PEP 562): a torch-free part
-# of the package (``vqserve.model.rules``) can then be imported without torch
+# of the package (``vqserve.core.input_rules``) can then be imported without torch
 _LAZY = {
     "default_tokenizer_available": "checkpoint", "default_tokenizer_dir": "checkpoint",
     "load_tokenizer": "checkpoint", "save_tokenizer": "checkpoint",

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vqserve.model.atomic import atomic_directory
+from vqserve.core.files import atomic_directory
 from vqserve.model.config import TokenizerConfig
 from vqserve.model.devices import resolve_device
 from vqserve.model.families import CONFIG_NAME, FamilyConfig, family_for

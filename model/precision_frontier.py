@@ -186,7 +186,7 @@ def interleaved_speed(fns: dict[str, Callable[[], object]], rounds: int, repeats
 
 def cpu_flags() -> list[str]:
     """The flags that decide low-precision speed, as reported in the frontier's JSON."""
-    from vqserve.machine import cpu_flags as all_flags
+    from vqserve.core.machine import cpu_flags as all_flags
 
     return sorted(f for f in all_flags() if f.startswith(("avx512_bf16", "avx512_fp16", "amx", "avx512f", "avx_vnni")))
 

@@ -13,17 +13,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from vqserve.model.config import TokenizerConfig
-from vqserve.model.networks import Decoder, Encoder
-from vqserve.model.precision import cast_to, module_dtype
-from vqserve.model.quantizers import FSQ, LFQ, VQ, ResidualFSQ
-from vqserve.model.rules import (  # noqa: F401 - re-exported: the model's input rules
+from vqserve.core.input_rules import (  # noqa: F401 - re-exported: the model's input rules
     DecodeUnsupported,
     check_image_batch,
     check_index_shape,
     check_spatial,
     decode_unsupported,
 )
+from vqserve.model.config import TokenizerConfig
+from vqserve.model.networks import Decoder, Encoder
+from vqserve.model.precision import cast_to, module_dtype
+from vqserve.model.quantizers import FSQ, LFQ, VQ, ResidualFSQ
 
 
 def build_quantizer(config: TokenizerConfig) -> nn.Module:

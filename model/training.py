@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from vqserve.model.atomic import atomic_directory
+from vqserve.core.files import atomic_directory
 from vqserve.model.checkpoint import load_tokenizer, save_tokenizer
 from vqserve.model.config import TokenizerConfig
 from vqserve.model.devices import resolve_device

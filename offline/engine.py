@@ -7,7 +7,7 @@ and a writer, each stage running beside the others.
  ──tokens──▶  writer thread (Committer: progress, Parquet, sha256)
 ```
 
-* **Pixels through shared memory.** The main process owns one :class:`vqserve.shm.Arena`
+* **Pixels through shared memory.** The main process owns one :class:`vqserve.core.shm.Arena`
   cut into fixed slots of ``batch_size`` images (``--size``) or a byte budget; each task
   takes a free slot, and its worker (which received the arena's descriptor once over a Unix
   socket at start) writes the decoded images there, grouped by shape in first-seen order, so
@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vqserve import images
-from vqserve.lifetime import Stopped
+from vqserve.core import images
+from vqserve.core.lifetime import Stopped
+from vqserve.core.shm import round_up
 from vqserve.offline import pipeline
-from vqserve.shm import round_up
 
 EXECUTORS_PER_DEVICE = 2
 SHORT_RUN_S = 2.0  # shorter runs get no bottleneck verdict: start-up and the end dominate them
@@ -228,11 +228,11 @@ def _worker_start(address: str | None) -> None:
     socket at ``address``."""
     global _ARENA
     pipeline._decode_worker_start()
-    from vqserve.lifetime import lower_priority
+    from vqserve.core.lifetime import lower_priority
 
     lower_priority(5)  # the main process feeds the device: it must get a core whenever it asks
     if address:
-        from vqserve.shm import Arena
+        from vqserve.core.shm import Arena
 
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(address)
@@ -377,7 +377,7 @@ class _ArenaServer:
     """The arena and the socket its descriptor is handed over on, to every worker that asks."""
 
     def __init__(self, size: int):
-        from vqserve.shm import Arena
+        from vqserve.core.shm import Arena
 
         self.arena = Arena(size, name="vqserve-tokenize")
         self.address = f"\0vqserve-tokenize-{os.getpid()}-{id(self):x}-{time.monotonic_ns()}"

@@ -6,7 +6,7 @@ The pieces, each used by both engines (local processes here, Ray Data in ``offli
   ``shard_size`` records in input order; shard *i* is always the same records, so its name
   (``shard-00000i.parquet``) is deterministic and a re-run knows what each file must hold;
 * **decode** — :func:`decode_task` turns a task (≤ ``batch_size`` records of one shard) into
-  model-ready pixels with the shared preprocessing (``vqserve/images.py``), in worker processes;
+  model-ready pixels with the shared preprocessing (``core/images.py``), in worker processes;
 * **encode** — :func:`encode_task` runs one runtime call per image shape of a task, so the
   batches an image lands in depend only on the plan, never on timing or the engine;
 * **commit** — a shard is written atomically with its fingerprint, plan hash and errors; a
@@ -31,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve import __version__, images
-from vqserve.lifetime import Stopped, StopSignals, stop_signals_deferred, stop_status
-from vqserve.machine import available_cores, machine_record, same_arithmetic
+from vqserve import __version__
+from vqserve.core import images
+from vqserve.core.lifetime import Stopped, StopSignals, stop_signals_deferred, stop_status
+from vqserve.core.machine import available_cores, machine_record, same_arithmetic
 from vqserve.offline import shards, sources
 
 
@@ -124,7 +125,7 @@ def _decode_worker_start() -> None:
     worker kills it (the overlapped engine's pool, and ``decode_pool``'s processes)."""
     import signal
 
-    from vqserve.lifetime import die_with_parent
+    from vqserve.core.lifetime import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -229,7 +230,7 @@ def token_identity(info: dict) -> dict:
 
 
 def runtime_machine(info: dict) -> dict:
-    """The machine record (``vqserve.machine.machine_record``) of this process running the
+    """The machine record (``vqserve.core.machine.machine_record``) of this process running the
     runtime ``info`` describes (``RuntimeInfo.to_dict()``): which torch, CUDA, cuDNN and ONNX
     Runtime, which GPU, and whether TF32 was allowed - what decides how a latent at a
     rounding boundary rounds."""
@@ -548,7 +549,7 @@ class Committer:
         self.job, self.fail_fast = job, fail_fast
         # defer_stop (the local engines, which then call ``check_stop``): Ctrl-C and SIGTERM
         # are a flag while the run is in hand, never an exception in the middle of a queue
-        # operation or a join (vqserve.lifetime.StopSignals); the Ray engine leaves them to Ray
+        # operation or a join (vqserve.core.lifetime.StopSignals); the Ray engine leaves them to Ray
         self.defer_stop, self.stop, self._scopes = defer_stop, None, contextlib.ExitStack()
         # on a terminal a live bar; in a log file (not a TTY) one update every 30 s
         tty = sys.stderr.isatty()
@@ -580,7 +581,7 @@ class Committer:
         return self
 
     def check_stop(self) -> None:
-        """Raise :class:`~vqserve.lifetime.Stopped` if Ctrl-C or SIGTERM arrived: the local
+        """Raise :class:`~vqserve.core.lifetime.Stopped` if Ctrl-C or SIGTERM arrived: the local
         engines call it where stopping is safe (between tasks, in their waits)."""
         if self.stop is not None:
             self.stop.check()

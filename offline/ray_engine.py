@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve import images
-from vqserve.lifetime import StopSignals
-from vqserve.machine import available_cores
+from vqserve.core import images
+from vqserve.core.lifetime import StopSignals
+from vqserve.core.machine import available_cores
 from vqserve.offline import pipeline, shards, sources
 
 _RAY_BARS_LOG = logging.getLogger("ray.data._internal.progress")  # "Progress bars disabled"

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve import images
+from vqserve.core import images
 from vqserve.offline import shards, sources
 
 CHECKS = ("manifest", "files", "sha256", "readable", "schema", "rows", "keys", "tokens", "grid",
@@ -147,7 +147,7 @@ def _ties_lines(ties: dict) -> list[str]:
 
 def _machine_lines(machines: dict) -> list[str]:
     """Both machines when the tokens were made on another one than re-encodes them here."""
-    from vqserve.machine import machine_summary, same_arithmetic
+    from vqserve.core.machine import machine_summary, same_arithmetic
 
     here, recorded = machines.get("here"), machines.get("recorded") or []
     if not here or not recorded or all(same_arithmetic(m, here) for m in recorded):
@@ -447,7 +447,7 @@ def _open_runtime(manifest: dict, model: str | None, device: str | None, report:
 def check_model_hash(runtime, manifest: dict, ref: str) -> None:
     """The runtime must make the recorded tokens: the same files, or both exact for the same
     checkpoint (an export of it and the checkpoint itself; ``same_tokens``)."""
-    from vqserve.identity import same_tokens
+    from vqserve.core.identity import same_tokens
 
     want, got = manifest["model"]["model_hash"], runtime.info.model_hash
     if not same_tokens(manifest["model"], runtime.info):

@@ -81,7 +81,7 @@ def graphs(tokenizer, folder: Path):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from vqserve.machine import available_cores, cpu_info
+    from vqserve.core.machine import available_cores, cpu_info
     from vqserve.model import load_tokenizer, ties
 
     started = time.monotonic()

@@ -14,7 +14,7 @@ into calls (:mod:`vqserve.serve.client_batches`) and differ only in how they wai
 network.
 
 Files (:meth:`TokenizerClient.iter_encode_files`) are read and preprocessed here by the
-one shared function (``vqserve.images.prepare``) and sent as raw uint8 pixels, so the
+one shared function (``vqserve.core.images.prepare``) and sent as raw uint8 pixels, so the
 server sees exactly the pixels ``vqserve tokenize`` would encode: same file, same tokens.
 
 Deadlines: ``timeout="auto"`` (the default) gives each call ``scaled_timeout`` of its
@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from vqserve import images as imagelib
+from vqserve.core import images as imagelib
 from vqserve.serve import codec
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc

@@ -2,7 +2,7 @@
 they do when a call fails: the server's limits per call, the items of a job and what became
 of each, buckets of one shape and dtype within those limits, deadlines that grow with the
 pixels moved, a failed multi-item call resent item by item, image files prepared by the one
-shared function (:func:`vqserve.images.prepare`) ahead of the network in a thread.
+shared function (:func:`vqserve.core.images.prepare`) ahead of the network in a thread.
 
 Why apart from the clients: the blocking and the asyncio client share every one of these
 decisions and differ only in how they wait for the network, so the decisions live here
@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from vqserve import images as imagelib
+from vqserve.core import images as imagelib
 
 AUTO = "auto"
 TIMEOUT_BASE_S = 30.0            # connection, queueing and a first batch on a cold server
@@ -238,7 +238,7 @@ def succeeded(batch: list[Item], out: np.ndarray) -> list[Outcome]:
 def prepared_items(
     paths: Iterable[str | os.PathLike], pre: imagelib.Preprocess, max_pixels: int = 0
 ) -> Iterator[Item | Outcome]:
-    """Image files -> model-ready pixels (:func:`vqserve.images.prepare`), one at a time; a
+    """Image files -> model-ready pixels (:func:`vqserve.core.images.prepare`), one at a time; a
     file that cannot be used becomes an :class:`Outcome` with the reason, not an exception."""
     for i, p in enumerate(paths):
         tag = FileTag(i, str(p))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vqserve import images
+from vqserve.core import images
 
 
 class BadInput(ValueError):
@@ -94,7 +94,7 @@ def array_to_bytes(array: np.ndarray) -> tuple[list[int], str, bytes]:
 
 
 # ---- encoded images ---------------------------------------------------------------------
-# Pixels come from the one preprocessing function (vqserve/images.py): EXIF orientation,
+# Pixels come from the one preprocessing function (core/images.py): EXIF orientation,
 # 16-bit, alpha, palette and grayscale are handled identically here, in the client
 # commands and in `vqserve tokenize`.
 WIRE_IMAGE_FORMATS = ("PNG", "JPEG")
@@ -138,7 +138,7 @@ def encode_png(batch: np.ndarray, compress_level: int = 1) -> list[bytes]:
 
 
 def read_image_file(path) -> np.ndarray:
-    """An image file -> uint8 ``[H,W,3]`` as displayed (vqserve/images.py rules)."""
+    """An image file -> uint8 ``[H,W,3]`` as displayed (core/images.py rules)."""
     try:
         return images.load_rgb(path)
     except images.ImageError as exc:

@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from vqserve import images
-from vqserve.machine import available_cores
+from vqserve.core import images
+from vqserve.core.machine import available_cores
 from vqserve.serve.batcher import DeadlineExpired
 from vqserve.serve.codec import WIRE_IMAGE_FORMATS, BadInput, size_mismatch
 

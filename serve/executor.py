@@ -34,9 +34,9 @@ import tempfile
 import threading
 import time
 
+from vqserve.core.shm import Arena
 from vqserve.serve import wire
 from vqserve.serve.batcher import BatcherClosed
-from vqserve.shm import Arena
 
 log = logging.getLogger("vqserve.serve")
 

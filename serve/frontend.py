@@ -8,7 +8,7 @@ waits. So ``vqserve serve --frontends N`` runs N of these processes on one port
 health, reflection, SIGTERM drain) whose engine hands checked pixels to the one device
 executor (``serve/executor.py``) instead of a local batcher:
 
-- the pixels are written once into this process's shared arena (:mod:`vqserve.shm`) and
+- the pixels are written once into this process's shared arena (:mod:`vqserve.core.shm`) and
   the executor reads them in place; only a header crosses the socket (``serve/wire.py``);
 - the executor batches across every front-end, runs the model by its plan and writes the
   answer into the same block; this process copies it out, frees the block and replies.
@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 
+from vqserve.core.shm import Arena, ArenaFull, round_up
 from vqserve.serve import wire
 from vqserve.serve.batcher import BatcherClosed, DeadlineExpired, QueueFull
-from vqserve.shm import Arena, ArenaFull, round_up
 
 
 def default_arena_bytes(max_batch_size: int, max_pixels: int) -> int:
@@ -354,7 +354,7 @@ class _Served:
 
 
 def _runtime_info(payload: dict):
-    from vqserve.export.info import RuntimeInfo
+    from vqserve.core.runtime_info import RuntimeInfo
 
     fields = dict(payload["info"])
     fields["levels"] = tuple(fields.get("levels") or ())
@@ -402,7 +402,7 @@ async def connect_engine(config, metrics):
 def main() -> int:
     """``python -m vqserve.serve.frontend``: started by the executor (serve/executor.py),
     its ServerConfig as JSON on stdin; ends with its parent whatever kills it."""
-    from vqserve.lifetime import die_with_parent
+    from vqserve.core.lifetime import die_with_parent
 
     die_with_parent()
     from vqserve.serve.server import ServerConfig, serve_until_signal, setup_logging

@@ -37,8 +37,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from vqserve import __version__
+from vqserve.core.machine import available_cores
 from vqserve.export.execution import PlannedRuntime
-from vqserve.machine import available_cores
 from vqserve.serve import service_oip, service_v1
 from vqserve.serve.discovery import (
     REFLECTION_SERVICES,

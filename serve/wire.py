@@ -1,7 +1,7 @@
 """The front-end <-> executor messages: fixed binary headers over a Unix socket.
 
 Pixels and answers never travel on the socket; they lie in the front-end's shared arena
-(:mod:`vqserve.shm`), so a message is a few dozen bytes whatever the batch: which block,
+(:mod:`vqserve.core.shm`), so a message is a few dozen bytes whatever the batch: which block,
 what shape, by when. Every request gets exactly one reply (an answer, an error, or
 "cancelled"), and only then does the front-end free its block: the executor never reads or
 writes a block that has been given back.

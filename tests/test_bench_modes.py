@@ -85,7 +85,7 @@ def test_plan_is_read_from_metrics_and_the_log():
 
 
 def test_workers_take_a_count_or_cores():
-    from vqserve.machine import available_cores
+    from vqserve.core.machine import available_cores
 
     assert servers.torchserve_workers("cores") == available_cores()
     assert servers.torchserve_workers("3") == 3

@@ -17,7 +17,7 @@ from vqserve.bench.profiling import brief, describe, find_py_spy, summarize
 
 RAW = """\
 thread (0x1): MainThread;<module> (serve/frontend.py:420);main (serve/frontend.py:414);run (asyncio/runners.py:190);Handle._run (asyncio/events.py:80) 50
-thread (0x1): MainThread;<module> (serve/frontend.py:420);main (serve/frontend.py:414);run (asyncio/runners.py:190);TokenizerService.Encode (serve/service_v1.py:96);Arena.put (vqserve/shm.py:110) 20
+thread (0x1): MainThread;<module> (serve/frontend.py:420);main (serve/frontend.py:414);run (asyncio/runners.py:190);TokenizerService.Encode (serve/service_v1.py:96);Arena.put (core/shm.py:110) 20
 thread (0x1): MainThread;<module> (serve/frontend.py:420);main (serve/frontend.py:414);run (asyncio/runners.py:190);TokenizerService.Encode (serve/service_v1.py:97);array_from_bytes (serve/codec.py:73) 10
 thread (0x2): Thread-1 (_poll_wrapper);Thread.run (threading.py:982) 20
 """

@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from tests.helpers import FaultyRuntime
-from vqserve import images
 from vqserve.cli import main
+from vqserve.core import images
 from vqserve.export.runtime import EagerRuntime
 from vqserve.offline import shards
 from vqserve.serve.client import AsyncTokenizerClient, TokenizerClient

@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vqserve.core.machine import available_cores, cpu_flags
 from vqserve.export.determinism import check_invariance, synthetic_images
 from vqserve.export.execution import ExecutionPlan, PlannedRuntime, default_plan
 from vqserve.export.runtime import EagerRuntime
-from vqserve.machine import available_cores, cpu_flags
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -521,7 +521,7 @@ def test_v1_encode_raw(served, runtime, tensor_and_pixels, request_id):
 @FUZZ
 @given(st.lists(blobs(), min_size=0, max_size=MAX_BATCH + 2))
 def test_v1_encode_png_and_jpeg(served, runtime, entries):
-    from vqserve.images import load_rgb
+    from vqserve.core.images import load_rgb
 
     request = pb.EncodeRequest(encoded=pb.EncodedImages(images=[b for b, _, _ in entries]))
     data = request.SerializeToString()

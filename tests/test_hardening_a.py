@@ -85,7 +85,7 @@ def test_export_replaces_a_previous_export_and_fills_an_empty_folder(tiny_checkp
 def test_atomic_directory_rechecks_before_replacing(tmp_path):
     """The check runs again just before the rename, so a folder that changed during a long
     export is still not replaced."""
-    from vqserve.model.atomic import atomic_directory
+    from vqserve.core.files import atomic_directory
 
     final = tmp_path / "out"
     final.mkdir()

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from tests.helpers import CountingRuntime
-from vqserve import images as imagelib
 from vqserve.cli import main as cli_main
 from vqserve.commands.serve import config_from_args
+from vqserve.core import images as imagelib
 from vqserve.export.runtime import EagerRuntime
 from vqserve.serve import decoding
 from vqserve.serve._proto import tokenizer_pb2 as pb

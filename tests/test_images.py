@@ -1,4 +1,4 @@
-"""The one preprocessing function (vqserve/images.py): every mode Pillow hands us, every size rule.
+"""The one preprocessing function (core/images.py): every mode Pillow hands us, every size rule.
 
 Each case writes a real file with Pillow and checks the pixels a tokenizer would see.
 """
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from vqserve import images
-from vqserve.images import ImageError, Preprocess, load_rgb, prepare
+from vqserve.core import images
+from vqserve.core.images import ImageError, Preprocess, load_rgb, prepare
 from vqserve.serve import codec
 
 
@@ -160,12 +160,12 @@ def test_keep_mode_crops_to_the_centre_multiple(h, w, factor):
 
 
 def test_images_module_never_imports_torch():
-    """Decode workers import vqserve/images.py and offline/sources.py; torch there would cost
+    """Decode workers import core/images.py and offline/sources.py; torch there would cost
     seconds per worker and gigabytes across a pool."""
     import subprocess
     import sys
 
-    code = ("import sys, vqserve.images, vqserve.offline.sources, vqserve.offline.pipeline; "
+    code = ("import sys, vqserve.core.images, vqserve.offline.sources, vqserve.offline.pipeline; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

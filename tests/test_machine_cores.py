@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vqserve.machine import (
+from vqserve.core.machine import (
     _cgroup_chains,
     available_cores,
     available_memory,
@@ -153,7 +153,7 @@ def test_a_process_in_a_cgroup_with_a_quota_sizes_itself_by_the_quota():
     """A real cgroup with 1.5 cores of quota: the process inside counts 1 core, and sizes
     by it what the machine's cores sized: a CPU plan's model calls at once, each
     front-end's decode threads, the front-ends of a stand-in accelerator."""
-    code = ("from vqserve.machine import available_cores, cpu_quota_cores;"
+    code = ("from vqserve.core.machine import available_cores, cpu_quota_cores;"
             "from vqserve.commands.serve import resolve_frontends;"
             "from vqserve.export.execution import default_model_workers;"
             "from vqserve.serve.decoding import default_decode_threads;"
@@ -169,7 +169,7 @@ def test_a_process_in_a_cgroup_with_a_memory_limit_sizes_its_model_calls_by_it()
     """A real cgroup limited to 1 GiB: the process inside may use 1 GiB, and the CPU pixel
     budget per model call is a quarter of that at 300 bytes a pixel (about 0.9 megapixels),
     not 4 megapixels."""
-    code = ("from vqserve.machine import available_memory, memory_limit_bytes;"
+    code = ("from vqserve.core.machine import available_memory, memory_limit_bytes;"
             "from vqserve.serve.engine import default_batch_pixels;"
             "print(memory_limit_bytes(), available_memory(), default_batch_pixels('cpu', 1))")
     got = _run_in_cgroup("memory", {"memory.limit_in_bytes": str(1 << 30)}, code)

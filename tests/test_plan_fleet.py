@@ -63,7 +63,7 @@ def server(model: str, **kw):
 
 # ---- the identity rule --------------------------------------------------------------------------
 def test_same_tokens_means_the_same_files_or_exact_tokens_of_the_same_checkpoint():
-    from vqserve.identity import same_tokens
+    from vqserve.core.identity import same_tokens
 
     ckpt = {"model_hash": "a" * 64, "source_hash": "a" * 64, "exact": True}
     export = {"model_hash": "b" * 64, "source_hash": "a" * 64, "exact": True}

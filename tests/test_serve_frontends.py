@@ -23,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import ServeProcess, alive, child_pids, wait_until
+from vqserve.core.shm import Arena, ArenaFull
 from vqserve.export.synthetic import SyntheticRuntime, block_tokens
 from vqserve.serve import wire
 from vqserve.serve.client import TokenizerClient
-from vqserve.shm import Arena, ArenaFull
 
 
 @pytest.fixture(scope="module")

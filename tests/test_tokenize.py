@@ -23,8 +23,8 @@ import pytest
 from PIL import Image
 
 from tests.helpers import folder_bytes, stop_after_first_shard
-from vqserve import images
 from vqserve.cli import main
+from vqserve.core import images
 from vqserve.export.runtime import EagerRuntime
 from vqserve.offline import shards
 
@@ -442,7 +442,7 @@ def test_a_decode_pool_that_broke_is_the_stop_signal_or_one_line():
     """The serial engine's decode pool breaks when a worker dies: from the stop signal sent
     to the whole process group (this process has it too: a clean stop), or from a crash (one
     line that says how to go on, not BrokenProcessPool as "unexpected")."""
-    from vqserve.lifetime import Stopped, StopSignals
+    from vqserve.core.lifetime import Stopped, StopSignals
     from vqserve.offline import pipeline
 
     stop = StopSignals()

@@ -82,7 +82,7 @@ def test_shared_memory_pipe_serial_and_two_devices_write_the_same_shards(tmp_pat
 def test_several_shapes_per_task_and_images_too_large_for_a_slot(tmp_path, monkeypatch):
     """--keep-size: each task's images are grouped by shape in the slot; with slots too
     small for some groups those come back pickled. Same shards either way."""
-    from vqserve import images
+    from vqserve.core import images
     from vqserve.export.runtime import load_runtime
     from vqserve.offline import pipeline
 

@@ -104,7 +104,7 @@ def _modes() -> dict[str, bytes]:
 def test_handler_pixels_match_vqserve_preprocessing(name):
     """The handler cannot import vqserve.serve (import contract); its Pillow decoding must
     still give exactly the pixels ``vqserve serve`` gives."""
-    from vqserve.images import load_rgb
+    from vqserve.core.images import load_rgb
 
     blob = _modes()[name]
     np.testing.assert_array_equal(th.load_image(blob, 0), load_rgb(blob, formats=("PNG", "JPEG")))

@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where a command stops on it
-        from vqserve.lifetime import stop_status
+        from vqserve.core.lifetime import stop_status
 
         status, what = stop_status(exc)
         print(what, file=sys.stderr)

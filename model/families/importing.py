@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vqserve.model.atomic import atomic_directory
+from vqserve.core.files import atomic_directory
 from vqserve.model.families.base import read_config_json
 from vqserve.model.families.imported import WEIGHTS_NAME, ImportedConfig, write_config
 

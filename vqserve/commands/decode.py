@@ -47,7 +47,7 @@ from vqserve.commands._client import (
     rpc_failure,
     write_atomic,
 )
-from vqserve.identity import same_tokens
+from vqserve.core.identity import same_tokens
 
 NOT_TOKENS = "not a token array"
 

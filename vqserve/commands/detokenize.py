@@ -225,7 +225,7 @@ def open_runtime(args: argparse.Namespace, manifest: dict | None):
             raise
         raise ValueError(f"{exc} (the model recorded in manifest of the folder that holds the shards); pass "
                          "--model with the model the tokens were made with") from None
-    from vqserve.identity import same_tokens
+    from vqserve.core.identity import same_tokens
 
     want, got = recorded.get("model_hash"), runtime.info.model_hash
     if want and not same_tokens(recorded, runtime.info):

@@ -28,7 +28,7 @@ import platform
 import time
 from collections.abc import Callable
 
-from vqserve.machine import cpu_flags  # noqa: F401 - re-exported: `vqserve info` reports it
+from vqserve.core.machine import cpu_flags  # noqa: F401 - re-exported: `vqserve info` reports it
 
 LOW_PRECISION = ("bf16", "fp16")
 # CPU flags for native arithmetic in each dtype: x86 lists them under "flags", Arm under
@@ -158,7 +158,7 @@ def low_precision_facts(probe: bool = True) -> dict:
 def cores_facts() -> dict:
     """The cores serve and tokenize size themselves by (``usable``), and where that number
     comes from: the affinity mask, capped by the CPU quota (a container's CPU limit)."""
-    from vqserve.machine import affinity_cores, available_cores, cpu_quota_cores
+    from vqserve.core.machine import affinity_cores, available_cores, cpu_quota_cores
 
     return {"usable": available_cores(), "affinity_mask": affinity_cores(), "cpu_quota": cpu_quota_cores()}
 
@@ -166,7 +166,7 @@ def cores_facts() -> dict:
 def memory_facts() -> dict:
     """The memory the server sizes its CPU model calls by (``usable``, bytes): the RAM,
     capped by a memory limit (a container's)."""
-    from vqserve.machine import available_memory, memory_limit_bytes
+    from vqserve.core.machine import available_memory, memory_limit_bytes
 
     return {"usable": available_memory(), "limit": memory_limit_bytes()}
 

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.background:  # measuring for a server: below its priority, never outliving it
         import signal
 
-        from vqserve.lifetime import die_with_parent, lower_priority
+        from vqserve.core.lifetime import die_with_parent, lower_priority
 
         # SIGTERM (the server stopping, or dying) unwinds: a half-written export is removed
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -207,8 +207,8 @@ def resolve_frontends(value, model: str, device: str) -> int:
     """``auto``: by the device the model will run on (serve/executor.py default_frontends)."""
     if value != "auto":
         return int(value)
+    from vqserve.core.machine import available_cores
     from vqserve.export.synthetic import is_synthetic
-    from vqserve.machine import available_cores
     from vqserve.serve.executor import default_frontends
 
     if is_synthetic(model):

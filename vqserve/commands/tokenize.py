@@ -113,7 +113,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
-    from vqserve import images
+    from vqserve.core import images
     from vqserve.offline import pipeline
 
     pre = images.Preprocess(mode="size" if args.size else "keep" if args.keep_size else "exact",
@@ -159,7 +159,7 @@ def _chosen_plan(args: argparse.Namespace, device: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from vqserve.lifetime import StopSignals
+    from vqserve.core.lifetime import StopSignals
 
     with StopSignals():  # Ctrl-C or SIGTERM: noted even where Python loses its exception; the engine stops on it
         return _run(args)

@@ -44,7 +44,7 @@ class RuntimeInfo:
     # own model_hash; an export's source checkpoint). ``exact``: the tokens are that checkpoint's
     # in fp32 eager, measured equal (eager fp32 itself; an fp32 export whose parity check found
     # every token equal). Two runtimes that are both exact for one source give the same tokens,
-    # whatever backend runs them: see :func:`vqserve.identity.same_tokens`.
+    # whatever backend runs them: see :func:`vqserve.core.identity.same_tokens`.
     source_hash: str = ""
     exact: bool = False
     # False for an encode-only model (a family whose original has no decoder): decode refuses

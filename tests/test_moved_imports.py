@@ -1,0 +1,46 @@
+"""Modules the layout step moved keep their old import names for one release, with a
+DeprecationWarning naming the new home, and give the very same module object."""
+
+import json
+import subprocess
+import sys
+
+from vqserve._moved import MOVED
+
+PROBE = r"""
+import importlib, json, sys, warnings
+from vqserve._moved import MOVED
+out = {}
+for old, new in MOVED.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    out[old] = {"same": module is importlib.import_module(new),
+                "warned": [str(w.message) for w in caught if w.category is DeprecationWarning]}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_every_old_name_warns_and_gives_the_new_module():
+    # a fresh interpreter: a module imported before would be cached without a warning
+    result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                            check=True)
+    seen = json.loads(result.stdout)
+    assert set(seen) == set(MOVED)
+    for old, new in MOVED.items():
+        assert seen[old]["same"], old
+        assert any(new in message for message in seen[old]["warned"]), (old, seen[old])
+
+
+def test_an_unknown_name_is_still_an_import_error():
+    result = subprocess.run([sys.executable, "-c", "import vqserve.no_such_module"],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and "ModuleNotFoundError" in result.stderr
+
+
+def test_from_import_of_an_old_name_works():
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "try:\n    from vqserve import images\nexcept DeprecationWarning as w:\n    print(w)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert "vqserve.core.images" in result.stdout
