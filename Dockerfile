@@ -20,6 +20,7 @@ WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
 COPY vqserve ./vqserve
 COPY core ./core
+COPY training ./training
 COPY model ./model
 COPY export ./export
 COPY serve ./serve

@@ -56,7 +56,7 @@ venv: $(STAMP)
 # VQSERVE_DATA_DIR overrides the cache (~/.cache/vqserve/data)
 .PHONY: data
 data: $(STAMP)
-	$(BIN)/python -m vqserve.model.datasets fetch
+	$(BIN)/python -m vqserve.training.datasets fetch
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,7 +1,10 @@
-"""vqserve.model: fp32-safe quantizers, tokenizer networks, precision policy, checkpoints.
+"""vqserve.model: what a runtime loads: fp32-safe quantizers, tokenizer networks, the
+precision policy, checkpoints and the model families.
 
-Training code (``vqserve.model.training``, ``vqserve.model.data``) is imported on demand
-only, so serving never pulls it in.
+``quantizers/`` holds every fp32 island, one per file (vqserve's FSQ / LFQ / VQ and the
+index rules of the imported families); ``families/<family>/`` one folder per kind of
+checkpoint ``load_tokenizer`` accepts. Training lives in :mod:`vqserve.training`, which
+nothing here imports.
 """
 
 import importlib

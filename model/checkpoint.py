@@ -22,7 +22,7 @@ from vqserve.model.config import TokenizerConfig
 from vqserve.model.devices import resolve_device
 from vqserve.model.families import CONFIG_NAME, FamilyConfig, family_for
 from vqserve.model.families.base import read_json_file, read_safetensors
-from vqserve.model.families.vqserve_native import VQSERVE, WEIGHTS_NAME
+from vqserve.model.families.native.family import VQSERVE, WEIGHTS_NAME
 from vqserve.model.precision import parse_dtype
 from vqserve.model.tokenizer import Tokenizer, TokenizerBase
 

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vqserve.model.families.codebook import CdistVQ
-from vqserve.model.families.ibq_quantizer import SoftmaxMaxVQ
-from vqserve.model.families.llamagen_quantizer import L2NearestCode
-from vqserve.model.families.transformers_quantizer import SquaredDistanceVQ
 from vqserve.model.quantizers import FSQ, LFQ, VQ, ResidualFSQ
+from vqserve.model.quantizers.cdist import CdistVQ
+from vqserve.model.quantizers.l2_nearest import L2NearestCode
+from vqserve.model.quantizers.softmax_max import SoftmaxMaxVQ
+from vqserve.model.quantizers.squared_distance import SquaredDistanceVQ
 
 DELTA = 1e-4        # default tie threshold (levels or relative): ~100x the measured fp32 noise
 MIN_DELTA = 1e-5    # a differing token with a margin below this is always a tie: delta >= it

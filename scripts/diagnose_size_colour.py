@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from vqserve.model import load_tokenizer
-from vqserve.model.data import open_source
 from vqserve.model.evaluation import (
     downsample_bicubic_baseline,
     mean_colour_error,
@@ -36,6 +35,7 @@ from vqserve.model.evaluation import (
     tiled_round_trip,
 )
 from vqserve.model.networks import GroupNorm, PixelNorm
+from vqserve.training.data import open_source
 
 _STATS = {"size": None, "height": None}   # GroupNorm statistics over size-px regions (None: whole)
 _group_forward = GroupNorm.forward

@@ -55,8 +55,8 @@ def monotone_path_bound(levels: Sequence[int]) -> int:
 
 def fsq_latents(tokenizer, images: Sequence[np.ndarray]) -> list[torch.Tensor]:
     """fp32 pre-quantizer latents ``[h, w, d]`` of each image (cropped to a multiple of the factor)."""
-    from vqserve.model.data import center_crop_multiple
     from vqserve.model.tokenizer import pixels_to_float
+    from vqserve.training.data import center_crop_multiple
 
     out = []
     with torch.no_grad():
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from vqserve.model.checkpoint import load_tokenizer
-    from vqserve.model.data import open_source
     from vqserve.model.quantizers.fsq import FSQ
+    from vqserve.training.data import open_source
 
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model).eval()

@@ -1,7 +1,7 @@
 """Make the Cosmos DI reference fixtures (and the full-size checks) by running NVIDIA's own code.
 
 vqserve does not ship Cosmos-Tokenizer's code. This script imports it from a checkout kept
-outside the repository, at the commit ``vqserve.model.families.cosmos.REFERENCE_COMMIT``::
+outside the repository, at the commit ``vqserve.model.families.cosmos.family.REFERENCE_COMMIT``::
 
     git clone https://github.com/NVIDIA/Cosmos-Tokenizer /tmp/cosmos-ref
     git -C /tmp/cosmos-ref checkout 3584ae752ce8ebdbe06a420bf60d7513c0e878cc
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from vqserve.model.families.cosmos import (
+from vqserve.model.families.cosmos.family import (
     PRESETS,
     REFERENCE_COMMIT,
     CosmosConfig,
@@ -51,12 +51,12 @@ from vqserve.model.families.cosmos import (
     deterministic_weights,
     weights_digest,
 )
-from vqserve.model.families.cosmos_import import (
+from vqserve.model.families.cosmos.importer import (
     import_cosmos,
     read_torchscript_tensors,
     to_cosmos_names,
 )
-from vqserve.model.families.cosmos_precision import NaivePath, skimage_photos
+from vqserve.model.families.cosmos.precision import NaivePath, skimage_photos
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "cosmos"
 # Two small configurations: DI8x8's layout (attention only in the middle, one downsampling

@@ -308,7 +308,7 @@ def make_fixtures(out: Path) -> None:
 def full_size(name: str, photos: list[str], size: int) -> None:
     """A published architecture, random-initialised by the original code (seed 0), next to
     vqserve's rebuild on the same weights: indices and decoded pixels compared."""
-    from vqserve.model.families.magvit2 import Magvit2Config, Magvit2Tokenizer
+    from vqserve.model.families.magvit2.family import Magvit2Config, Magvit2Tokenizer
 
     torch.set_num_threads(2)
     torch.manual_seed(SEED)
@@ -318,7 +318,7 @@ def full_size(name: str, photos: list[str], size: int) -> None:
                          z_channels=cfg["z_channels"])
     ours = Magvit2Tokenizer(arch).eval()
     ours.load_state_dict({k: v for k, v in model.state_dict().items() if k.startswith(("encoder.", "decoder."))})
-    from vqserve.model.families.llamagen_precision import load_photo
+    from vqserve.model.families.llamagen.precision import load_photo
 
     same = total = px_same = px_total = cl_same = 0
     for path in photos:
@@ -469,9 +469,9 @@ def make_ibq_fixtures(out: Path) -> None:
 def ibq_full_size(photos: list[str], size: int, codebook_size: int) -> None:
     """IBQ's published architecture, random-initialised by the original code (seed 0; its
     codebook drawn N(0, 1) as nn.Embedding does), next to vqserve's rebuild."""
-    from vqserve.model.families.ibq import IbqConfig, IbqTokenizer
-    from vqserve.model.families.ibq_import import to_vqserve_name
-    from vqserve.model.families.llamagen_precision import load_photo
+    from vqserve.model.families.ibq.family import IbqConfig, IbqTokenizer
+    from vqserve.model.families.ibq.importer import to_vqserve_name
+    from vqserve.model.families.llamagen.precision import load_photo
 
     torch.set_num_threads(2)
     torch.manual_seed(SEED)

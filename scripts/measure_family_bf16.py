@@ -75,7 +75,7 @@ def codebook_photos() -> np.ndarray:
 
 def naive_indices(model, photos: np.ndarray, dtype: torch.dtype, island: bool) -> np.ndarray:
     """The original model cast wholesale; its own quantizer, or vqserve's fp32 one."""
-    from vqserve.model.families.codebook import CdistVQ
+    from vqserve.model.quantizers.cdist import CdistVQ
 
     cast = model.to(dtype)
     out = []
@@ -137,7 +137,7 @@ def measure_cosmos(name: str, photos: np.ndarray, dtypes: list[str]) -> dict:
     """A Cosmos DI row: its FSQ never searches a codebook, so "naive" is the original cast to
     ``dtype`` (Cosmos's own FSQ on the cast latent), the island row the same cast network with
     vqserve's fp32 FSQ, and ``latent_cast_only`` the fp32 network with only the latent cast."""
-    from vqserve.model.families.cosmos_precision import flip_counts, random_tokenizer
+    from vqserve.model.families.cosmos.precision import flip_counts, random_tokenizer
 
     tokenizer = random_tokenizer(name, seed=0)
     row = {"model": f"cosmos-{name}", "positions": 0, "distinct_codes_fp32": 0}
@@ -160,8 +160,8 @@ def measure_magvit2(name: str, photos: np.ndarray, dtypes: list[str], workdir: P
     from safetensors.torch import save_file
 
     from vqserve.model.families.imported import write_config
-    from vqserve.model.families.magvit2 import PRESETS, WEIGHTS_NAME, Magvit2Tokenizer
-    from vqserve.model.families.magvit2_precision import NaivePath
+    from vqserve.model.families.magvit2.family import PRESETS, WEIGHTS_NAME, Magvit2Tokenizer
+    from vqserve.model.families.magvit2.precision import NaivePath
 
     torch.manual_seed(0)
     arch = PRESETS[name]
@@ -201,8 +201,8 @@ def measure_ibq(name: str, photos: np.ndarray, dtypes: list[str], workdir: Path)
     vqserve's fp32 search, and the served path (EagerRuntime)."""
     from safetensors.torch import save_file
 
-    from vqserve.model.families.ibq import PRESETS, WEIGHTS_NAME, IbqTokenizer
-    from vqserve.model.families.ibq_precision import NaivePath
+    from vqserve.model.families.ibq.family import PRESETS, WEIGHTS_NAME, IbqTokenizer
+    from vqserve.model.families.ibq.precision import NaivePath
     from vqserve.model.families.imported import write_config
 
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=list(PUBLISHED), choices=PUBLISHED)
     ap.add_argument("--cosmos", nargs="+", default=[], choices=["DI8x8", "DI16x16"],
                     help="also these Cosmos DI architectures (deterministic random weights; the original's "
-                         "bf16 cast vs vqserve, vqserve.model.families.cosmos_precision); --models with no "
+                         "bf16 cast vs vqserve, vqserve.model.families.cosmos.precision); --models with no "
                          "name measures only these")
     ap.add_argument("--magvit2", nargs="+", default=[], choices=["imagenet-256", "imagenet-128"],
                     help="also these Open-MAGVIT2 architectures (random weights; its LFQ has no codebook "

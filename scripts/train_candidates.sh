@@ -8,7 +8,7 @@
 #
 # COMMON holds overrides for every candidate (space-separated key=value), PY the Python to run.
 # On a machine with no network, export the photographs first and carry the folder:
-#   python -m vqserve.model.datasets export --role train --out .gpu/train       # here
+#   python -m vqserve.training.datasets export --role train --out .gpu/train       # here
 #   COMMON="device=cuda data=.gpu/train init_from=.gpu/v4" \
 #     scripts/train_candidates.sh 420 "$OUT" configs/default-v6-decoder.yaml \
 #       "A seed=1" "B seed=2 block_chroma_weight=2.0"                             # there

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vqserve.model.checkpoint import save_tokenizer
-    from vqserve.model.training import TrainConfig, Trainer, load_config_file
+    from vqserve.training.trainer import TrainConfig, Trainer, load_config_file
 
     t_start = time.monotonic()
     data = load_config_file(args.config)

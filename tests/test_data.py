@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vqserve.model.data import (
+from vqserve.training.data import (
     BUILTIN_TRAIN,
     BUILTIN_VAL,
     DataError,
@@ -61,7 +61,7 @@ def test_corrupt_images_are_skipped_warned_and_counted(messy_folder):
 
 
 def test_training_on_a_folder_with_corrupt_files_does_not_crash(messy_folder, tmp_path_factory):
-    from vqserve.model.training import TrainConfig, Trainer
+    from vqserve.training.trainer import TrainConfig, Trainer
 
     out = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(data=str(messy_folder), val_data=str(messy_folder), crop_size=16, batch_size=2,
@@ -92,7 +92,7 @@ def test_builtin_split_is_fixed_and_disjoint():
 
 
 def test_builtin_validation_photographs_load():
-    from vqserve.model.data import builtin_source
+    from vqserve.training.data import builtin_source
 
     src = builtin_source("val")
     assert src.names == list(BUILTIN_VAL)
@@ -192,7 +192,7 @@ def _fake_deb(files: dict[str, bytes]) -> bytes:
 
 
 def test_deb_members_are_extracted_without_dpkg(tmp_path):
-    from vqserve.model.datasets import extract_members, local_path
+    from vqserve.training.datasets import extract_members, local_path
 
     deb = _fake_deb({"./usr/share/backgrounds/a.jpg": b"odd", "./usr/share/backgrounds/b.png": b"bb"})
     written = extract_members(deb, ["./usr/share/backgrounds/a.jpg"], tmp_path, "pkg")
@@ -205,7 +205,7 @@ def test_deb_members_are_extracted_without_dpkg(tmp_path):
 
 
 def test_a_deb_with_the_wrong_sha256_is_refused(tmp_path):
-    from vqserve.model.datasets import PACKAGES, fetch
+    from vqserve.training.datasets import PACKAGES, fetch
 
     debs = tmp_path / "debs"
     debs.mkdir()
@@ -217,8 +217,8 @@ def test_a_deb_with_the_wrong_sha256_is_refused(tmp_path):
 
 
 def test_package_photographs_missing_is_a_clear_error_naming_make_data(tmp_path, monkeypatch):
-    from vqserve.model.data import open_source
-    from vqserve.model.training import TrainConfig
+    from vqserve.training.data import open_source
+    from vqserve.training.trainer import TrainConfig
 
     monkeypatch.setenv("VQSERVE_DATA_DIR", str(tmp_path / "empty"))
     with pytest.raises(DataError, match="make data"):
@@ -231,7 +231,7 @@ def test_package_photographs_missing_is_a_clear_error_naming_make_data(tmp_path,
 
 
 def test_roles_never_share_a_file():
-    from vqserve.model.datasets import PIP_HELDOUT, ROLES
+    from vqserve.training.datasets import PIP_HELDOUT, ROLES
 
     files = [f for role in ROLES.values() for f in role]
     assert len(files) == len(set(files))
@@ -240,7 +240,7 @@ def test_roles_never_share_a_file():
 
 
 def test_reduce_keeps_the_long_side_within_bounds(tmp_path):
-    from vqserve.model.datasets import load_reduced
+    from vqserve.training.datasets import load_reduced
 
     Image.fromarray(_photo(3, h=300, w=1000)).save(tmp_path / "wide.png")
     img = load_reduced(tmp_path / "wide.png", max_side=400)
@@ -249,12 +249,12 @@ def test_reduce_keeps_the_long_side_within_bounds(tmp_path):
 
 
 def test_export_writes_a_split_as_the_same_pixels_and_never_into_a_used_folder(tmp_path, monkeypatch, capsys):
-    """`python -m vqserve.model.datasets export`: how the v6 default's photographs reached a
+    """`python -m vqserve.training.datasets export`: how the v6 default's photographs reached a
     GPU machine with no network. A folder of the exported PNGs must give training exactly
     the pixels the spec gives. The package photographs are stand-ins here (written where
     `make data` would put them), so the test needs no download."""
-    from vqserve.model.data import open_source
-    from vqserve.model.datasets import ROLES, local_path, main
+    from vqserve.training.data import open_source
+    from vqserve.training.datasets import ROLES, local_path, main
 
     cache = tmp_path / "cache"
     rng = np.random.default_rng(3)

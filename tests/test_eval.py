@@ -143,7 +143,7 @@ def test_eval_rejects_bad_arguments(tiny_checkpoint, tmp_path, capsys):
 def test_shipped_default_round_trips_a_real_photograph():
     from skimage import data
 
-    from vqserve.model.data import center_crop_multiple
+    from vqserve.training.data import center_crop_multiple
 
     tok = load_tokenizer("default")
     assert tok.factor == 8 and tok.codebook_size >= 4096 and tok.config.quantizer == "fsq"
@@ -164,9 +164,9 @@ def test_shipped_default_round_trips_a_real_photograph():
 def test_shipped_default_keeps_its_tokens_in_bf16_as_served():
     from skimage import data
 
-    from vqserve.model.data import center_crop_multiple
     from vqserve.model.evaluation import encode_in_precision, index_agreement
     from vqserve.model.mixed_precision import low_precision_encoder
+    from vqserve.training.data import center_crop_multiple
 
     tok = load_tokenizer("default")
     batch = torch.from_numpy(center_crop_multiple(data.chelsea(), 8))[None]
@@ -272,7 +272,7 @@ def test_eval_writes_side_by_side_pngs_and_never_overwrites_silently(tiny_checkp
 def test_heldout_pip_photographs_load_for_evaluation():
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
-    from vqserve.model.data import open_source
+    from vqserve.training.data import open_source
 
     src = open_source("heldout:pip")
     assert src.names == ["matplotlib/grace_hopper.jpg", "sklearn/china.jpg", "sklearn/flower.jpg"]

@@ -10,7 +10,7 @@ from vqserve.export.runtime import EagerRuntime
 
 
 def test_validation_photos_mirror_the_training_split():
-    data = pytest.importorskip("vqserve.model.data")
+    data = pytest.importorskip("vqserve.training.data")
     assert VALIDATION_PHOTOS == tuple(data.BUILTIN_VAL)
     ref = data.tile_crops([data.load_builtin_photo(n) for n in data.BUILTIN_VAL], 128)
     ours, info = validation_photos(128)

@@ -29,7 +29,7 @@ from tests.helpers import assert_matches_reference, tokenize_grids, write_case_p
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
-from vqserve.model.families.cosmos import (
+from vqserve.model.families.cosmos.family import (
     COSMOS,
     PRESETS,
     CosmosConfig,
@@ -38,13 +38,13 @@ from vqserve.model.families.cosmos import (
     deterministic_weights,
     weights_digest,
 )
-from vqserve.model.families.cosmos_import import (
+from vqserve.model.families.cosmos.importer import (
     import_cosmos,
     infer_architecture,
     read_torchscript_tensors,
     to_cosmos_names,
 )
-from vqserve.model.families.cosmos_precision import flip_counts, original_fsq_indices
+from vqserve.model.families.cosmos.precision import flip_counts, original_fsq_indices
 from vqserve.model.tokenizer import pixels_to_float
 
 pytestmark = pytest.mark.timeout(300)
@@ -364,7 +364,7 @@ def test_bf16_vqserve_flips_fewer_tokens_than_the_original_cast(toks):
     """Real photographs (scikit-image, 128x128 crops, 256 tokens each; random weights): the
     original cast to bf16 flips tokens through the bf16 latent it rounds; vqserve's bf16
     path (fp32 quant_conv, stream and island) flips fewer. docs/MODELS.md has the figures."""
-    from vqserve.model.families.cosmos_precision import skimage_photos
+    from vqserve.model.families.cosmos.precision import skimage_photos
 
     photos = torch.from_numpy(skimage_photos(128, ("astronaut", "coffee", "chelsea", "rocket")))
     counts = flip_counts(toks["f8"], photos, "bf16")

@@ -34,7 +34,7 @@ from vqserve.export.runtime import EagerRuntime, checkpoint_hash, load_runtime, 
 from vqserve.model import load_tokenizer
 from vqserve.model.checkpoint import read_config, resolve_model_path
 from vqserve.model.families import family_for
-from vqserve.model.families.codebook import CdistVQ
+from vqserve.model.quantizers.cdist import CdistVQ
 
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(600)

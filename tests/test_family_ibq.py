@@ -23,15 +23,15 @@ from tests.test_family_magvit2 import CodePayload, LossConfig, lightning_checkpo
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
-from vqserve.model.families.ibq import IBQ, PRESETS, IbqTokenizer
-from vqserve.model.families.ibq_import import (
+from vqserve.model.families.ibq.family import IBQ, PRESETS, IbqTokenizer
+from vqserve.model.families.ibq.importer import (
     import_ibq,
     infer_architecture,
     to_ibq_name,
     to_vqserve_name,
 )
-from vqserve.model.families.ibq_precision import flip_rates
-from vqserve.model.families.ibq_quantizer import SoftmaxMaxVQ, softmax_max_index
+from vqserve.model.families.ibq.precision import flip_rates
+from vqserve.model.quantizers.softmax_max import SoftmaxMaxVQ, softmax_max_index
 from vqserve.model.tokenizer import pixels_to_float
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,10 +22,15 @@ from tests.helpers import count_torch_ops
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
-from vqserve.model.families.llamagen import LLAMAGEN, PRESETS, LlamaGenConfig, LlamaGenTokenizer
-from vqserve.model.families.llamagen_import import import_llamagen, infer_architecture
-from vqserve.model.families.llamagen_precision import flip_rates
-from vqserve.model.families.llamagen_quantizer import L2NearestCode
+from vqserve.model.families.llamagen.family import (
+    LLAMAGEN,
+    PRESETS,
+    LlamaGenConfig,
+    LlamaGenTokenizer,
+)
+from vqserve.model.families.llamagen.importer import import_llamagen, infer_architecture
+from vqserve.model.families.llamagen.precision import flip_rates
+from vqserve.model.quantizers.l2_nearest import L2NearestCode
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -378,13 +383,13 @@ def test_bf16_vqserve_flips_fewer_tokens_than_the_original_cast_wholesale(tok):
 
 
 def test_flip_measurement_command(imported, tmp_path, capsys):
-    """``python -m vqserve.model.families.llamagen_precision``: the docs' command, on one photo."""
+    """``python -m vqserve.model.families.llamagen.precision``: the docs' command, on one photo."""
     import json
 
     from PIL import Image
     from skimage import data
 
-    from vqserve.model.families.llamagen_precision import main
+    from vqserve.model.families.llamagen.precision import main
 
     Image.fromarray(data.astronaut()).save(tmp_path / "astronaut.png")
     assert main(["--model", imported, "--photos", str(tmp_path / "astronaut.png"), "--size", "64",

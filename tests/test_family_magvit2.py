@@ -22,15 +22,15 @@ from tests.helpers import assert_matches_reference, tokenize_grids, write_case_p
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
-from vqserve.model.families.magvit2 import (
+from vqserve.model.families.magvit2.family import (
     MAGVIT2,
     PRESETS,
     LsbFirstLFQ,
     Magvit2Config,
     Magvit2Tokenizer,
 )
-from vqserve.model.families.magvit2_import import import_magvit2, infer_architecture
-from vqserve.model.families.magvit2_precision import flip_rates, original_lfq_indices
+from vqserve.model.families.magvit2.importer import import_magvit2, infer_architecture
+from vqserve.model.families.magvit2.precision import flip_rates, original_lfq_indices
 from vqserve.model.tokenizer import pixels_to_float
 
 pytestmark = pytest.mark.timeout(300)

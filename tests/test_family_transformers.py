@@ -34,8 +34,8 @@ from tests.fixtures.transformers.models import (
 from tests.helpers import tokenize_grids
 from vqserve.model import load_tokenizer
 from vqserve.model.families import family_for
-from vqserve.model.families.transformers_quantizer import SquaredDistanceVQ
-from vqserve.model.families.transformers_vq import KINDS, ProcessorPixels
+from vqserve.model.families.transformers.family import KINDS, ProcessorPixels
+from vqserve.model.quantizers.squared_distance import SquaredDistanceVQ
 from vqserve.model.tokenizer import DecodeUnsupported, pixels_to_float
 
 pytest.importorskip("transformers")

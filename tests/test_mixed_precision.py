@@ -112,7 +112,7 @@ def test_precision_frontier_measures_the_served_path(tiny_checkpoint, photos, tm
 
     from vqserve.export.runtime import EagerRuntime
     from vqserve.model import load_tokenizer
-    from vqserve.model import precision_frontier as pf
+    from vqserve.training import precision_frontier as pf
 
     tok = load_tokenizer(tiny_checkpoint)
     for dtype in ("bf16", "fp16"):

@@ -19,7 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from vqserve.model import load_tokenizer
-from vqserve.model.training import (
+from vqserve.training.trainer import (
     TrainConfig,
     Trainer,
     boundary_distance,
@@ -358,7 +358,7 @@ def test_norm_option_defaults_to_the_old_architecture_and_pixel_trains(image_dir
 
 
 def test_block_mean_loss_sees_a_colour_cast_that_per_pixel_noise_hides():
-    from vqserve.model.training import block_losses
+    from vqserve.training.trainer import block_losses
 
     def block_mean_loss(recon, target, factor):
         return block_losses(recon, target, factor)[0]
@@ -376,7 +376,7 @@ def test_block_mean_loss_sees_a_colour_cast_that_per_pixel_noise_hides():
 def test_block_chroma_loss_charges_a_tint_and_not_a_brightness_error(shift, tint, channel):
     """The same error on all three channels (too dark / too bright) costs nothing; moving one
     channel alone (a tint on a grey) costs in proportion to how far it moves."""
-    from vqserve.model.training import block_losses
+    from vqserve.training.trainer import block_losses
 
     def block_chroma_loss(recon, target, factor):
         return block_losses(recon, target, factor)[1]

@@ -13,13 +13,13 @@ import os
 from pathlib import Path
 
 from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
-from vqserve.model.families.cosmos import COSMOS
-from vqserve.model.families.diffusers_vq import DIFFUSERS_VQMODEL
-from vqserve.model.families.ibq import IBQ
-from vqserve.model.families.llamagen import LLAMAGEN
-from vqserve.model.families.magvit2 import MAGVIT2
-from vqserve.model.families.transformers_vq import TRANSFORMERS_FAMILIES
-from vqserve.model.families.vqserve_native import VQSERVE
+from vqserve.model.families.cosmos.family import COSMOS
+from vqserve.model.families.diffusers.family import DIFFUSERS_VQMODEL
+from vqserve.model.families.ibq.family import IBQ
+from vqserve.model.families.llamagen.family import LLAMAGEN
+from vqserve.model.families.magvit2.family import MAGVIT2
+from vqserve.model.families.native.family import VQSERVE
+from vqserve.model.families.transformers.family import TRANSFORMERS_FAMILIES
 
 # vqserve's own format first: it is the default and the fallback. Add new families here.
 FAMILIES: tuple[Family, ...] = (

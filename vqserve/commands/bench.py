@@ -21,7 +21,7 @@ import importlib
 
 TARGETS = {
     "all": "vqserve.bench.report",
-    "quantizers": "vqserve.model.bench",
+    "quantizers": "vqserve.bench.quantizers",
     "runtimes": "vqserve.export.bench",
     "serve": "vqserve.bench.serving",
     "tokenize": "vqserve.bench.offline",

@@ -71,7 +71,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_images(spec: str, limit: int, max_side: int):
-    from vqserve.model.data import open_source
+    from vqserve.training.data import open_source
 
     src = open_source(spec, split="val")
     images, names = src.images, src.names

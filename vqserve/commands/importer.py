@@ -87,7 +87,7 @@ def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
 
 
 def _run_magvit2(args: argparse.Namespace) -> int:
-    from vqserve.model.families.magvit2_import import import_magvit2
+    from vqserve.model.families.magvit2.importer import import_magvit2
 
     out, arch, used = import_magvit2(args.checkpoint, args.out, preset=args.config, weights=args.weights,
                                      force=args.force)
@@ -117,7 +117,7 @@ def _add_ibq(families, parser: argparse.ArgumentParser) -> None:
 
 
 def _run_ibq(args: argparse.Namespace) -> int:
-    from vqserve.model.families.ibq_import import import_ibq
+    from vqserve.model.families.ibq.importer import import_ibq
 
     out, arch, used = import_ibq(args.checkpoint, args.out, preset=args.config, weights=args.weights,
                                  force=args.force)
@@ -146,7 +146,7 @@ def _add_cosmos(families, parser: argparse.ArgumentParser) -> None:
 
 
 def _run_cosmos(args: argparse.Namespace) -> int:
-    from vqserve.model.families.cosmos_import import import_cosmos
+    from vqserve.model.families.cosmos.importer import import_cosmos
 
     out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force)
     return _report(out, f"Cosmos DI (factor {arch.factor}, FSQ {arch.levels} = {arch.codebook_size:,} codes",
@@ -156,7 +156,7 @@ def _run_cosmos(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "_import", None) is not None:  # families that name their own runner
         return args._import(args)
-    from vqserve.model.families.llamagen_import import import_llamagen
+    from vqserve.model.families.llamagen.importer import import_llamagen
 
     # a checkpoint that cannot be imported raises ValueError: one line, exit status 2
     out, arch = import_llamagen(args.checkpoint, args.out, preset=args.config,

@@ -30,7 +30,7 @@ def _int_list(text: str) -> list[int]:
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML or JSON training config (CLI flags override it; "
                                           "flags left out keep its values, else the built-in "
-                                          "defaults of TrainConfig in vqserve.model.training)")
+                                          "defaults of TrainConfig in vqserve.training.trainer)")
     g = parser.add_argument_group("data")
     g.add_argument("--data", help="'builtin' (skimage.data train split), 'photos:train' (plus the "
                                   "Debian package photographs: `make data`) or an image folder (recursive)")
@@ -114,7 +114,7 @@ _MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size", "no
 
 
 def build_config(args: argparse.Namespace):
-    from vqserve.model.training import TrainConfig, load_config_file
+    from vqserve.training.trainer import TrainConfig, load_config_file
 
     data = load_config_file(args.config) if args.config else {}
     model = dict(data.pop("model", {}) or {})
@@ -143,7 +143,7 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from vqserve.model.training import Trainer
+    from vqserve.training.trainer import Trainer
 
     cfg = build_config(args)
     trainer = Trainer(cfg, resume=args.resume)

@@ -24,8 +24,8 @@ import torch
 
 from vqserve.model.families.base import FamilyConfig
 from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
-from vqserve.model.families.llamagen_networks import GROUPS, LlamaGenDecoder, LlamaGenEncoder
-from vqserve.model.families.llamagen_quantizer import L2NearestCode
+from vqserve.model.families.llamagen.networks import GROUPS, LlamaGenDecoder, LlamaGenEncoder
+from vqserve.model.quantizers.l2_nearest import L2NearestCode
 from vqserve.model.tokenizer import TokenizerBase
 
 FORMAT = "vqserve-llamagen"

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from vqserve.model.families.cosmos import (
+from vqserve.model.families.cosmos.family import (
     FORMAT,
     PRESETS,
     REFERENCE_COMMIT,
@@ -46,7 +46,7 @@ from vqserve.model.families.cosmos import (
 )
 from vqserve.model.families.importing import CheckpointError, check_out, sha256_file, write_imported
 from vqserve.model.families.importing import check_preset as shared_check_preset
-from vqserve.model.families.llamagen_import import read_checkpoint
+from vqserve.model.families.llamagen.importer import read_checkpoint
 
 # What a directory downloaded from Hugging Face holds, in the order they are looked for.
 PUBLISHED_FILES = (("encoder.jit", "decoder.jit"), ("autoencoder.jit",))

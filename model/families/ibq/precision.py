@@ -7,7 +7,7 @@ search itself flips tokens. vqserve keeps the rule in fp32 (``SoftmaxMaxVQ``) an
 default, the encoder's residual stream in fp32. Each path is compared with the fp32 indices,
 which equal the original code's (tests/test_family_ibq.py)::
 
-    python -m vqserve.model.families.ibq_precision --model DIR --photos A.jpg B.jpg ... [--size 256]
+    python -m vqserve.model.families.ibq.precision --model DIR --photos A.jpg B.jpg ... [--size 256]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 from vqserve.model.families.flip_measure import VqservePath, flip_rates_of
 from vqserve.model.families.flip_measure import main as measure_main
-from vqserve.model.families.ibq_quantizer import softmax_max_index
 from vqserve.model.precision import parse_dtype
+from vqserve.model.quantizers.softmax_max import softmax_max_index
 from vqserve.model.tokenizer import pixels_to_float
 
 

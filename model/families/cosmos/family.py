@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from vqserve.model.families.base import FamilyConfig
-from vqserve.model.families.cosmos_networks import PATCH_METHODS, CosmosDecoder, CosmosEncoder
+from vqserve.model.families.cosmos.networks import PATCH_METHODS, CosmosDecoder, CosmosEncoder
 from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
-from vqserve.model.families.llamagen_networks import GROUPS
+from vqserve.model.families.llamagen.networks import GROUPS
 from vqserve.model.precision import fp32_island
 from vqserve.model.quantizers.common import check_last_dim, to_fp32
 from vqserve.model.quantizers.fsq import FSQ

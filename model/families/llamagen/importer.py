@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 
 from vqserve.model.families.importing import CheckpointError, check_out, sha256_file, write_imported
 from vqserve.model.families.importing import check_preset as shared_check_preset
-from vqserve.model.families.llamagen import (
+from vqserve.model.families.llamagen.family import (
     FORMAT,
     PRESETS,
     REFERENCE_COMMIT,

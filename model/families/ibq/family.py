@@ -25,10 +25,10 @@ from typing import ClassVar
 import torch
 
 from vqserve.model.families.base import FamilyConfig
-from vqserve.model.families.ibq_quantizer import SoftmaxMaxVQ
 from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
-from vqserve.model.families.llamagen_networks import GROUPS, LlamaGenDecoder, LlamaGenEncoder, swish
+from vqserve.model.families.llamagen.networks import GROUPS, LlamaGenDecoder, LlamaGenEncoder, swish
 from vqserve.model.precision import cast_to, module_dtype
+from vqserve.model.quantizers.softmax_max import SoftmaxMaxVQ
 from vqserve.model.tokenizer import TokenizerBase
 
 FORMAT = "vqserve-ibq"

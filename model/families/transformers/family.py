@@ -49,8 +49,8 @@ from vqserve.model.families.base import (
     read_safetensors,
 )
 from vqserve.model.families.imported import key_mismatch
-from vqserve.model.families.transformers_quantizer import SquaredDistanceVQ
 from vqserve.model.precision import Fp32StateModule, cast_to
+from vqserve.model.quantizers.squared_distance import SquaredDistanceVQ
 from vqserve.model.tokenizer import TokenizerBase
 
 WEIGHTS_NAME = "model.safetensors"

@@ -31,8 +31,8 @@ import torch
 
 from vqserve.model.families.importing import CheckpointError, check_out, sha256_file, write_imported
 from vqserve.model.families.importing import check_preset as shared_check_preset
-from vqserve.model.families.llamagen_import import read_checkpoint
-from vqserve.model.families.magvit2 import (
+from vqserve.model.families.llamagen.importer import read_checkpoint
+from vqserve.model.families.magvit2.family import (
     FORMAT,
     PRESETS,
     REFERENCE_COMMIT,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from vqserve.model.families.ibq import (
+from vqserve.model.families.ibq.family import (
     FORMAT,
     PRESETS,
     IbqConfig,
@@ -28,7 +28,7 @@ from vqserve.model.families.ibq import (
 from vqserve.model.families.imported import key_mismatch
 from vqserve.model.families.importing import CheckpointError, write_imported
 from vqserve.model.families.importing import check_preset as shared_check_preset
-from vqserve.model.families.magvit2_import import (
+from vqserve.model.families.magvit2.importer import (
     lightning_meta,
     open_lightning,
     tokenizer_weights,

@@ -29,8 +29,8 @@ from vqserve.model.families.base import (
     read_config_json,
     read_safetensors,
 )
-from vqserve.model.families.codebook import CdistVQ
 from vqserve.model.precision import cast_to
+from vqserve.model.quantizers.cdist import CdistVQ
 from vqserve.model.tokenizer import TokenizerBase
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"

@@ -9,7 +9,7 @@ Two sources, one interface (``ImageSource.images``: a list of uint8 ``[H,W,3]`` 
   (``skimage.data``, no download), with a FIXED split (see ``BUILTIN_TRAIN`` /
   ``BUILTIN_VAL`` and docs/TRAINING.md). Grayscale photographs are repeated to RGB.
 * ``photos:train`` / ``photos:select`` - the scikit-image split plus the pinned Debian
-  package photographs (``vqserve.model.datasets``; ``make data`` fetches them), and
+  package photographs (``vqserve.training.datasets``; ``make data`` fetches them), and
   ``heldout`` / ``heldout:pip`` - the evaluation-only test photographs (training refuses them).
 
 ``RandomCrops`` draws batches of random crops with random horizontal flips; the batch for
@@ -111,7 +111,7 @@ PHOTO_SPECS = ("photos:train", "photos:select")
 
 def photos_source(role: str) -> ImageSource:
     """scikit-image's split plus the package photographs of ``role`` ("train" or "select")."""
-    from vqserve.model.datasets import package_images
+    from vqserve.training.datasets import package_images
 
     sk = builtin_source("train" if role == "train" else "val")
     images, names = package_images(role)
@@ -121,7 +121,7 @@ def photos_source(role: str) -> ImageSource:
 
 def heldout_source(spec: str) -> ImageSource:
     """The test photographs: KDE wallpapers (``heldout``) plus matplotlib's and scikit-learn's."""
-    from vqserve.model.datasets import package_images, pip_heldout_images
+    from vqserve.training.datasets import package_images, pip_heldout_images
 
     images, names = pip_heldout_images()
     if spec == "heldout":

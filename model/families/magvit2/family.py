@@ -24,7 +24,7 @@ import torch
 
 from vqserve.model.families.base import FamilyConfig
 from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
-from vqserve.model.families.magvit2_networks import GROUPS, Magvit2Decoder, Magvit2Encoder
+from vqserve.model.families.magvit2.networks import GROUPS, Magvit2Decoder, Magvit2Encoder
 from vqserve.model.quantizers.lfq import LFQ
 from vqserve.model.tokenizer import TokenizerBase
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vqserve.model.families.llamagen_quantizer import in_graph_capture
 from vqserve.model.precision import Fp32StateModule, fp32_island
 from vqserve.model.quantizers.common import check_indices, check_last_dim, to_fp32
+from vqserve.model.quantizers.l2_nearest import in_graph_capture
 
 
 def softmax_max_index(z_nchw: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ fp32 (only the residual-branch convolutions run in bf16, ``vqserve.model.mixed_p
 which is where the difference comes from. Each path is compared with the fp32 indices,
 which equal the original code's (tests/test_family_magvit2.py)::
 
-    python -m vqserve.model.families.magvit2_precision --model DIR --photos A.jpg B.jpg ... \\
+    python -m vqserve.model.families.magvit2.precision --model DIR --photos A.jpg B.jpg ... \\
         [--size 256] [--dtype bf16] [--json out.json]
 
 Photos are resized (shorter side, bicubic) and centre-cropped to ``--size``.

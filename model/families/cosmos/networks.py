@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vqserve.model.families.llamagen_networks import (
+from vqserve.model.families.llamagen.networks import (
     LlamaGenAttention,
     LlamaGenResBlock,
     PadThenStrideConv,

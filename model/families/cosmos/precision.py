@@ -20,8 +20,8 @@ Paths, each compared with the fp32 indices (which equal Cosmos's, tests/test_fam
 * ``vqserve_island_only``: the whole network cast to bf16, vqserve's fp32 island;
 * ``vqserve``: vqserve's served bf16 path (fp32 stream and island, ``EagerRuntime(dtype="bf16")``).
 
-    python -m vqserve.model.families.cosmos_precision --model DIR [--photos A.jpg ...] [--size 256]
-    python -m vqserve.model.families.cosmos_precision --preset DI8x8 --seed 0   # random weights
+    python -m vqserve.model.families.cosmos.precision --model DIR [--photos A.jpg ...] [--size 256]
+    python -m vqserve.model.families.cosmos.precision --preset DI8x8 --seed 0   # random weights
 
 Without ``--photos`` it uses eight photographs that scikit-image ships (astronaut, chelsea,
 coffee, rocket, stereo_motorcycle, hubble_deep_field, immunohistochemistry, retina), resized
@@ -154,7 +154,7 @@ def load_photos(paths: list[str], size: int) -> np.ndarray:
 
 def random_tokenizer(preset: str, seed: int = 0):
     """A published architecture with ``deterministic_weights`` (no trained weights needed)."""
-    from vqserve.model.families.cosmos import PRESETS, CosmosTokenizer, deterministic_weights
+    from vqserve.model.families.cosmos.family import PRESETS, CosmosTokenizer, deterministic_weights
 
     tokenizer = CosmosTokenizer(PRESETS[preset])
     tokenizer.load_state_dict(deterministic_weights(PRESETS[preset], seed))
@@ -162,9 +162,9 @@ def random_tokenizer(preset: str, seed: int = 0):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vqserve.model.families.cosmos import PRESETS
+    from vqserve.model.families.cosmos.family import PRESETS
 
-    parser = argparse.ArgumentParser(prog="python -m vqserve.model.families.cosmos_precision",
+    parser = argparse.ArgumentParser(prog="python -m vqserve.model.families.cosmos.precision",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="an imported Cosmos directory (vqserve import cosmos)")

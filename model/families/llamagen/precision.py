@@ -8,7 +8,7 @@ in fp32 (the island) and, by default, the encoder's residual stream in fp32 too
 (``vqserve.model.mixed_precision``). Both are compared with the fp32 indices, which equal
 the original code's (tests/test_family_llamagen.py).
 
-    python -m vqserve.model.families.llamagen_precision --model DIR --photos A.jpg B.jpg ... \
+    python -m vqserve.model.families.llamagen.precision --model DIR --photos A.jpg B.jpg ... \
         [--size 256] [--dtype bf16] [--json out.json]
 
 Photos are resized (shorter side, bicubic) and centre-cropped to ``--size``, the way
