@@ -91,8 +91,8 @@ _TS_MESSAGES: tuple | None = None
 
 
 def _torchserve_call(channel, method: str) -> Call:
-    from vqserve.export.torchserve import ARCHIVE_NAMES
-    from vqserve.export.torchserve_server import INFERENCE_SERVICE, predictions_messages
+    from vqserve.export.torchserve.archives import ARCHIVE_NAMES
+    from vqserve.export.torchserve.server import INFERENCE_SERVICE, predictions_messages
 
     global _TS_MESSAGES
     if _TS_MESSAGES is None:

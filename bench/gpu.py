@@ -54,8 +54,8 @@ from vqserve.bench.load import (
 from vqserve.bench.profiling import ProfileRequest, brief
 from vqserve.core.lifetime import ending_with_this_thread
 from vqserve.core.machine import available_cores
-from vqserve.export.runtime import resolve_device
-from vqserve.export.synthetic import is_synthetic
+from vqserve.export.runtimes.loader import resolve_device
+from vqserve.export.runtimes.synthetic import is_synthetic
 
 
 def _log(msg: str) -> None:
@@ -63,7 +63,7 @@ def _log(msg: str) -> None:
 
 
 def load(model: str, dtype: str, device: str, tf32: bool = False):
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     runtime = load_runtime(model, dtype=dtype, device=device)
     if tf32 and device.startswith("cuda"):
@@ -129,7 +129,7 @@ def noise_row(model: str, device: str, tiles: int, size: int) -> dict:
     """The device's fp32 tokens against CPU fp32 on ``tiles`` distinct photo crops: how many
     differ, and how many of those are fp32 ties (both codes within ``model/ties.DELTA`` of
     the boundary between them on float64 latents: what ``vqserve verify`` accepts)."""
-    from vqserve.export.execution import PlannedRuntime, plan_for
+    from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
     from vqserve.model import ties
 
     images = photo_tiles(tiles, size)
@@ -162,7 +162,7 @@ def buckets_equal(runtime, photos: np.ndarray, micro: int = 64) -> bool:
     """Whether short calls padded to their power-of-two bucket (1, 2, 4, ...) give every
     photograph the tokens it gets in a full call of ``micro``: what ``--plan auto`` measures
     before a plan takes buckets (``ExecutionPlan.bucketed``)."""
-    from vqserve.export.execution import ExecutionPlan, PlannedRuntime
+    from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
 
     many = np.ascontiguousarray(np.resize(photos, (micro, *photos.shape[1:])))
     full = PlannedRuntime(runtime, ExecutionPlan(micro, 1)).encode(many)
@@ -181,7 +181,7 @@ def throughput(runtime, photos: np.ndarray, batch: int, seconds: float, callers:
     divided by."""
     import threading
 
-    from vqserve.export.execution import PlannedRuntime, plan_for
+    from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 
     planned = PlannedRuntime(runtime, plan_for(runtime.info.device, micro_batch=batch))
     x = np.ascontiguousarray(np.resize(photos, (batch, *photos.shape[1:])))
@@ -208,8 +208,8 @@ def throughput(runtime, photos: np.ndarray, batch: int, seconds: float, callers:
 def graphs_rows(runtimes: dict, photos: np.ndarray, best: dict[str, tuple[int, float]]) -> list[dict]:
     """Per dtype (``runtimes``: each dtype's eager runtime): CUDA-graph replay against eager,
     tokens (and pixels) and images/s at 1 image per call and at the dtype's best batch
-    (``export/cuda_graphs.py``)."""
-    from vqserve.export.cuda_graphs import graphs_equal_eager
+    (``export/runtimes/cuda_graphs.py``)."""
+    from vqserve.export.runtimes.cuda_graphs import graphs_equal_eager
 
     rows = []
     for dtype, runtime in runtimes.items():
@@ -234,7 +234,7 @@ def measured_plan(model: str, device: str, dtype: str, folder: str, timeout: flo
         return {"error": f"vqserve plan did not finish in {timeout:.0f} s"}
     if done.returncode != 0 or not out.is_file():
         return {"error": (done.stdout + done.stderr)[-500:]}
-    from vqserve.export.execution import ExecutionPlan
+    from vqserve.export.runtimes.execution import ExecutionPlan
 
     data = json.loads(out.read_text())
     return {"file": str(out), "plan": data["plan"], "measure_s": data.get("measure_s"),
@@ -467,7 +467,7 @@ def served_rows(args, dtype: str, batch: int, raw, photos: np.ndarray, cases: li
     many = np.resize(photos, (max(c.images for c in cases), *photos.shape[1:]))
     # the tokens the server must give: this dtype run by the plan it serves with (calls of
     # `micro`); eager bf16 at another batch size may round differently on a GPU
-    from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
+    from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime, plan_for
 
     layouts = parse_layouts(args.layouts, ["--plan", "default", "--micro-batch", str(micro)])
     # each layout's own micro-batch (a layout's flags may set another, e.g. split-m32)

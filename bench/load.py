@@ -478,7 +478,7 @@ def profiled_window(profile: ProfileRequest, name: str, case: LoadCase, target: 
 
 def capacity_of(model: str) -> float | None:
     """Images/s at 256x256 a ``synthetic:N`` device can do; None for a real model (or N = 0)."""
-    from vqserve.export.synthetic import capacity, is_synthetic, parse_synthetic
+    from vqserve.export.runtimes.synthetic import capacity, is_synthetic, parse_synthetic
 
     if not is_synthetic(model):
         return None

@@ -176,7 +176,7 @@ def _median(values: list) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from vqserve.core import images
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
     from vqserve.offline import pipeline
     from vqserve.offline.engine import device_kind, parse_devices
 

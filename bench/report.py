@@ -1,7 +1,7 @@
 """``vqserve bench all`` (``make bench``): every benchmark of the project in one run, written
 as docs/BENCHMARKS.md with PNG plots and a JSON of the raw rows.
 
-1. runtimes per backend and dtype (``vqserve.export.bench.run_bench``);
+1. runtimes per backend and dtype (``vqserve.bench.runtimes.run_bench``);
 2. served vs in-process at 1/8/32 clients, native v1 and OIP v2 ``ModelInfer``;
 3. dynamic batching on vs off;
 4. the same tokenizer in TorchServe (its own batching, same load generator, same images),
@@ -493,7 +493,7 @@ def render(result: dict) -> str:
 
     out += ["", "## 1. Runtimes per backend and dtype", ""]
     if result["runtimes"]:
-        from vqserve.export.bench import markdown_table
+        from vqserve.bench.runtimes import markdown_table
 
         out += ["`vqserve bench runtimes` on the same photographs, encode and decode, "
                 "ratios against eager fp32 at the same batch size.", "",
@@ -533,9 +533,9 @@ def render(result: dict) -> str:
     out += ["## 4. The same tokenizer in TorchServe", ""]
     if "torchserve" in served_modes:
         out += ["Archives built by `vqserve export --format torchserve` from the same model "
-                "(`vqserve.export.torchserve.build_archives`), TorchServe "
+                "(`vqserve.export.torchserve.archives.build_archives`), TorchServe "
                 f"{result['machine']['versions'].get('torchserve')} started like the tests start it "
-                "(`vqserve.export.torchserve_server.TorchServe`: loopback ports 19000-19099, private "
+                "(`vqserve.export.torchserve.server.TorchServe`: loopback ports 19000-19099, private "
                 "run directory, TorchServe's default JVM settings, token authorization off, system "
                 "metrics off), called over its gRPC `Predictions` API with `.npy` bodies by the same "
                 "asyncio load generator.", "",
@@ -632,8 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vqserve.bench import inputs as bench_inputs
+    from vqserve.bench import runtimes as runtime_bench
     from vqserve.bench import serving as serve_bench
-    from vqserve.export import bench as runtime_bench
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     started = time.monotonic()

@@ -169,8 +169,8 @@ def start_torchserve(model: str, args, workdir: Path, log=print, workers: int = 
     archive for ``args.method`` with ``workers`` workers (``initial_workers``; each on
     ``args.threads`` threads). ``name``: its run directory under ``workdir``, so two
     TorchServes can run from one store. Returns the running ``TorchServe``."""
-    from vqserve.export.torchserve import ARCHIVE_NAMES, build_archives
-    from vqserve.export.torchserve_server import TorchServe
+    from vqserve.export.torchserve.archives import ARCHIVE_NAMES, build_archives
+    from vqserve.export.torchserve.server import TorchServe
 
     delay = int(round(args.max_delay_ms))
     batch = batch_size or args.max_batch_size

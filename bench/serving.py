@@ -18,7 +18,7 @@ a shared machine's load changes do not favour one mode; each point keeps its bes
   install (e.g. the previous commit, ``pip install --no-deps --target DIR <checkout>``),
   with its own defaults, over v1: "never slower than before";
 * ``torchserve`` (``--torchserve``): the same model in TorchServe archives
-  (``vqserve.export.torchserve``), one worker, with TorchServe's batching set to the same
+  (``vqserve.export.torchserve.archives``), one worker, with TorchServe's batching set to the same
   size and delay, called over TorchServe's gRPC ``Predictions`` (``.npy`` bodies);
 * ``torchserve-best`` (``--torchserve-workers N|cores``, ``--torchserve-batch B``): a second
   TorchServe from the same archives with N workers and batch B (one worker per core and
@@ -113,8 +113,8 @@ def _capacity_worker(model: str, backend: str, dtype: str | None, device: str, m
     try:
         import torch
 
-        from vqserve.export.execution import warm_allocator
-        from vqserve.export.runtime import load_runtime
+        from vqserve.export.runtimes.execution import warm_allocator
+        from vqserve.export.runtimes.loader import load_runtime
 
         torch.set_num_threads(1)
         warm_allocator()
@@ -287,9 +287,9 @@ def _closed_loop_row(mode: str, clients: int, results: list[tuple[int, float, np
 def planned_in_process(model: str, args):
     """The runtime as ``vqserve serve --plan auto`` runs it here: the cached plan's dtype and
     plan (measured now if the server did not), wrapped in ``PlannedRuntime``."""
-    from vqserve.export.execution import PlannedRuntime
-    from vqserve.export.planner import choose_plan
-    from vqserve.export.runtime import resolve_device
+    from vqserve.export.plan.planner import choose_plan
+    from vqserve.export.runtimes.execution import PlannedRuntime
+    from vqserve.export.runtimes.loader import resolve_device
 
     device = resolve_device(args.device)
     chosen = choose_plan(model, device=device, backend=args.backend, dtype=args.dtype)
@@ -385,7 +385,7 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
     rows, "memory": ..., "plans": the plan each vqserve server was measured on}``."""
     import torch
 
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -405,7 +405,7 @@ def run(args, log=lambda m: print(m, flush=True)) -> dict:
     runtime = load_runtime(model, backend=args.backend, dtype=args.dtype, device=args.device)
     info = runtime.info
     photos = bench_photos(args.size)
-    from vqserve.export.execution import warm_allocator
+    from vqserve.export.runtimes.execution import warm_allocator
 
     warm_allocator()  # as every capacity worker does: the in-process rows never depend on chance
     if args.method == "encode":
@@ -594,7 +594,7 @@ def check_numbers(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vqserve.export.runtime import resolve_device
+    from vqserve.export.runtimes.loader import resolve_device
 
     args = build_parser().parse_args(argv)
     check_numbers(args)

@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 
 from vqserve.core.files import atomic_directory
-from vqserve.export.manifest import MANIFEST_FORMAT, MANIFEST_NAME, file_entries, write_manifest
+from vqserve.export.formats.manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    file_entries,
+    write_manifest,
+)
 
 FORMATS = ("torchscript", "onnx", "pt2")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -42,7 +47,7 @@ def required_agreement(dtype: str, min_agreement: float | None) -> float:
 
 def check_combination(fmt: str, dtype: str, device: str, opset: int | None = None) -> None:
     """Refuse format/dtype/device/opset combinations that cannot work, before any work."""
-    from vqserve.export.onnx_export import check_onnx_dtype, check_opset
+    from vqserve.export.formats.onnx import check_onnx_dtype, check_opset
     from vqserve.model.devices import resolve_device
 
     if fmt not in FORMATS:
@@ -140,22 +145,22 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
     index agreement from ~97.8% to ~99.3% and ~99.73% to ~99.91%; ``vqserve.model.mixed_precision``). ``min_decode_psnr``:
     the artifact's decode of eager's tokens must be at least this close (dB) to eager
     fp32's decode of them (catches fp16 decoder overflow, which token agreement cannot).
-    The artifact is measured as it will be served (``vqserve.export.execution``'s plan),
+    The artifact is measured as it will be served (``vqserve.export.runtimes.execution``'s plan),
     and its batch invariance is certified in ``manifest["determinism"]``; an artifact whose
     tokens change with the batch is refused unless ``allow_batch_variance``."""
     from vqserve import __version__
-    from vqserve.export import wrappers
-    from vqserve.export.determinism import check_invariance
-    from vqserve.export.execution import PlannedRuntime, plan_for
-    from vqserve.export.inspect_graph import assert_island
+    from vqserve.export.formats import wrappers
+    from vqserve.export.formats.inspect_graph import assert_island
     from vqserve.export.parity import measure_parity, same_dtype_agreement, validation_photos
-    from vqserve.export.runtime import (
+    from vqserve.export.runtimes.artifacts import RUNTIMES
+    from vqserve.export.runtimes.determinism import check_invariance
+    from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
+    from vqserve.export.runtimes.loader import (
         EagerRuntime,
         checkpoint_hash,
         index_dtype_for,
         resolve_device,
     )
-    from vqserve.export.runtimes import RUNTIMES
     from vqserve.model.checkpoint import resolve_model_path
 
     say = log or (lambda msg: None)
@@ -179,13 +184,13 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
         images, indices = wrappers.example_inputs(tok, device=device)
         say(f"exporting {fmt} to {out}")
         if fmt == "torchscript":
-            from vqserve.export.torchscript import export_torchscript
+            from vqserve.export.formats.torchscript import export_torchscript
             files = export_torchscript(enc, dec, images, indices, tmp)
         elif fmt == "pt2":
-            from vqserve.export.pt2 import export_pt2
+            from vqserve.export.formats.pt2 import export_pt2
             files = export_pt2(enc, dec, images, indices, tmp, cfg.factor)
         else:
-            from vqserve.export.onnx_export import DEFAULT_OPSET, export_onnx
+            from vqserve.export.formats.onnx import DEFAULT_OPSET, export_onnx
             files = export_onnx(enc, dec, images, indices, tmp, cfg.factor, dtype,
                                 DEFAULT_OPSET if opset is None else opset)
         del enc, dec

@@ -91,8 +91,8 @@ def same_dtype_agreement(served, model_path, dtype: str, device: str, plan, phot
     """Path identity: the fraction of tokens the artifact shares with the eager runtime at
     the same dtype (1.0 where the format runs the same kernels; less where it does not,
     e.g. ONNX Runtime's own convolutions). None where eager cannot run the dtype."""
-    from vqserve.export.execution import PlannedRuntime
-    from vqserve.export.runtime import EagerRuntime
+    from vqserve.export.runtimes.execution import PlannedRuntime
+    from vqserve.export.runtimes.loader import EagerRuntime
 
     try:
         eager = PlannedRuntime(EagerRuntime(model_path, dtype=dtype, device=device), plan)

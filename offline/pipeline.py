@@ -484,13 +484,13 @@ def planned_runtime(runtime, device: str, decode_workers: int, model_workers: in
                     source: str = "", serial: bool = False, cuda_graphs: bool = True):
     """The runtime run by the same execution plan as the server (``base``: the one ``--plan
     auto`` measured, else the device's default; one intra-op thread per model call, fixed
-    micro-batches per image size; vqserve.export.execution), so a file gets the server's
+    micro-batches per image size; vqserve.export.runtimes.execution), so a file gets the server's
     tokens. On a CPU the model calls get the cores the decode processes leave
     (oversubscribed threads stall each other). On an accelerator the overlapped engine keeps
     two calls in flight per device itself (``offline/engine.py``), so each runs its
     micro-batches in turn (``serial``: the serial engine, which has one caller, keeps the
     plan's own workers)."""
-    from vqserve.export.execution import PlannedRuntime, plan_for
+    from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 
     if not model_workers and device == "cpu" and decode_workers:
         model_workers = max(1, available_cores() - decode_workers)

@@ -58,20 +58,20 @@ class TokenizerActor:
 
     def __init__(self, model: str, backend: str, dtype: str | None, device: str,
                  expect_hash: str | None = None, plan: dict | None = None):
-        from vqserve.export.runtime import load_runtime
+        from vqserve.export.runtimes.loader import load_runtime
 
         # an actor sees only the GPU Ray gave it (CUDA_VISIBLE_DEVICES): "cuda:3" -> "cuda";
         # expect_hash (the driver's model_hash): another model is refused before it loads
         local = "cuda" if device.startswith("cuda") else device
         chosen = None
         if plan is not None:  # the driver's plan: the backend and micro-batches the local engine runs
-            from vqserve.export.planner import PlanChoice
+            from vqserve.export.plan.planner import PlanChoice
 
             chosen = PlanChoice.from_dict(plan)
             self.runtime = chosen.load(model, backend, local, expect_hash)
         else:
             self.runtime = load_runtime(model, backend=backend, dtype=dtype, device=local, expect_hash=expect_hash)
-        from vqserve.export.execution import PlannedRuntime, plan_for
+        from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 
         # the same arithmetic as the server and the local engine; on a CPU the actors are
         # the parallelism, so each runs one model call at a time

@@ -115,7 +115,7 @@ def shard_pattern(count: int, fmt: str = "parquet") -> str:
 
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks (the manifest records one per shard).
-    Here rather than imported from export/runtime.py: decode workers import this package
+    Here rather than imported from export/runtimes/loader.py: decode workers import this package
     and must not load torch."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -415,7 +415,7 @@ def _open_runtime(manifest: dict, model: str | None, device: str | None, report:
     """The recorded model (or ``model``) on the recorded backend/dtype; refuses another model."""
     import torch
 
-    from vqserve.export.runtime import load_runtime, resolve_device
+    from vqserve.export.runtimes.loader import load_runtime, resolve_device
 
     m = manifest["model"]
     if device == "auto":
@@ -439,7 +439,7 @@ def _open_runtime(manifest: dict, model: str | None, device: str | None, report:
         raise NotADataset(f"cannot load the model {ref!r} to re-encode the sample: {exc}{hint} "
                           "(or --sample 0 to skip re-encoding)") from None
     check_model_hash(runtime, manifest, ref)
-    from vqserve.export.execution import PlannedRuntime, plan_for
+    from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 
     return PlannedRuntime(runtime, plan_for(device, workers=1))  # tokenize's arithmetic, one image
 
@@ -557,7 +557,7 @@ class _Reference:
             return tokenizer
         ref = self.model or m["ref"]
         try:
-            from vqserve.export.runtime import model_hash_of
+            from vqserve.export.runtimes.loader import model_hash_of
             from vqserve.model import load_tokenizer
 
             if model_hash_of(ref) == m.get("source_hash", m["model_hash"]):

@@ -50,7 +50,7 @@ class BoundedLatents(torch.nn.Module):
 
     def __init__(self, tokenizer):
         super().__init__()
-        from vqserve.export.wrappers import EncodeGraph
+        from vqserve.export.formats.wrappers import EncodeGraph
 
         self.wrapped = EncodeGraph(tokenizer, "fp32")
 
@@ -65,8 +65,8 @@ def graphs(tokenizer, folder: Path):
     """(TorchScript module, ONNX Runtime session) of BoundedLatents, written by vqserve's exporters."""
     import onnxruntime as ort
 
-    from vqserve.export.onnx_export import export_onnx
-    from vqserve.export.torchscript import export_torchscript, load_torchscript
+    from vqserve.export.formats.onnx import export_onnx
+    from vqserve.export.formats.torchscript import export_torchscript, load_torchscript
 
     module = BoundedLatents(tokenizer).eval()
     example = torch.zeros(1, 64, 64, 3, dtype=torch.uint8)

@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vqserve.core.machine import cpu_info
-    from vqserve.export.execution import ExecutionPlan, PlannedRuntime
-    from vqserve.export.planner import calibration_images
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.plan.planner import calibration_images
+    from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
+    from vqserve.export.runtimes.loader import load_runtime
 
     torch.set_num_threads(1)  # the server's arithmetic: one thread per model call
     cpu = load_runtime(args.model, dtype="fp32", device="cpu")

@@ -44,7 +44,7 @@ from tests.diffusers_models import (  # noqa: E402
     to_diffusers_pixels,
 )
 from tests.fixtures.transformers import models as tf_models  # noqa: E402
-from vqserve.export.runtime import EagerRuntime  # noqa: E402
+from vqserve.export.runtimes.loader import EagerRuntime  # noqa: E402
 from vqserve.model.precision import parse_dtype  # noqa: E402
 
 # transformers' VQ-VAEs at their published sizes: --transformers name -> config.json model_type

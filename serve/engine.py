@@ -17,7 +17,7 @@ import numpy as np
 
 from vqserve.core.input_rules import decode_unsupported
 from vqserve.core.machine import available_memory
-from vqserve.export.checks import image_size_rule, index_grid_rule, index_range_rule
+from vqserve.export.runtimes.checks import image_size_rule, index_grid_rule, index_range_rule
 from vqserve.serve.batcher import Batcher
 from vqserve.serve.codec import BadInput
 from vqserve.serve.decoding import ImageDecoder

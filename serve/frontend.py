@@ -364,7 +364,7 @@ def _runtime_info(payload: dict):
 def _certificate(payload: dict):
     if not payload.get("determinism"):
         return None
-    from vqserve.export.determinism import Certificate
+    from vqserve.export.runtimes.determinism import Certificate
 
     return Certificate(**payload["determinism"])
 

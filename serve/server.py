@@ -38,7 +38,7 @@ from grpc_health.v1 import health, health_pb2
 
 from vqserve import __version__
 from vqserve.core.machine import available_cores
-from vqserve.export.execution import PlannedRuntime
+from vqserve.export.runtimes.execution import PlannedRuntime
 from vqserve.serve import service_oip, service_v1
 from vqserve.serve.discovery import (
     REFLECTION_SERVICES,
@@ -91,7 +91,7 @@ class ServerConfig:
     model_workers: int | None = None  # model calls at once, one thread each; None: default_plan(device)
     self_check: bool = True          # measure batch invariance at start (GetModelInfo.determinism)
     threads: int | None = None       # intra-op threads per model call; None: the plan's (1 on CPU)
-    cuda_graphs: bool = True         # False: never replay calls from CUDA graphs (export/cuda_graphs.py)
+    cuda_graphs: bool = True         # False: never replay calls from CUDA graphs (export/runtimes/cuda_graphs.py)
     plan: str = "default"            # "auto": the cached plan, else serve the safe plan and measure in
     #                                  the background; "default": default_plan(device); else a plan
     #                                  file (`vqserve plan --out`). `vqserve serve` defaults to auto.
@@ -277,7 +277,7 @@ class TokenizerServer:
         runtime = self._runtime
         chosen, measure_later, device = None, False, cfg.device
         if runtime is None:
-            from vqserve.export.runtime import load_runtime, resolve_device
+            from vqserve.export.runtimes.loader import load_runtime, resolve_device
 
             device = resolve_device(cfg.device)
             chosen, measure_later = await run_in_daemon(lambda: self.plans.find(device))
@@ -292,7 +292,7 @@ class TokenizerServer:
                                     device=device, expect_hash=cfg.expect_hash)  # checked before the files load
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
             runtime = await run_in_daemon(runtime)
-        from vqserve.export.runtime import check_expected_hash
+        from vqserve.export.runtimes.loader import check_expected_hash
 
         check_expected_hash(cfg.expect_hash, runtime.info.model_hash, cfg.model)  # a runtime given ready-made
         source = chosen.source if chosen else ("measuring" if measure_later else
@@ -300,7 +300,7 @@ class TokenizerServer:
         raw = runtime
         runtime, plan, certificate = await self.plans.planned(raw, chosen.plan if chosen else None, source)
         if chosen is not None and chosen.source == "file":  # measured elsewhere: does this machine agree?
-            from vqserve.export.planner import check_reproduces
+            from vqserve.export.plan.planner import check_reproduces
 
             await run_in_daemon(lambda: check_reproduces(raw, cfg.model, device, chosen, certificate))
         self._publish(runtime, certificate)

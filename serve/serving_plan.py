@@ -18,8 +18,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from vqserve.export.determinism import start_up_check
-from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
+from vqserve.export.runtimes.determinism import start_up_check
+from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime, plan_for
 from vqserve.serve.logs import event as _event
 from vqserve.serve.planning import BackgroundPlan, plan_argv, run_in_daemon
 
@@ -45,7 +45,7 @@ class ServingPlan:
 
     def artifacts(self):
         """Where exports made for a plan go: the plan cache's ``artifacts/``."""
-        from vqserve.export.planner import cache_dir
+        from vqserve.export.plan.planner import cache_dir
 
         return cache_dir(self.config.plan_cache) / "artifacts"
 
@@ -53,13 +53,13 @@ class ServingPlan:
         """(plan, measure later?): the plan ``--plan`` names (``export.planner.find_plan``);
         with ``--plan auto`` and none cached, None and True: the safe plan serves while the
         measurement runs."""
-        from vqserve.export.planner import find_plan
+        from vqserve.export.plan.planner import find_plan
 
         cfg = self.config
         chosen = find_plan(cfg.plan, cfg.model, device, cfg.backend, cfg.dtype, cfg.min_agreement,
                            cfg.plan_cache, cfg.expect_hash)
         if chosen is None:
-            from vqserve.export.synthetic import is_synthetic
+            from vqserve.export.runtimes.synthetic import is_synthetic
 
             return None, cfg.plan == "auto" and not is_synthetic(cfg.model)
         log_plan(chosen)
@@ -80,7 +80,7 @@ class ServingPlan:
     async def measure(self, device: str, foreground: bool = False):
         """Run ``vqserve plan`` in a child process (lower priority, within --plan-budget-s,
         ended by :meth:`stop`) and return the plan it cached, or None."""
-        from vqserve.export.planner import cache_dir, lookup_plan
+        from vqserve.export.plan.planner import cache_dir, lookup_plan
 
         if self.stopped:  # the server began to drain before the measurement could start
             return None

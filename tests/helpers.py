@@ -124,10 +124,10 @@ def export_plan_file(checkpoint: str, folder, fmt: str = "torchscript") -> tuple
     Returns (plan file, export folder)."""
     from pathlib import Path
 
-    from vqserve.export.execution import ExecutionPlan
     from vqserve.export.exporter import export_model
-    from vqserve.export.planner import PlanChoice, artifact_dir, probe_device
-    from vqserve.export.runtime import model_hash_of
+    from vqserve.export.plan.planner import PlanChoice, artifact_dir, probe_device
+    from vqserve.export.runtimes.execution import ExecutionPlan
+    from vqserve.export.runtimes.loader import model_hash_of
 
     folder = Path(folder)
     model_hash = model_hash_of(checkpoint)

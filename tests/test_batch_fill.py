@@ -12,8 +12,8 @@ import time
 import numpy as np
 
 from tests.helpers import CountingRuntime, staggered_clients
-from vqserve.export.execution import ExecutionPlan, PlannedRuntime
-from vqserve.export.synthetic import SyntheticRuntime
+from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
+from vqserve.export.runtimes.synthetic import SyntheticRuntime
 from vqserve.serve.batcher import Batcher
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from vqserve.bench import inputs, processes, servers
 from vqserve.bench import serving as bench
-from vqserve.export.runtime import load_runtime
+from vqserve.export.runtimes.loader import load_runtime
 from vqserve.serve.server import ServerConfig, ServerThread
 
 SIZE = 32

@@ -284,7 +284,7 @@ def test_serve_dtype_other_than_the_artifacts_is_one_line_before_binding(onnx_fp
 def test_runtime_and_tokenize_refuse_another_dtype_in_one_line(onnx_fp32, tmp_path, capsys):
     from PIL import Image
 
-    from vqserve.export.runtimes import OnnxRuntime
+    from vqserve.export.runtimes.artifacts import OnnxRuntime
 
     with pytest.raises(ValueError, match=r"^--dtype fp16: .* holds an fp32 onnx export") as exc:
         OnnxRuntime(onnx_fp32, dtype="fp16")
@@ -445,7 +445,7 @@ def test_export_refuses_opset_for_other_formats(tiny_checkpoint, tmp_path, capsy
 
 
 def test_opset_range_is_what_the_converter_supports():
-    from vqserve.export.onnx_export import DEFAULT_OPSET, check_opset, opset_range
+    from vqserve.export.formats.onnx import DEFAULT_OPSET, check_opset, opset_range
 
     low, high = opset_range()
     assert low == DEFAULT_OPSET == 18 and high >= low
@@ -460,8 +460,8 @@ def test_an_opset_the_exporter_did_not_honour_is_refused_after_export(
         tiny_checkpoint, tmp_path, monkeypatch, capfd):
     """Belt and braces: even if the up-front range let an opset through, the written files
     are checked, and a mismatch writes nothing (quietly: no converter tracebacks)."""
-    from vqserve.export import onnx_export
     from vqserve.export.exporter import export_model
+    from vqserve.export.formats import onnx as onnx_export
 
     monkeypatch.setattr(onnx_export, "opset_range", lambda: (1, 99))
     out = tmp_path / "onnx12"

@@ -18,7 +18,7 @@ from PIL import Image
 from tests.helpers import FaultyRuntime
 from vqserve.cli import main
 from vqserve.core import images
-from vqserve.export.runtime import EagerRuntime
+from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.offline import shards
 from vqserve.serve.client import AsyncTokenizerClient, TokenizerClient
 from vqserve.serve.server import ServerConfig, ServerThread

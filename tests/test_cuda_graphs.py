@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from vqserve.export.cuda_graphs import GraphedRuntime, graphs_equal_eager
-from vqserve.export.runtime import load_runtime
+from vqserve.export.runtimes.cuda_graphs import GraphedRuntime, graphs_equal_eager
+from vqserve.export.runtimes.loader import load_runtime
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
@@ -177,7 +177,7 @@ def test_an_uncapturable_shape_runs_eager(eager, failure):
 
 
 def test_cuda_plans_take_graphs_and_other_devices_do_not():
-    from vqserve.export.execution import ExecutionPlan, default_plan, plan_for
+    from vqserve.export.runtimes.execution import ExecutionPlan, default_plan, plan_for
 
     plan = plan_for("cuda")
     assert plan.cuda_graphs and "cuda-graphs" in plan.describe(), "the CUDA default: graphs"
@@ -193,7 +193,7 @@ def test_cuda_plans_take_graphs_and_other_devices_do_not():
 def test_a_runtime_that_cannot_be_graphed_runs_eager_and_says_so(tiny_checkpoint):
     """A plan's graphs are a preference: a CPU runtime (or an export) under a plan that asks
     for them runs as it is, and the plan it reports has no graphs."""
-    from vqserve.export.execution import ExecutionPlan, PlannedRuntime
+    from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
 
     runtime = load_runtime(tiny_checkpoint, device="cpu")
     planned = PlannedRuntime(runtime, ExecutionPlan(2, 1, cuda_graphs=True))
@@ -225,8 +225,8 @@ def test_cli_no_cuda_graphs(argv, tmp_path):
 
 @cuda
 def test_graphed_if_equal_graphs_an_eager_cuda_runtime(eager):
-    from vqserve.export.cuda_graphs import graphed_if_equal
-    from vqserve.export.execution import PlannedRuntime, plan_for
+    from vqserve.export.runtimes.cuda_graphs import graphed_if_equal
+    from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 
     graphed, why = graphed_if_equal(eager)
     assert isinstance(graphed, GraphedRuntime) and why == ""
@@ -241,7 +241,7 @@ def test_graphed_if_equal_graphs_an_eager_cuda_runtime(eager):
 def test_plans_over_one_runtime_share_its_graphs_and_its_check(eager):
     """The start-up check's plans and the serving plan over one runtime: one equality check,
     one set of graphs (they used to capture and hold their own, each)."""
-    from vqserve.export.execution import ExecutionPlan, PlannedRuntime, plan_for
+    from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime, plan_for
 
     first = PlannedRuntime(eager, plan_for("cuda"))
     second = PlannedRuntime(eager, ExecutionPlan(4, 1, cuda_graphs=True))

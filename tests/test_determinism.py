@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vqserve.core.machine import available_cores, cpu_flags
-from vqserve.export.determinism import check_invariance, synthetic_images
-from vqserve.export.execution import ExecutionPlan, PlannedRuntime, default_plan
-from vqserve.export.runtime import EagerRuntime
+from vqserve.export.runtimes.determinism import check_invariance, synthetic_images
+from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime, default_plan
+from vqserve.export.runtimes.loader import EagerRuntime
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -78,7 +78,7 @@ def test_plan_pads_to_a_fixed_shape_and_keeps_order():
             self.shapes.append(x.shape[0])
             return x[:, :1, :1, 0].astype(np.uint16) + 0
 
-    from vqserve.export.runtime import RuntimeInfo
+    from vqserve.export.runtimes.loader import RuntimeInfo
 
     rec = Recorder()
     rec.info = RuntimeInfo(backend="eager", dtype="fp32", device="cpu", quantizer="fsq",
@@ -233,8 +233,9 @@ def test_export_certifies_batch_invariance_and_path_identity(tiny_checkpoint, tm
 
 def test_export_refuses_what_it_cannot_certify(tiny_checkpoint, tmp_path, monkeypatch):
     """A format whose tokens move with the batch: refused with the reason, unless allowed."""
-    from vqserve.export import exporter, runtimes
+    from vqserve.export import exporter
     from vqserve.export.exporter import ParityError, export_model
+    from vqserve.export.runtimes import artifacts as runtimes
 
     real = runtimes.RUNTIMES["torchscript"]
     monkeypatch.setitem(runtimes.RUNTIMES, "torchscript",
@@ -285,7 +286,7 @@ def test_every_path_gives_the_same_bf16_tokens(tiny_checkpoint, photos, tmp_path
 
     from vqserve.cli import main
     from vqserve.export.exporter import export_model
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
     from vqserve.offline import shards
     from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
     from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from vqserve.export.exporter import export_model
-from vqserve.export.inspect_graph import check_island
-from vqserve.export.manifest import read_manifest
-from vqserve.export.runtime import EagerRuntime, load_runtime, sha256_file
+from vqserve.export.formats.inspect_graph import check_island
+from vqserve.export.formats.manifest import read_manifest
+from vqserve.export.runtimes.loader import EagerRuntime, load_runtime, sha256_file
 
 COMBOS = [
     ("torchscript", "fp32"), ("torchscript", "bf16"), ("torchscript", "fp16"),
@@ -128,7 +128,7 @@ def test_manifest_contents_and_sha256(fmt, dtype, export_dir, tiny_checkpoint):
         assert entry["sha256"] == sha256_file(d / name)
         assert entry["bytes"] == (d / name).stat().st_size
     # the source checkpoint's model_hash (config + weights), as its eager runtime reports it
-    from vqserve.export.runtime import checkpoint_hash
+    from vqserve.export.runtimes.loader import checkpoint_hash
 
     assert m["source"]["sha256"] == checkpoint_hash(tiny_checkpoint)
     assert m["determinism"]["batch_invariant"] and m["determinism"]["decode_batch_invariant"]

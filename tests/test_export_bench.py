@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from vqserve.export import bench
+from vqserve.bench import runtimes as bench
 
 
 def test_bench_main_runs_side_by_side(tiny_checkpoint, tmp_path, capsys):

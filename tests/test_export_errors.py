@@ -10,8 +10,8 @@ import torch
 
 from vqserve.cli import main as cli_main
 from vqserve.export.exporter import ParityError, export_model
-from vqserve.export.inspect_graph import check_torchscript
-from vqserve.export.runtime import load_runtime
+from vqserve.export.formats.inspect_graph import check_torchscript
+from vqserve.export.runtimes.loader import load_runtime
 
 PARITY = dict(parity_size=32, parity_count=4)
 
@@ -150,7 +150,7 @@ def test_a_damaged_manifest_is_one_line_naming_it(ts_fp32, tmp_path, text, says)
 def test_unsupported_provider_and_dtype_are_named():
     import onnxruntime as ort
 
-    from vqserve.export.runtimes import onnx_providers
+    from vqserve.export.runtimes.artifacts import onnx_providers
 
     with pytest.raises(ValueError, match="CPUExecutionProvider cannot run a bf16 ONNX graph"):
         onnx_providers("cpu", "bf16")
@@ -184,7 +184,7 @@ class _LeakyIsland(torch.nn.Module):
 
 
 def test_island_check_catches_a_leaky_quantizer(tmp_path):
-    from vqserve.export.wrappers import EncodeGraph
+    from vqserve.export.formats.wrappers import EncodeGraph
     from vqserve.model import Tokenizer, TokenizerConfig
 
     tok = Tokenizer(TokenizerConfig(channels=[8, 8, 8], levels=[8, 5, 5, 5])).eval()
@@ -203,7 +203,7 @@ def test_onnx_island_check_catches_fp16_rounding_and_missing_casts(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from vqserve.export.inspect_graph import check_onnx
+    from vqserve.export.formats.inspect_graph import check_onnx
 
     def node(op, ins, outs, scope, **attrs):
         n = helper.make_node(op, ins, outs, name=f"n_{outs[0]}", **attrs)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vqserve.export.parity import VALIDATION_PHOTOS, measure_parity, psnr, validation_photos
-from vqserve.export.runtime import EagerRuntime
+from vqserve.export.runtimes.loader import EagerRuntime
 
 
 def test_validation_photos_mirror_the_training_split():

@@ -30,7 +30,12 @@ from tests.diffusers_models import (
     save_vqmodel,
 )
 from tests.helpers import count_torch_ops
-from vqserve.export.runtime import EagerRuntime, checkpoint_hash, load_runtime, model_hash_of
+from vqserve.export.runtimes.loader import (
+    EagerRuntime,
+    checkpoint_hash,
+    load_runtime,
+    model_hash_of,
+)
 from vqserve.model import load_tokenizer
 from vqserve.model.checkpoint import read_config, resolve_model_path
 from vqserve.model.families import family_for
@@ -147,7 +152,7 @@ def test_export_passes_parity_with_the_fp32_island(small_movq, photos_128, fmt, 
 
 
 def test_serve_v1_encode_decode(small_movq, photos_128):
-    from vqserve.export.execution import PlannedRuntime, plan_for
+    from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
     from vqserve.serve.client import TokenizerClient
     from vqserve.serve.server import ServerConfig, ServerThread
 

@@ -243,7 +243,7 @@ PARITY = dict(parity_size=32, parity_count=2)
                                  pytest.param("pt2", marks=pytest.mark.slow)])
 def test_export_keeps_the_original_tokens(fmt, imported, tmp_path, cases):
     from vqserve.export.exporter import export_model
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     manifest = export_model(imported, fmt, "fp32", tmp_path / fmt, **PARITY)
     assert manifest["parity"]["index_agreement"] == 1.0

@@ -325,7 +325,7 @@ PARITY = dict(parity_size=32, parity_count=2)
 @pytest.mark.parametrize("fmt", ["torchscript", "onnx", "pt2"])
 def test_export_keeps_the_original_tokens(fmt, imported, tmp_path, cases):
     from vqserve.export.exporter import export_model
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     if fmt == "onnx":
         pytest.importorskip("onnxruntime")

@@ -117,7 +117,7 @@ def test_decoded_pixels_equal_the_class(saved, oracles, photos, wide, model_type
 
 
 def test_chameleon_encodes_only_and_refuses_decode_in_one_line(saved):
-    from vqserve.export.runtime import EagerRuntime
+    from vqserve.export.runtimes.loader import EagerRuntime
 
     tok = load_tokenizer(saved["chameleon_vqgan"])
     assert not tok.decodes and tok.decoder is None
@@ -148,7 +148,7 @@ def test_pixel_scaling_is_the_processors_for_every_value(model_type):
 
 def test_a_saved_image_processor_decides_the_scaling(saved, oracles, photos, tmp_path):
     """``image_processor.save_pretrained(DIR)``: its mean/std/rescale are read, and hashed."""
-    from vqserve.export.runtime import checkpoint_hash
+    from vqserve.export.runtimes.loader import checkpoint_hash
 
     d = tmp_path / "emu3"
     shutil.copytree(saved["emu3_vqgan"], d)
@@ -237,7 +237,7 @@ def test_chunked_search_equals_the_class_on_published_codebook_shapes(model_type
 # ---- bf16 / fp16: the island in eager runtimes and in exported graphs ----------------------------
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_low_precision_runtime_keeps_the_residual_stream_and_quantizer_fp32(saved, photos, model_type):
-    from vqserve.export.runtime import EagerRuntime
+    from vqserve.export.runtimes.loader import EagerRuntime
 
     for dtype in ("bf16", "fp16"):
         rt = EagerRuntime(saved[model_type], dtype=dtype)
@@ -256,9 +256,9 @@ def test_low_precision_graphs_prove_the_fp32_island(saved, tmp_path, model_type,
     """The exported bf16/fp16 graphs (TorchScript, the format export_model checks cheapest)
     hold the quantizer as an fp32 island: float32 inside, argmin inside, the networks in
     ``dtype`` around it, an explicit cast out of the decode island."""
-    from vqserve.export import wrappers
-    from vqserve.export.inspect_graph import check_torchscript
-    from vqserve.export.torchscript import export_torchscript, load_torchscript
+    from vqserve.export.formats import wrappers
+    from vqserve.export.formats.inspect_graph import check_torchscript
+    from vqserve.export.formats.torchscript import export_torchscript, load_torchscript
 
     tok = load_tokenizer(saved[model_type])
     enc, dec = wrappers.build_graphs(tok, dtype)
@@ -282,7 +282,7 @@ def test_low_precision_graphs_prove_the_fp32_island(saved, tmp_path, model_type,
                                             ("chameleon_vqgan", "onnx")])
 def test_export_keeps_the_class_tokens(saved, oracles, photos, tmp_path, model_type, fmt):
     from vqserve.export.exporter import export_model
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     manifest = export_model(saved[model_type], fmt, "fp32", tmp_path / fmt, parity_size=16, parity_count=2)
     assert manifest["parity"]["index_agreement"] == 1.0 and manifest["family"] == FAMILY[model_type]

@@ -28,7 +28,7 @@ import pytest
 
 from tests.helpers import FaultyRuntime
 from tests.test_serve_ops import in_flight, start_process
-from vqserve.export.runtime import EagerRuntime
+from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve import codec
 from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
 from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import CountingRuntime, staggered_clients
-from vqserve.export.execution import ExecutionPlan, PlannedRuntime
-from vqserve.export.synthetic import SyntheticRuntime, block_tokens
+from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
+from vqserve.export.runtimes.synthetic import SyntheticRuntime, block_tokens
 from vqserve.serve.batcher import DeadlineExpired
 from vqserve.serve.engine import Engine
 from vqserve.serve.executor import ExecutorService

@@ -112,7 +112,7 @@ def test_decode_of_encode_uses_the_same_pattern():
 def test_every_format_rebuilds_the_pattern_at_sizes_it_was_not_traced_at(fmt, photos, tmp_path):
     from tests.conftest import make_tokenizer
     from vqserve.export.exporter import export_model
-    from vqserve.export.runtime import EagerRuntime, load_runtime
+    from vqserve.export.runtimes.loader import EagerRuntime, load_runtime
 
     ckpt = tmp_path / "dithered"
     save_tokenizer(make_tokenizer(channels=[16], patch_size=4, dither="bayer4"), ckpt)
@@ -133,7 +133,7 @@ def test_a_server_says_its_tokens_are_dithered_and_round_trips_them(photos, tmp_
     computing codes itself must add the offsets), and its tokens and pixels are the eager
     model's, whole photographs and 32-pixel-aligned pieces alike."""
     from tests.conftest import make_tokenizer
-    from vqserve.export.runtime import EagerRuntime
+    from vqserve.export.runtimes.loader import EagerRuntime
     from vqserve.serve.client import TokenizerClient
     from vqserve.serve.server import ServerConfig, ServerThread
 

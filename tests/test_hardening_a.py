@@ -207,7 +207,7 @@ def test_manifest_paths_outside_the_artifact_are_refused(tiny_checkpoint, tmp_pa
     import json
     import shutil
 
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     art = _exported(tiny_checkpoint, tmp_path)
     manifest = json.loads((art / "manifest.json").read_text())
@@ -230,8 +230,8 @@ def test_model_hash_covers_every_artifact_file(tiny_checkpoint, tmp_path):
     """Was: model_hash was the encoder file's sha256 alone, blind to a changed decoder."""
     import json
 
-    from vqserve.export.manifest import artifact_hash
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.formats.manifest import artifact_hash
+    from vqserve.export.runtimes.loader import load_runtime
 
     art = _exported(tiny_checkpoint, tmp_path)
     manifest = json.loads((art / "manifest.json").read_text())

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import CountingRuntime
-from vqserve.export.runtime import EagerRuntime
+from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve import codec
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc

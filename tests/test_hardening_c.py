@@ -32,7 +32,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vqserve.cli import main as cli_main
-from vqserve.export.runtime import (
+from vqserve.export.runtimes.loader import (
     EagerRuntime,
     ModelHashMismatch,
     checkpoint_hash,

@@ -28,7 +28,7 @@ from tests.helpers import CountingRuntime
 from vqserve.cli import main as cli_main
 from vqserve.commands.serve import config_from_args
 from vqserve.core import images as imagelib
-from vqserve.export.runtime import EagerRuntime
+from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve import decoding
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc

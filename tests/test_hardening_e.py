@@ -235,7 +235,7 @@ def held_server(tiny_checkpoint, one_thread):
     """A server whose one model slot runs a single image per call, through ``FaultyRuntime``
     (the real tiny runtime; every call recorded, and held while its gate is closed)."""
     from tests.helpers import FaultyRuntime
-    from vqserve.export.runtime import EagerRuntime
+    from vqserve.export.runtimes.loader import EagerRuntime
     from vqserve.serve.server import ServerConfig, ServerThread
 
     runtime = FaultyRuntime(EagerRuntime(tiny_checkpoint, device="cpu"))
@@ -268,7 +268,7 @@ def test_expired_requests_stop_taking_the_model(tiny_checkpoint, one_thread):
     within its 1-s deadline (a fresh-clone CI run), and the test then saw an OK instead of the
     expiry it is about."""
     from tests.helpers import FaultyRuntime
-    from vqserve.export.runtime import EagerRuntime
+    from vqserve.export.runtimes.loader import EagerRuntime
     from vqserve.serve.server import ServerConfig, ServerThread
 
     cfg = ServerConfig(model=tiny_checkpoint, backend="eager", device="cpu", host="127.0.0.1", port=0,

@@ -2,7 +2,7 @@
 ``vqserve serve --listeners N`` giving each front-end that many.
 
 Real gRPC servers and clients on loopback; the served model is ``synthetic:N``, the
-stand-in accelerator (export/synthetic.py), since front-ends exist for GPU nodes and this
+stand-in accelerator (export/runtimes/synthetic.py), since front-ends exist for GPU nodes and this
 machine has none."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.helpers import ServeProcess, child_pids
-from vqserve.export.synthetic import block_tokens
+from vqserve.export.runtimes.synthetic import block_tokens
 from vqserve.serve.client import TokenizerClient
 from vqserve.serve.listeners import Listeners
 

@@ -155,7 +155,7 @@ def test_a_process_in_a_cgroup_with_a_quota_sizes_itself_by_the_quota():
     front-end's decode threads, the front-ends of a stand-in accelerator."""
     code = ("from vqserve.core.machine import available_cores, cpu_quota_cores;"
             "from vqserve.commands.serve import resolve_frontends;"
-            "from vqserve.export.execution import default_model_workers;"
+            "from vqserve.export.runtimes.execution import default_model_workers;"
             "from vqserve.serve.decoding import default_decode_threads;"
             "print(available_cores(), cpu_quota_cores(), default_model_workers('cpu'), default_decode_threads(),"
             "      resolve_frontends('auto', 'synthetic:0', 'cpu'))")

@@ -110,7 +110,7 @@ def test_precision_frontier_measures_the_served_path(tiny_checkpoint, photos, tm
     import numpy as np
     from PIL import Image
 
-    from vqserve.export.runtime import EagerRuntime
+    from vqserve.export.runtimes.loader import EagerRuntime
     from vqserve.model import load_tokenizer
     from vqserve.training import precision_frontier as pf
 
@@ -144,7 +144,7 @@ def test_every_cuda_runtime_turns_tf32_off_whatever_ran_before(tiny_checkpoint, 
     from vqserve.bench.inputs import (
         bench_photos,  # built in: a GPU node need not have scikit-image
     )
-    from vqserve.export.runtime import EagerRuntime
+    from vqserve.export.runtimes.loader import EagerRuntime
 
     photos = bench_photos(64)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True

@@ -79,7 +79,7 @@ def test_same_tokens_means_the_same_files_or_exact_tokens_of_the_same_checkpoint
 
 # ---- one plan for a fleet -------------------------------------------------------------------------
 def test_a_plan_file_moved_to_another_folder_serves_as_is(tiny_checkpoint, ts_plan, tmp_path, photos):
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
     from vqserve.serve.client import TokenizerClient
 
     plan, _ = ts_plan
@@ -97,7 +97,7 @@ def test_a_plan_file_moved_to_another_folder_serves_as_is(tiny_checkpoint, ts_pl
 
 def test_a_plan_file_whose_export_is_not_on_this_machine_exports_it_again(tiny_checkpoint, ts_plan, tmp_path,
                                                                           photos):
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
     from vqserve.serve.client import TokenizerClient
 
     body = json.loads(Path(ts_plan[0]).read_text())
@@ -133,7 +133,7 @@ def test_serve_refuses_a_plan_file_for_another_model_or_device_in_one_line(tiny_
 def test_a_plan_this_machine_cannot_reproduce_is_refused(tiny_checkpoint, ts_plan):
     """The start-up check of a plan from elsewhere: its runtime must give eager fp32's tokens
     and pixels here. A runtime one token off is refused, naming what differs."""
-    from vqserve.export.planner import PlanChoice, PlanFileError, check_reproduces
+    from vqserve.export.plan.planner import PlanChoice, PlanFileError, check_reproduces
 
     chosen = PlanChoice.from_file(ts_plan[0], tiny_checkpoint, "cpu")
     runtime = chosen.load(tiny_checkpoint)
@@ -159,7 +159,7 @@ def test_the_readme_sequence_works_when_the_plan_chose_an_export(tiny_checkpoint
                                                                capsys):
     """Was: the manifest said `backend: onnx, model: default`, which verify and detokenize
     could not load (exit 2). Any export the plan chose is the same case."""
-    from vqserve.export.planner import PlanChoice, cache_key, write_cached
+    from vqserve.export.plan.planner import PlanChoice, cache_key, write_cached
 
     cache = tmp_path / "plans"
     chosen = PlanChoice.from_file(ts_plan[0], tiny_checkpoint, "cpu")

@@ -1,7 +1,7 @@
 """`vqserve serve --frontends N`: gRPC in N front-end processes, one device executor.
 
 Real servers in their own processes, real clients. The model is ``synthetic:N``, the
-stand-in accelerator (export/synthetic.py): this machine has no GPU, and the layout exists
+stand-in accelerator (export/runtimes/synthetic.py): this machine has no GPU, and the layout exists
 for GPU nodes; its tokens are a known function of the pixels, so every answer is checked.
 """
 
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import ServeProcess, alive, child_pids, wait_until
 from vqserve.core.shm import Arena, ArenaFull
-from vqserve.export.synthetic import SyntheticRuntime, block_tokens
+from vqserve.export.runtimes.synthetic import SyntheticRuntime, block_tokens
 from vqserve.serve import wire
 from vqserve.serve.client import TokenizerClient
 
@@ -587,7 +587,7 @@ def test_more_frontends_than_cores_serve_but_say_what_they_cost(frontends, warne
 def test_a_real_model_behind_frontends_gives_its_in_process_tokens(tiny_checkpoint, photos):
     """The eager runtime reading pixels in place from a front-end's arena: the same tokens
     and pixels as the runtime called directly (what the layout must never change)."""
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     runtime = load_runtime(tiny_checkpoint)
     images = np.ascontiguousarray(photos[:3])
@@ -646,7 +646,7 @@ def test_bench_gpu_measures_the_plan_it_serves_as_planned(tiny_checkpoint, tmp_p
     """`vqserve bench gpu --planned` serves each dtype by the plan `vqserve plan` measures
     on the machine (what --plan auto serves): the child's plan file, read back."""
     from vqserve.bench.gpu import measured_plan
-    from vqserve.export.execution import ExecutionPlan
+    from vqserve.export.runtimes.execution import ExecutionPlan
 
     choice = measured_plan(tiny_checkpoint, "cpu", "fp32", str(tmp_path), 600.0)
     assert "error" not in choice, choice

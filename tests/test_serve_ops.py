@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from vqserve.export.runtime import EagerRuntime
+from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve import codec
 from vqserve.serve.client import TokenizerClient
 from vqserve.serve.server import ServerConfig, ServerThread
@@ -242,7 +242,7 @@ def test_serve_flags_match_the_contract():
 def test_serves_an_exported_artifact(tiny_checkpoint, photos, tmp_path):
     """`serve --model ARTIFACT_DIR` runs the exported format through load_runtime."""
     from vqserve.cli import main
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     art = tmp_path / "ts"
     if main(["export", "--model", tiny_checkpoint, "--format", "torchscript", "--dtype", "fp32",

@@ -323,9 +323,9 @@ def test_eval_reports_the_share_of_tokens_near_a_boundary(tie_dataset, tmp_path,
 
 
 def test_the_determinism_certificate_reports_the_share_near_a_boundary(tiny_checkpoint):
-    from vqserve.export.determinism import check_invariance, synthetic_images
-    from vqserve.export.execution import ExecutionPlan
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.determinism import check_invariance, synthetic_images
+    from vqserve.export.runtimes.execution import ExecutionPlan
+    from vqserve.export.runtimes.loader import load_runtime
 
     runtime = load_runtime(tiny_checkpoint)
     images = synthetic_images(3, 32)

@@ -25,7 +25,7 @@ from PIL import Image
 from tests.helpers import folder_bytes, stop_after_first_shard
 from vqserve.cli import main
 from vqserve.core import images
-from vqserve.export.runtime import EagerRuntime
+from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.offline import shards
 
 pytestmark = pytest.mark.timeout(300)

@@ -83,7 +83,7 @@ def test_several_shapes_per_task_and_images_too_large_for_a_slot(tmp_path, monke
     """--keep-size: each task's images are grouped by shape in the slot; with slots too
     small for some groups those come back pickled. Same shards either way."""
     from vqserve.core import images
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
     from vqserve.offline import pipeline
 
     _mixed_sizes(tmp_path / "in", 23)

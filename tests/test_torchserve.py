@@ -26,10 +26,10 @@ import pytest
 from PIL import Image
 
 from vqserve.cli import main as cli_main
-from vqserve.export import torchserve_handler as th
-from vqserve.export.runtime import EagerRuntime
-from vqserve.export.torchserve import build_archives
-from vqserve.export.torchserve_server import PROTO_FILES, TorchServe, extract_protos, http
+from vqserve.export.runtimes.loader import EagerRuntime
+from vqserve.export.torchserve.archives import build_archives
+from vqserve.export.torchserve import handler as th
+from vqserve.export.torchserve.server import PROTO_FILES, TorchServe, extract_protos, http
 
 PORT_RANGE = (18080, 18099)
 BATCH_SIZE, MAX_DELAY_MS = 4, 200   # registration values (the archives default to 8 / 5)
@@ -405,7 +405,7 @@ def test_a_killed_caller_leaves_no_torchserve_behind(tmp_path):
     from tests.helpers import wait_until
 
     code = ("import sys, time; from pathlib import Path\n"
-            "from vqserve.export.torchserve_server import TorchServe\n"
+            "from vqserve.export.torchserve.server import TorchServe\n"
             "store = Path(sys.argv[1]); store.mkdir()\n"
             f"ts = TorchServe(store, Path(sys.argv[2]), {PORT_RANGE!r}, vmargs='-Xmx256m -XX:+UseSerialGC')\n"
             "ts.wait_ready(); print(ts.proc.pid, ts.tmp, flush=True); time.sleep(600)\n")

@@ -165,7 +165,7 @@ def test_verify_usage_errors(copy, tmp_path, capsys, tiny_checkpoint):
     assert main(["verify", str(copy), "--sample", "1"]) == 2
     assert "re-encoding with another model proves nothing" in capsys.readouterr().err
     with pytest.raises(ValueError, match="hash"):
-        from vqserve.export.runtime import load_runtime
+        from vqserve.export.runtimes.loader import load_runtime
 
         verify_dataset(copy, sample=1, runtime=load_runtime(tiny_checkpoint))
 
@@ -192,7 +192,7 @@ def read_png(path: Path) -> np.ndarray:
 
 
 def test_detokenize_round_trip(dataset, tmp_path, tiny_checkpoint):
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     out = tmp_path / "recon"
     assert main(["detokenize", str(dataset), "--out", str(out), "--batch-size", "2",

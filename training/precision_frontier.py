@@ -7,7 +7,7 @@ fp32, quantizer fp32 as always; ``vqserve.model.mixed_precision``). For each it 
   factor, never tiled): on the *selection* photos (scikit-image's validation split,
   ``BUILTIN_VAL``), which is where a policy is chosen, and on the *report* photos given
   with ``--photos`` (held out: nothing was chosen on them);
-* **encode speed against fp32**, as the server runs a call (``vqserve.export.execution``:
+* **encode speed against fp32**, as the server runs a call (``vqserve.export.runtimes.execution``:
   one intra-op thread, batch 1), at ``--size`` (256) and on one whole photo: fp32 timed
   next to each candidate in interleaved rounds (order reversed every other round); per
   round the ratio fp32 time / candidate time, reported as the median over rounds;

@@ -49,6 +49,23 @@ MOVED: dict[str, str] = {
     "vqserve.model.families.diffusers_vq": "vqserve.model.families.diffusers.family",
     "vqserve.model.families.vqserve_native": "vqserve.model.families.native.family",
     "vqserve.model.families.codebook": "vqserve.model.quantizers.cdist",
+    "vqserve.export.runtime": "vqserve.export.runtimes.loader",
+    "vqserve.export.cuda_graphs": "vqserve.export.runtimes.cuda_graphs",
+    "vqserve.export.synthetic": "vqserve.export.runtimes.synthetic",
+    "vqserve.export.execution": "vqserve.export.runtimes.execution",
+    "vqserve.export.determinism": "vqserve.export.runtimes.determinism",
+    "vqserve.export.checks": "vqserve.export.runtimes.checks",
+    "vqserve.export.wrappers": "vqserve.export.formats.wrappers",
+    "vqserve.export.torchscript": "vqserve.export.formats.torchscript",
+    "vqserve.export.onnx_export": "vqserve.export.formats.onnx",
+    "vqserve.export.pt2": "vqserve.export.formats.pt2",
+    "vqserve.export.manifest": "vqserve.export.formats.manifest",
+    "vqserve.export.inspect_graph": "vqserve.export.formats.inspect_graph",
+    "vqserve.export.planner": "vqserve.export.plan.planner",
+    "vqserve.export.torchserve_handler": "vqserve.export.torchserve.handler",
+    "vqserve.export.torchserve_server": "vqserve.export.torchserve.server",
+    "vqserve.export.bench": "vqserve.bench.runtimes",
+    "vqserve.export.plan_bench": "vqserve.bench.plan",
 }
 
 

@@ -22,10 +22,10 @@ import importlib
 TARGETS = {
     "all": "vqserve.bench.report",
     "quantizers": "vqserve.bench.quantizers",
-    "runtimes": "vqserve.export.bench",
+    "runtimes": "vqserve.bench.runtimes",
     "serve": "vqserve.bench.serving",
     "tokenize": "vqserve.bench.offline",
-    "plan": "vqserve.export.plan_bench",
+    "plan": "vqserve.bench.plan",
     "gpu": "vqserve.bench.gpu",
 }
 

@@ -84,9 +84,9 @@ def is_packaged_name(model: str) -> bool:
 
 
 def is_synthetic_name(model: str) -> bool:
-    """``synthetic:N``: the stand-in accelerator (vqserve.export.synthetic, which parses the
+    """``synthetic:N``: the stand-in accelerator (vqserve.export.runtimes.synthetic, which parses the
     name without importing torch); a bad N is a usage error."""
-    from vqserve.export.synthetic import is_synthetic, parse_synthetic
+    from vqserve.export.runtimes.synthetic import is_synthetic, parse_synthetic
 
     if not is_synthetic(model):
         return False

@@ -206,7 +206,7 @@ def refuse_overwrite(items: list[Item], out: Path) -> None:
 def open_runtime(args: argparse.Namespace, manifest: dict | None):
     """--model, else the manifest's model; the recorded hash must match unless --model was
     given explicitly (then a warning: the user may knowingly decode with a fine-tuned copy)."""
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
     from vqserve.offline.verify import recorded_runtime
 
     recorded = (manifest or {}).get("model", {})

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if "note" in p:
         print(f"note: {p['note']}")
     if "determinism" in manifest:
-        from vqserve.export.determinism import Certificate
+        from vqserve.export.runtimes.determinism import Certificate
 
         print(Certificate(**manifest["determinism"]).summary())
     return 0
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_torchserve(args: argparse.Namespace, log) -> int:
     """``--format torchserve``: two TorchServe archives around the same runtime."""
-    from vqserve.export.torchserve import build_archives
+    from vqserve.export.torchserve.archives import build_archives
 
     try:
         manifest = build_archives(args.model, args.out, backend=args.backend, dtype=args.dtype,

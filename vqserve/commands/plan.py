@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
     sizes = _ints(args.sizes, "--sizes")
     micro = _ints(args.micro_batches, "--micro-batches") if args.micro_batches else None
     check_model_exists(args.model, "VQSERVE_MODEL")
-    from vqserve.export import planner
-    from vqserve.export.planner import EXPORT_BACKENDS, PlanCancelled, check_plan_out
-    from vqserve.export.runtime import load_runtime, resolve_device
+    from vqserve.export.plan import planner
+    from vqserve.export.plan.planner import EXPORT_BACKENDS, PlanCancelled, check_plan_out
+    from vqserve.export.runtimes.loader import load_runtime, resolve_device
 
     if args.out:
         check_plan_out(args.out)
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(result: dict, source: str) -> None:
-    from vqserve.export.planner import label_of, row_label
+    from vqserve.export.plan.planner import label_of, row_label
 
     dev = result["device"]
     flags = ", ".join(f for f, on in dev["cpu_flags"].items() if on) or "none found"

@@ -208,13 +208,13 @@ def resolve_frontends(value, model: str, device: str) -> int:
     if value != "auto":
         return int(value)
     from vqserve.core.machine import available_cores
-    from vqserve.export.synthetic import is_synthetic
+    from vqserve.export.runtimes.synthetic import is_synthetic
     from vqserve.serve.executor import default_frontends
 
     if is_synthetic(model):
         device = "synthetic"
     elif device == "auto":
-        from vqserve.export.runtime import resolve_device
+        from vqserve.export.runtimes.loader import resolve_device
 
         device = resolve_device(device)
     return default_frontends(device, available_cores())
@@ -320,8 +320,8 @@ def check_artifact_dtype(model: str | None, dtype: str | None) -> None:
     in one line (exit 2), rather than by the model load after the port is bound."""
     if dtype in (None, "auto") or model is None or is_packaged_name(model) or not (Path(model) / "manifest.json").is_file():
         return
-    from vqserve.export.manifest import read_manifest
-    from vqserve.export.runtimes import check_artifact_dtype as check
+    from vqserve.export.formats.manifest import read_manifest
+    from vqserve.export.runtimes.artifacts import check_artifact_dtype as check
 
     check(model, read_manifest(model), dtype)
 
@@ -331,8 +331,8 @@ def check_plan_file(config) -> None:
     before any port is bound; whether this machine reproduces it is checked as it loads."""
     if config.plan in ("auto", "default"):
         return
-    from vqserve.export.planner import PlanChoice
-    from vqserve.export.runtime import resolve_device
+    from vqserve.export.plan.planner import PlanChoice
+    from vqserve.export.runtimes.loader import resolve_device
 
     PlanChoice.from_file(config.plan, config.model, resolve_device(config.device), config.dtype)
 
@@ -362,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
     check_artifact_dtype(config.model, config.dtype)
     check_plan_file(config)
     if config.expect_hash:  # a one-line refusal before any port is bound; the load checks again
-        from vqserve.export.runtime import check_expected_hash, model_hash_of
+        from vqserve.export.runtimes.loader import check_expected_hash, model_hash_of
 
         check_expected_hash(config.expect_hash, model_hash_of(config.model), config.model)
     setup_logging(args.log_level)

@@ -135,7 +135,7 @@ def _chosen_plan(args: argparse.Namespace, device: str):
     import os
 
     from vqserve.commands.common import min_agreement_for
-    from vqserve.export.planner import choose_plan, find_plan
+    from vqserve.export.plan.planner import choose_plan, find_plan
 
     plan = plan_choice(args.plan or os.environ.get("VQSERVE_PLAN") or "auto")
     min_agreement = min_agreement_for(args.dtype, args.min_agreement)
@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
     inputs = sources.expand_inputs(args.inputs)  # a missing INPUT: usage error before the model loads
     import torch
 
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
     from vqserve.offline.engine import device_kind, parse_devices
 
     synthetic = args.model.startswith("synthetic:")
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def load(on: str):
         if chosen is not None:  # the plan's backend: the model as given, or its export in the plan cache
-            from vqserve.export.planner import cache_dir
+            from vqserve.export.plan.planner import cache_dir
 
             return chosen.load(args.model, args.backend, on, args.expect_hash,
                                artifacts=cache_dir(args.plan_cache) / "artifacts",
@@ -208,7 +208,7 @@ def _run(args: argparse.Namespace) -> int:
     # leaves the GPUs to the actors, which run the same plan
     runtime = load("cpu" if args.engine == "ray" else device)
     if chosen is not None and chosen.source == "file" and args.engine != "ray":
-        from vqserve.export.planner import check_reproduces
+        from vqserve.export.plan.planner import check_reproduces
 
         check_reproduces(runtime, args.model, device, chosen)
     runtimes = {device: runtime}

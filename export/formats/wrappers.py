@@ -9,7 +9,7 @@ runs inside ``Fp32Island``, a submodule of its own whose first op is an explicit
 float32 and whose output is integer indices (encode) or float32 codes (decode). Because
 the island is a named submodule (``island``), every format keeps it identifiable: ONNX
 name scopes, TorchScript submodules and torch.export ``nn_module_stack`` all say
-``island``, which is what ``vqserve.export.inspect_graph`` checks.
+``island``, which is what ``vqserve.export.formats.inspect_graph`` checks.
 """
 
 from __future__ import annotations

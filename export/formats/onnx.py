@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from vqserve.export.pt2 import dynamic_shapes
+from vqserve.export.formats.pt2 import dynamic_shapes
 
 ENCODE_FILE = "encode.onnx"
 DECODE_FILE = "decode.onnx"

@@ -202,7 +202,7 @@ def _group_reaper(group: int, tmp: Path) -> subprocess.Popen | None:
         arm()
 
     quiet = subprocess.DEVNULL  # holds no pipe of the caller's open (a reader waiting for EOF)
-    code = "import sys; from vqserve.export.torchserve_server import _reaper_main; _reaper_main(int(sys.argv[1]), sys.argv[2])"
+    code = "import sys; from vqserve.export.torchserve.server import _reaper_main; _reaper_main(int(sys.argv[1]), sys.argv[2])"
     return subprocess.Popen([sys.executable, "-c", code, str(group), str(tmp)], stdin=quiet, stdout=quiet,
                             stderr=quiet, preexec_fn=start)
 

@@ -1,7 +1,7 @@
 """Choose the execution plan by measuring it: ``vqserve plan``, and ``vqserve serve`` /
 ``vqserve tokenize`` with ``--plan auto`` (the default) or ``--plan FILE``.
 
-A plan is a backend and dtype plus an :class:`~vqserve.export.execution.ExecutionPlan`
+A plan is a backend and dtype plus an :class:`~vqserve.export.runtimes.execution.ExecutionPlan`
 (micro-batch per image size, parallel calls, intra-op threads). What is fastest depends on
 the hardware and the image size, so the planner does not guess - but it never trades
 tokens for speed unless asked:
@@ -49,8 +49,8 @@ from pathlib import Path
 import numpy as np
 
 from vqserve.core.machine import available_cores, cpu_info
-from vqserve.export.determinism import check_invariance, synthetic_images
-from vqserve.export.execution import (
+from vqserve.export.runtimes.determinism import check_invariance, synthetic_images
+from vqserve.export.runtimes.execution import (
     ExecutionPlan,
     PlannedRuntime,
     apply_intra_op_threads,
@@ -259,7 +259,7 @@ def _candidates(res: DtypeResult, sides: tuple[int, ...], micro_batches: tuple[i
                 workers: int) -> list[Candidate]:
     """The ways to run one path: each micro-batch with ``workers`` single-threaded calls, and
     one call with ``workers`` torch threads (not for ONNX Runtime, whose sessions run one
-    thread each: vqserve.export.runtimes)."""
+    thread each: vqserve.export.runtimes.artifacts)."""
     out = [Candidate(res.dtype, side, micro, workers, backend=res.backend)
            for side in sides for micro in micro_batches if micro * side * side <= MAX_CALL_PIXELS]
     if workers > 1 and res.backend != "onnx" and res.threads_invariant:
@@ -457,8 +457,8 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
     ``should_stop()`` is asked between model calls: True raises :class:`PlanCancelled`.
     Returns a JSON-able dict with ``dtype``, ``backend``, ``artifact``, ``exact``, ``plan``,
     ``dtypes``, ``candidates``, ``device``, ``load_average``."""
-    from vqserve.export.runtime import load_runtime, model_hash_of
-    from vqserve.export.synthetic import is_synthetic
+    from vqserve.export.runtimes.loader import load_runtime, model_hash_of
+    from vqserve.export.runtimes.synthetic import is_synthetic
 
     say = log or (lambda msg: None)
 
@@ -542,7 +542,7 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
         plan = _certified(raws[chosen.label], plan, say)
         if str(device).startswith("cuda") and chosen.backend == "eager":
             # the chosen kernels replayed from CUDA graphs: the same tokens (checked where the plan
-            # is loaded, export/cuda_graphs.py), less Python per call than the eager timing above
+            # is loaded, export/runtimes/cuda_graphs.py), less Python per call than the eager timing above
             plan = dataclasses.replace(plan, cuda_graphs=True)
     finally:
         for raw in raws.values():
@@ -567,7 +567,7 @@ def _certified(raw, plan: ExecutionPlan, say) -> ExecutionPlan:
     lone call that moved a decoded pixel there although the calibration found it equal)
     loses the unpadded lone calls of the method that failed (decode pixels, or encode
     tokens), then all of them, and failing still, falls back to micro-batch 1."""
-    from vqserve.export.determinism import start_up_check
+    from vqserve.export.runtimes.determinism import start_up_check
 
     attempt, tried = plan, set()
     while True:
@@ -609,7 +609,7 @@ def cache_key(model, device: str, backend: str, dtype: str | None, min_agreement
     import torch
 
     import vqserve
-    from vqserve.export.runtime import model_hash_of
+    from vqserve.export.runtimes.loader import model_hash_of
 
     try:
         import onnxruntime
@@ -747,7 +747,7 @@ class PlanChoice:
         (:class:`PlanFileError`, one line) when it is not a plan file, was measured for another
         model (hash), another kind of device, or another dtype than ``--dtype`` pins. Whether
         this machine reproduces its tokens is checked when it loads (:func:`check_reproduces`)."""
-        from vqserve.export.runtime import model_hash_of
+        from vqserve.export.runtimes.loader import model_hash_of
 
         try:
             data = json.loads(Path(path).read_text())
@@ -780,13 +780,13 @@ class PlanChoice:
         ``--expect-hash`` and clients see the same model whichever backend runs it. An export
         that is not on this machine (a plan file from another one) is made again into
         ``artifacts`` (default: the plan cache's)."""
-        from vqserve.export.runtime import load_runtime, model_hash_of
-        from vqserve.export.synthetic import is_synthetic
+        from vqserve.export.runtimes.loader import load_runtime, model_hash_of
+        from vqserve.export.runtimes.synthetic import is_synthetic
 
         # the model as given: eager, an artifact, or the stand-in accelerator (nothing to export)
         if self.backend == "eager" or is_synthetic(model) or (Path(str(model)) / "manifest.json").is_file():
             return load_runtime(model, backend=backend, dtype=self.dtype, device=device, expect_hash=expect_hash)
-        from vqserve.export.manifest import read_manifest
+        from vqserve.export.formats.manifest import read_manifest
 
         want = self.model_hash or model_hash_of(model)
         artifact = self.artifact
@@ -809,8 +809,8 @@ def check_reproduces(runtime, model, device: str, choice: PlanChoice, certificat
     photographs here; and every plan must pass the start-up check under its own execution
     plan here (``certificate``: that check, when the caller ran it already). Raises
     :class:`PlanFileError` naming what differs."""
-    from vqserve.export.determinism import start_up_check
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.determinism import start_up_check
+    from vqserve.export.runtimes.loader import load_runtime
 
     if choice.exact and runtime.info.backend != "eager":
         photos, _ = calibration_images()
@@ -836,7 +836,7 @@ def find_plan(plan: str, model, device: str, backend: str = "auto", dtype: str |
     (checked against the model), the plan cached for this hardware and model (``auto``), or
     None - the safe plan (``default``, or ``auto`` with nothing cached yet). The server and
     ``vqserve tokenize`` both decide this way."""
-    from vqserve.export.synthetic import is_synthetic
+    from vqserve.export.runtimes.synthetic import is_synthetic
 
     if plan == "default" or (plan == "auto" and is_synthetic(model)):  # nothing to measure on a stand-in
         return None
@@ -851,7 +851,7 @@ def lookup_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | 
     """The cached plan for ``model`` here, or None; and the cache key (for the measurement
     that would fill it). ``expect_hash``: refuse a model whose hash differs, before anything
     of it runs."""
-    from vqserve.export.runtime import check_expected_hash
+    from vqserve.export.runtimes.loader import check_expected_hash
 
     directory = cache_dir(cache)
     key = cache_key(model, device, backend, dtype, min_agreement,

@@ -23,7 +23,7 @@ caller's batch:
 
 The server and ``vqserve tokenize`` both wrap their runtime in it, so both give the same
 tokens. Whether a given device really is invariant under this plan is *measured*, not
-assumed: :mod:`vqserve.export.determinism` checks it (at export time into the manifest, at
+assumed: :mod:`vqserve.export.runtimes.determinism` checks it (at export time into the manifest, at
 server start into GetModelInfo).
 """
 
@@ -83,7 +83,7 @@ class ExecutionPlan:
     # micro-batch (one-image requests on a GPU at micro-batch 64 ran at 0.22 of the device).
     bucketed: tuple[str, ...] = ()
     # on CUDA, replay each call shape's kernels from a CUDA graph captured from the eager code,
-    # uploading through pinned buffers (export/cuda_graphs.py): the same kernels, so the same
+    # uploading through pinned buffers (export/runtimes/cuda_graphs.py): the same kernels, so the same
     # tokens, with a fraction of the Python per call. A preference: a runtime that cannot be
     # graphed (not eager, not CUDA) or whose graphs differ from eager on the check runs eager
     cuda_graphs: bool = False
@@ -213,7 +213,7 @@ class PlannedRuntime:
     def __init__(self, inner, plan: ExecutionPlan, source: str = ""):
         self.graphs_refused = ""
         if plan.cuda_graphs:  # the same kernels replayed from graphs, where they give eager's results
-            from vqserve.export.cuda_graphs import graphed_if_equal
+            from vqserve.export.runtimes.cuda_graphs import graphed_if_equal
 
             inner, self.graphs_refused = graphed_if_equal(inner)
             if self.graphs_refused:  # what runs is eager: the plan and identity say so

@@ -5,7 +5,7 @@ with ``RuntimeInfo``. The server's batcher, the OIP v2 adapter and the offline b
 are all written against this interface only, never against a backend.
 
 Backends: ``eager`` (a Tokenizer in-process, here), and the exported formats
-(``torchscript``, ``onnx``, ``pt2``; ``vqserve.export.runtimes``) that ``load_runtime``
+(``torchscript``, ``onnx``, ``pt2``; ``vqserve.export.runtimes.artifacts``) that ``load_runtime``
 opens from an artifact directory by its ``manifest.json``.
 """
 
@@ -149,9 +149,9 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
     """
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
-    from vqserve.export.synthetic import SyntheticRuntime, is_synthetic
+    from vqserve.export.runtimes.synthetic import SyntheticRuntime, is_synthetic
 
-    if is_synthetic(model_or_artifact_dir):  # the stand-in accelerator (export/synthetic.py)
+    if is_synthetic(model_or_artifact_dir):  # the stand-in accelerator (export/runtimes/synthetic.py)
         if dtype not in (None, "fp32", "auto"):
             raise ValueError(f"{model_or_artifact_dir} runs in fp32 only (its tokens are exact); drop --dtype {dtype}")
         runtime = SyntheticRuntime(model_or_artifact_dir, device=device)
@@ -170,8 +170,8 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
         )
     if backend == "eager":
         raise ValueError(f"{path} is an exported artifact directory; eager needs a checkpoint or 'default'")
-    from vqserve.export.manifest import read_manifest
-    from vqserve.export.runtimes import RUNTIMES
+    from vqserve.export.formats.manifest import read_manifest
+    from vqserve.export.runtimes.artifacts import RUNTIMES
 
     fmt = read_manifest(path)["format"]
     if backend not in ("auto", fmt):
@@ -184,14 +184,14 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
 def model_hash_of(model_or_artifact_dir: str | os.PathLike = "default") -> str:
     """The ``model_hash`` a runtime of this model would report, from its files alone
     (nothing is loaded): for a command to refuse a wrong model before it binds or writes."""
-    from vqserve.export.synthetic import SYNTHETIC_HASH, is_synthetic, parse_synthetic
+    from vqserve.export.runtimes.synthetic import SYNTHETIC_HASH, is_synthetic, parse_synthetic
 
     if is_synthetic(model_or_artifact_dir):
         parse_synthetic(model_or_artifact_dir)  # a bad N is refused here as at load
         return SYNTHETIC_HASH
     path = Path(str(model_or_artifact_dir))
     if (path / "manifest.json").is_file():
-        from vqserve.export.manifest import artifact_hash, read_manifest, verify_files
+        from vqserve.export.formats.manifest import artifact_hash, read_manifest, verify_files
 
         manifest = read_manifest(path)
         verify_files(path, manifest)

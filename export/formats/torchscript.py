@@ -1,6 +1,6 @@
 """TorchScript artifacts (``encode.jit`` / ``decode.jit``): traced wrapper modules.
 
-Tracing (not scripting) the small wrappers of ``vqserve.export.wrappers`` works with every
+Tracing (not scripting) the small wrappers of ``vqserve.export.formats.wrappers`` works with every
 quantizer; shapes stay dynamic because the graphs only use shape-generic ops. TorchScript
 is deprecated upstream in favour of torch.export (format ``pt2``), but TorchServe and
 ``.jit`` users still expect it, so it is delivered and tested like the others.

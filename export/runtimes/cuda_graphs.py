@@ -53,7 +53,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from vqserve.export.runtime import EagerRuntime
+from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.model.tokenizer import TokenizerBase, float_to_pixels, pixels_to_float
 
 log = logging.getLogger(__name__)

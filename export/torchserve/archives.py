@@ -1,6 +1,6 @@
 """``build_archives``: a vqserve model as two TorchServe model archives (encode, decode).
 
-Each ``.mar`` carries the handler (``vqserve.export.torchserve_handler``), the model (a
+Each ``.mar`` carries the handler (``vqserve.export.torchserve.handler``), the model (a
 checkpoint, ``config.json`` + ``model.safetensors``, or an exported artifact directory with
 its ``manifest.json``) under ``model/``, a ``vqserve_handler.json`` naming the mode and the
 runtime settings, and a ``model-config.yaml`` with the batching defaults (values passed at
@@ -31,7 +31,10 @@ EXPORT_BACKENDS = ("torchscript", "onnx", "pt2")
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "vqserve-torchserve"
 MANIFEST_VERSION = 1
-HANDLER_FILE = Path(__file__).with_name("torchserve_handler.py")
+HANDLER_FILE = Path(__file__).with_name("handler.py")
+# the handler's file name inside an archive (TorchServe imports it by this name); it predates
+# the handler's move into export/torchserve/ and stays, so archives read the same as before
+ARCHIVED_HANDLER_NAME = "torchserve_handler.py"
 EXAMPLE_PORTS = {"inference": 8080, "management": 8081, "metrics": 8082,
                  "grpc_inference": 7070, "grpc_management": 7071}
 
@@ -67,7 +70,7 @@ def _prepare_out(out: Path) -> None:
 def model_files(path: Path) -> list[str]:
     """The files the handler needs: a checkpoint's config + weights, or an artifact's
     manifest + every file it lists."""
-    from vqserve.export.manifest import read_manifest
+    from vqserve.export.formats.manifest import read_manifest
     from vqserve.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 
     if (path / MANIFEST_NAME).is_file():
@@ -118,8 +121,10 @@ def archiver_command() -> list[str]:
 def run_archiver(name: str, payload: Path, config_yaml: Path, export_path: Path, version: str,
                  scratch: Path) -> Path:
     """One ``.mar`` from ``payload`` (copied flat into the archive root)."""
+    handler = scratch / ARCHIVED_HANDLER_NAME
+    shutil.copy2(HANDLER_FILE, handler)
     cmd = [*archiver_command(), "--model-name", name, "--version", version,
-           "--handler", str(HANDLER_FILE), "--extra-files", str(payload),
+           "--handler", str(handler), "--extra-files", str(payload),
            "--config-file", str(config_yaml), "--export-path", str(export_path), "--force"]
     env = {**os.environ, "TMPDIR": str(scratch), "TEMP": str(scratch)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -195,7 +200,7 @@ def readme(manifest: dict) -> str:
 
 
 def _archive_entry(path: Path) -> dict:
-    from vqserve.export.runtime import sha256_file
+    from vqserve.export.runtimes.loader import sha256_file
 
     return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
@@ -220,8 +225,8 @@ def build_archives(model: str | os.PathLike, out_dir: str | os.PathLike, backend
     anything is archived: a build that succeeds holds a model the worker can open.
     """
     from vqserve import __version__
-    from vqserve.export.runtime import load_runtime
-    from vqserve.export.torchserve_handler import HANDLER_CONFIG, MODEL_SUBDIR, OUTPUTS
+    from vqserve.export.runtimes.loader import load_runtime
+    from vqserve.export.torchserve.handler import HANDLER_CONFIG, MODEL_SUBDIR, OUTPUTS
 
     say = log or (lambda msg: None)
     check_settings(backend, batch_size, max_batch_delay_ms)

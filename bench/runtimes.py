@@ -1,7 +1,7 @@
 """Benchmark runtimes side by side: encode and decode images/s per backend x dtype x batch.
 
 Not a test. ``vqserve bench runtimes`` calls ``main(argv)``; it also runs as
-``python -m vqserve.export.bench``. Every backend runs on the same real photographs
+``python -m vqserve.bench.runtimes``. Every backend runs on the same real photographs
 (crops of the scikit-image photographs at ``--size``), with the same thread count, in
 interleaved rounds (best kept), and each row is reported with its ratio against eager
 fp32 at the same batch size. ``vqserve bench all`` reuses ``run_bench`` for its runtime
@@ -68,7 +68,7 @@ def _time(fn, x, min_time: float, min_repeats: int, single_shot_after: float = 5
 
 def _open(backend: str, dtype: str, args, workdir: Path, log):
     from vqserve.export.exporter import check_combination, export_model
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     if backend == "eager":
         return load_runtime(args.model, backend="eager", dtype=dtype, device=args.device)
@@ -80,7 +80,7 @@ def _open(backend: str, dtype: str, args, workdir: Path, log):
                      device=args.device,
                      parity_size=64, parity_count=4)
     if backend == "onnx":
-        from vqserve.export.runtimes import OnnxRuntime
+        from vqserve.export.runtimes.artifacts import OnnxRuntime
 
         return OnnxRuntime(src, device=args.device, threads=args.threads)
     return load_runtime(src, backend=backend, device=args.device)
@@ -167,7 +167,7 @@ def markdown_table(rows: list[dict], size: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vqserve.export.runtime import resolve_device
+    from vqserve.export.runtimes.loader import resolve_device
 
     args = build_parser().parse_args(argv)
     resolve_device(args.device)  # a GPU this machine lacks: one line, not every runtime skipped

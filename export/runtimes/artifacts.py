@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vqserve.export.checks import check_images, check_indices
-from vqserve.export.manifest import (
+from vqserve.export.formats.manifest import (
     artifact_hash,
     graph_roles,
     read_manifest,
     read_verified,
     verify_files,
 )
-from vqserve.export.runtime import RuntimeInfo, check_expected_hash, resolve_device
+from vqserve.export.runtimes.checks import check_images, check_indices
+from vqserve.export.runtimes.loader import RuntimeInfo, check_expected_hash, resolve_device
 from vqserve.model.tokenizer import decode_unsupported
 
 
@@ -139,7 +139,7 @@ class TorchScriptRuntime(_TorchModuleRuntime):
 
     def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True,
                  expect_hash: str | None = None):
-        from vqserve.export.torchscript import load_torchscript
+        from vqserve.export.formats.torchscript import load_torchscript
 
         super().__init__(artifact_dir, device, dtype, verify, expect_hash)
         self.encoder = load_torchscript(self._graph("encode"), self.device)
@@ -151,7 +151,7 @@ class Pt2Runtime(_TorchModuleRuntime):
 
     def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True,
                  expect_hash: str | None = None):
-        from vqserve.export.pt2 import load_pt2, min_sides
+        from vqserve.export.formats.pt2 import load_pt2, min_sides
 
         super().__init__(artifact_dir, device, dtype, verify, expect_hash)
         self.encode_program, self.encoder = load_pt2(self._graph("encode"), self.device)
@@ -183,7 +183,7 @@ def onnx_providers(device: str, dtype: str) -> list[str]:
     for combinations that cannot run."""
     import onnxruntime as ort
 
-    from vqserve.export.onnx_export import BF16_REASON
+    from vqserve.export.formats.onnx import BF16_REASON
 
     available = ort.get_available_providers()
     if device.startswith("cuda"):
@@ -219,7 +219,7 @@ class OnnxRuntime(ArtifactRuntime):
     def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None,
                  verify: bool = True, threads: int | None = 1, expect_hash: str | None = None):
         """``threads``: intra-op threads per session. One by default, as the execution plan
-        runs every model call (vqserve.export.execution): a reduction split over a varying
+        runs every model call (vqserve.export.runtimes.execution): a reduction split over a varying
         thread count is where tokens start to depend on the machine; parallel calls use
         the cores instead. None: onnxruntime's default (one per physical core)."""
         import onnxruntime as ort

@@ -2,7 +2,7 @@
 
 For every format the checks are the same, read from that format's own graph:
 
-1. the island (the ``island`` submodule of ``vqserve.export.wrappers``) is present;
+1. the island (the ``island`` submodule of ``vqserve.export.formats.wrappers``) is present;
 2. every floating tensor computed inside it is float32 (no bf16/fp16 anywhere inside);
 3. floating tensors entering it in another dtype go only into an explicit cast to float32
    (the border cast), and for bf16/fp16 graphs at least one such cast exists;
@@ -275,7 +275,7 @@ def check_torchscript(module, role: str, dtype: str, quantizer: str, factor: int
     records convolutions in the export dtype and the decisive quantizer ops in float32.
     """
     if isinstance(module, (str, Path)):
-        from vqserve.export.torchscript import load_torchscript
+        from vqserve.export.formats.torchscript import load_torchscript
 
         module = load_torchscript(module, device)
     rep = _report("torchscript", role, dtype)
@@ -371,7 +371,7 @@ def check_island(artifact_dir: str | Path, manifest: dict, role: str, loaded=Non
 def assert_island(artifact_dir: str | Path, manifest: dict, loaded: dict | None = None) -> dict:
     """Both graphs (the encode graph alone for an encode-only model); raises IslandError
     listing every problem. Returns {role: report}."""
-    from vqserve.export.manifest import graph_roles
+    from vqserve.export.formats.manifest import graph_roles
 
     loaded = loaded or {}
     reports = {role: check_island(artifact_dir, manifest, role, loaded.get(role))

@@ -4,7 +4,7 @@ Two ways to run the same runtime on the same photos, interleaved round by round:
 
 * **torch default**: one call per batch, torch's intra-op threads = the cores (what vqserve
   did before the plan, and what a plain script does);
-* **plan**: ``vqserve.export.execution.PlannedRuntime`` - micro-batches of 1, one thread
+* **plan**: ``vqserve.export.runtimes.execution.PlannedRuntime`` - micro-batches of 1, one thread
   each, one call per core in parallel (what the server and ``vqserve tokenize`` do now).
 
 For each dtype and batch size it prints images/s of both and their ratio, and how many
@@ -53,9 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vqserve.core.machine import available_cores
-    from vqserve.export.execution import PlannedRuntime, apply_intra_op_threads, plan_for
-    from vqserve.export.planner import images_per_second
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.plan.planner import images_per_second
+    from vqserve.export.runtimes.execution import PlannedRuntime, apply_intra_op_threads, plan_for
+    from vqserve.export.runtimes.loader import load_runtime
 
     cores = available_cores()
     batches = [int(b) for b in args.batches.split(",")]

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from vqserve.export.execution import ExecutionPlan, PlannedRuntime
+from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
 
 BATCH_SIZES = (1, 2, 3, 5, 8)
 

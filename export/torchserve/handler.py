@@ -4,7 +4,7 @@
 (``vqserve-encode.mar``, ``vqserve-decode.mar``). TorchServe imports it in its Python worker
 as a top-level module, so it uses absolute imports only; it imports the installed
 ``vqserve`` (model and export layers, never ``vqserve.serve``) and opens the model the
-archive carries with :func:`vqserve.export.runtime.load_runtime` - the same tokens, the
+archive carries with :func:`vqserve.export.runtimes.loader.load_runtime` - the same tokens, the
 same fp32 quantizer island and the same input rules as ``vqserve serve``.
 
 One request is one item (TorchServe sends a list of them per batch):
@@ -42,11 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.export.checks import image_size_rule, index_grid_rule, index_range_rule
+from vqserve.export.runtimes.checks import image_size_rule, index_grid_rule, index_range_rule
 
 logger = logging.getLogger(__name__)
 
-HANDLER_CONFIG = "vqserve_handler.json"  # written by vqserve.export.torchserve
+HANDLER_CONFIG = "vqserve_handler.json"  # written by vqserve.export.torchserve.archives
 MODEL_SUBDIR = "model"                   # the checkpoint or artifact inside the archive
 MODES = ("encode", "decode")
 OUTPUTS = {"encode": ("npy", "json"), "decode": ("png", "npy")}
@@ -205,7 +205,7 @@ class TokenizerService:
 
     # -- input rules (the messages match vqserve serve's) --
     def check_image(self, image: np.ndarray) -> np.ndarray:
-        """One image's rules, worded as ``vqserve serve`` words them (export/checks.py)."""
+        """One image's rules, worded as ``vqserve serve`` words them (export/runtimes/checks.py)."""
         if image.dtype != np.uint8:
             raise BadRequest(f"images must be uint8, got {image.dtype.name}")
         if image.ndim != 3 or image.shape[-1] != 3:
@@ -324,7 +324,7 @@ def pick_device(requested: str, gpu_id) -> str:
 def service_from_model_dir(model_dir: str | os.PathLike, gpu_id=None) -> TokenizerService:
     """Open the archive's model the way its ``vqserve_handler.json`` says."""
     import vqserve
-    from vqserve.export.runtime import load_runtime
+    from vqserve.export.runtimes.loader import load_runtime
 
     cfg = read_handler_config(model_dir)
     if cfg.get("vqserve_version") and cfg["vqserve_version"] != vqserve.__version__:
