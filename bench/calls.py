@@ -31,7 +31,7 @@ async def connect(protocol: str, target: str, method: str) -> AsyncIterator[Call
     import grpc
 
     if protocol == "v1":
-        from vqserve.serve.client import AsyncTokenizerClient
+        from vqserve.serve.clients.sync import AsyncTokenizerClient
 
         async with AsyncTokenizerClient(target, timeout=CALL_TIMEOUT_S) as client:
             if method == "encode":
@@ -56,8 +56,8 @@ async def _first(result: Awaitable[np.ndarray]) -> np.ndarray:
 
 def oip_request(method: str, x: np.ndarray):
     """A ModelInfer request of ``x`` (a whole batch) to ``vqserve-encode`` or ``-decode``."""
-    from vqserve.serve import codec
     from vqserve.serve._proto import grpc_predict_v2_pb2 as pb
+    from vqserve.serve.api import codec
 
     model, name = ("vqserve-encode", "images") if method == "encode" else ("vqserve-decode", "indices")
     x = np.ascontiguousarray(x)
@@ -68,7 +68,7 @@ def oip_request(method: str, x: np.ndarray):
 
 def oip_array(reply) -> np.ndarray:
     """The first output of a ModelInfer response as an array."""
-    from vqserve.serve import codec
+    from vqserve.serve.api import codec
 
     out = reply.outputs[0]
     dtype = np.dtype(codec.OIP_TO_NUMPY[out.datatype]).newbyteorder("<")

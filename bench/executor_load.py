@@ -2,7 +2,7 @@
 by stand-in front-ends, with no gRPC, no client and no request parsing on the way.
 
 Each stand-in is the front-end's own client of the executor
-(:class:`vqserve.serve.frontend.RemoteBatcher`: the pixels through a shared arena, one
+(:class:`vqserve.serve.split.frontend.RemoteBatcher`: the pixels through a shared arena, one
 header per group over the Unix socket), in a process of its own, with callers that each
 keep one request in flight. ``group_rows`` caps the requests a group carries: 1 sends each
 request alone, as a front-end does when gRPC hands it about one request per turn of its
@@ -34,7 +34,7 @@ def _stand_in_main(socket_path: str, method: str, request: np.ndarray, callers: 
                    start_at: float, stop_at: float, send) -> None:
     """One stand-in front-end: ``callers`` coroutines sending ``request`` back to back."""
     die_with_parent()
-    from vqserve.serve.frontend import RemoteBatcher
+    from vqserve.serve.split.frontend import RemoteBatcher
 
     async def run() -> tuple[int, int, int, list[str]]:
         batcher = RemoteBatcher(socket_path, ARENA_BYTES, max_group_rows=group_rows)

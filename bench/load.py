@@ -76,7 +76,7 @@ def request_bytes(case: LoadCase, images: np.ndarray) -> tuple[str, bytes]:
     batch = np.ascontiguousarray(np.resize(images, (case.images, *images.shape[1:])))
     if case.protocol == "v1":
         from vqserve.serve._proto import tokenizer_pb2 as pb
-        from vqserve.serve.service_v1 import tensor_msg
+        from vqserve.serve.api.v1 import tensor_msg
 
         if case.payload == "raw":
             msg = pb.EncodeRequest(images=tensor_msg(batch))
@@ -357,7 +357,7 @@ def reply_tokens(case: LoadCase, reply: bytes) -> np.ndarray | None:
         return None
     if case.protocol == "v1":
         from vqserve.serve._proto import tokenizer_pb2 as pb
-        from vqserve.serve.service_v1 import tensor_array
+        from vqserve.serve.api.v1 import tensor_array
 
         return tensor_array(pb.EncodeResponse.FromString(reply).indices, "indices")
     from vqserve.bench.calls import oip_array

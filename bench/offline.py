@@ -20,7 +20,7 @@ main process's CPU µs per image, and which stage bound the run; ``--json PATH``
 (``-``: to stdout).
 
 Then the other end, the training loop: token grids per second that
-``vqserve.data.TokenShards`` delivers (shuffled, batches of 64, int64 tensors) to a consumer
+``vqserve.offline.token_shards.TokenShards`` delivers (shuffled, batches of 64, int64 tensors) to a consumer
 doing nothing, against reading the same Parquet files with pyarrow directly (a whole shard
 at a time into one ``[rows, h, w]`` array: the floor any loader pays), interleaved. The
 folder holds the tokenized photographs' rows replicated to ``--loader-rows`` rows (0: skip).
@@ -102,7 +102,7 @@ def replicate_folder(src: Path, dst: Path, rows: int, shard_rows: int = 1000) ->
 
 
 def _loader_pass(folder: Path, batch_size: int) -> float:
-    from vqserve.data import TokenShards
+    from vqserve.offline.token_shards import TokenShards
 
     t0 = time.perf_counter()
     for _ in TokenShards(folder, shuffle=True, seed=0).loader(batch_size=batch_size):

@@ -1,5 +1,5 @@
 """Reading ``vqserve tokenize`` output folders back for training: which rows, in which order,
-and only tokens of one identity. No torch here; :mod:`vqserve.data` wraps it for PyTorch.
+and only tokens of one identity. No torch here; :mod:`vqserve.offline.token_shards` wraps it for PyTorch.
 
 The order is a pure function of (row counts, epoch, seed, rank, world size, worker, workers),
 so every process of a distributed job computes the same plan without talking to the others:

@@ -23,7 +23,7 @@ LIMIT = 600
 
 
 def module_files() -> dict[str, Path]:
-    """Every project module by its installed name (``vqserve.serve.engine``)."""
+    """Every project module by its installed name (``vqserve.serve.engine.engine``)."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     mapping = config.get("package-dir", {})
     modules = {}

@@ -243,7 +243,7 @@ class Metrics:
         self.registry.register(CodebookCollector(self.usage))
 
     def observe_batch(self, stats) -> None:
-        """Observer for :class:`vqserve.serve.batcher.Batcher`."""
+        """Observer for :class:`vqserve.serve.engine.batcher.Batcher`."""
         self.batch_size.labels(stats.method).observe(stats.size)
         self.inference.labels(stats.method).observe(stats.inference_s)
         for w in stats.queue_waits:
@@ -252,7 +252,7 @@ class Metrics:
             self.items.labels(stats.method).inc(stats.size)
 
     def observe_group(self, method: str, requests: int) -> None:
-        """Observer for a front-end's :class:`vqserve.serve.frontend.RemoteBatcher`."""
+        """Observer for a front-end's :class:`vqserve.serve.split.frontend.RemoteBatcher`."""
         self.group_size.labels(method).observe(requests)
 
     def record_codes(self, method: str, indices: np.ndarray) -> None:

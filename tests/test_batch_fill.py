@@ -1,4 +1,4 @@
-"""Short padded calls on a shared device wait for the device (serve/batcher.py, "Filling
+"""Short padded calls on a shared device wait for the device (serve/engine/batcher.py, "Filling
 padded calls on a shared device"): the stand-in accelerator ``synthetic:N`` with a gate on
 its calls, so what runs while a call is in flight is seen, not timed."""
 
@@ -14,7 +14,7 @@ import numpy as np
 from tests.helpers import CountingRuntime, staggered_clients
 from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
 from vqserve.export.runtimes.synthetic import SyntheticRuntime
-from vqserve.serve.batcher import Batcher
+from vqserve.serve.engine.batcher import Batcher
 
 
 class GatedDevice(SyntheticRuntime):

@@ -19,7 +19,7 @@ import pytest
 from vqserve.bench import inputs, processes, servers
 from vqserve.bench import serving as bench
 from vqserve.export.runtimes.loader import load_runtime
-from vqserve.serve.server import ServerConfig, ServerThread
+from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
 SIZE = 32
 

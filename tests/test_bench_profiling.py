@@ -16,9 +16,9 @@ from vqserve.bench import serving
 from vqserve.bench.profiling import brief, describe, find_py_spy, summarize
 
 RAW = """\
-thread (0x1): MainThread;<module> (serve/frontend.py:420);main (serve/frontend.py:414);run (asyncio/runners.py:190);Handle._run (asyncio/events.py:80) 50
-thread (0x1): MainThread;<module> (serve/frontend.py:420);main (serve/frontend.py:414);run (asyncio/runners.py:190);TokenizerService.Encode (serve/service_v1.py:96);Arena.put (core/shm.py:110) 20
-thread (0x1): MainThread;<module> (serve/frontend.py:420);main (serve/frontend.py:414);run (asyncio/runners.py:190);TokenizerService.Encode (serve/service_v1.py:97);array_from_bytes (serve/codec.py:73) 10
+thread (0x1): MainThread;<module> (serve/split/frontend.py:420);main (serve/split/frontend.py:414);run (asyncio/runners.py:190);Handle._run (asyncio/events.py:80) 50
+thread (0x1): MainThread;<module> (serve/split/frontend.py:420);main (serve/split/frontend.py:414);run (asyncio/runners.py:190);TokenizerService.Encode (serve/api/v1.py:96);Arena.put (core/shm.py:110) 20
+thread (0x1): MainThread;<module> (serve/split/frontend.py:420);main (serve/split/frontend.py:414);run (asyncio/runners.py:190);TokenizerService.Encode (serve/api/v1.py:97);array_from_bytes (serve/api/codec.py:73) 10
 thread (0x2): Thread-1 (_poll_wrapper);Thread.run (threading.py:982) 20
 """
 
@@ -29,7 +29,7 @@ def test_a_summary_gives_each_threads_share_of_the_window_and_the_frames_that_he
     assert s["threads"] == {"MainThread": 0.8, "Thread-1 (_poll_wrapper)": 0.2}
     assert s["self"][0] == ["Handle._run (asyncio/events.py)", 0.5]
     # lines of one function are one entry; the process's entry points are not listed
-    assert s["inclusive"][0] == ["TokenizerService.Encode (serve/service_v1.py)", 0.3]
+    assert s["inclusive"][0] == ["TokenizerService.Encode (serve/api/v1.py)", 0.3]
     names = [f for f, _ in s["inclusive"]]
     assert not any(f.startswith(("<module>", "main (")) for f in names), names
     assert "Thread.run (threading.py)" not in names  # not vqserve's own code
@@ -78,7 +78,7 @@ def test_a_profiled_window_samples_the_executor_and_each_front_end(tmp_path, cap
         if any(re.search(r"ermission|ptrace|EPERM", e) for e in errors):
             pytest.skip(f"py-spy may not attach to other processes here: {errors[0]}")
         pytest.fail(f"py-spy failed: {errors}")
-    for role, wanted in (("executor", "serve/model_threads.py"), ("frontend", "serve/service_v1.py")):
+    for role, wanted in (("executor", "serve/engine/model_threads.py"), ("frontend", "serve/api/v1.py")):
         p = processes[role]
         assert p["samples"] > 0 and p["threads"], p
         assert any(wanted in frame for frame, _ in p["inclusive"]), (role, p["inclusive"])

@@ -73,7 +73,7 @@ def test_wheel_installs_only_under_vqserve(tmp_path):
     assert tops == {"vqserve"}, tops
     for sub in ("model", "export", "serve", "offline", "bench", "commands"):
         assert f"vqserve/{sub}/__init__.py" in names
-    assert "vqserve/data.py" in names and "vqserve/offline/reader.py" in names
+    assert "offline/token_shards.py" in names and "vqserve/offline/reader.py" in names
     assert "vqserve/model/quantizers/fsq.py" in names
     assert "vqserve/serve/_proto/tokenizer_pb2.py" in names
     default = ROOT / "model" / "default" / "model.safetensors"

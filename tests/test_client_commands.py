@@ -20,8 +20,8 @@ from vqserve.cli import main
 from vqserve.core import images
 from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.offline import shards
-from vqserve.serve.client import AsyncTokenizerClient, TokenizerClient
-from vqserve.serve.server import ServerConfig, ServerThread
+from vqserve.serve.clients.sync import AsyncTokenizerClient, TokenizerClient
+from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -243,7 +243,7 @@ def test_unreachable_server_is_one_line(tmp_path, capsys):
 
 def test_deadlines_scale_and_say_what_to_do(tiny_checkpoint, runtime, tmp_path):
     """Was: a bare DEADLINE_EXCEEDED from a fixed 60 s deadline on big jobs."""
-    from vqserve.serve import client_batches as client_mod
+    from vqserve.serve.clients import batches as client_mod
 
     assert client_mod.scaled_timeout(32_000_000) > 10 * client_mod.scaled_timeout(0) > 0
     save(tmp_path / "p.png", photo(32, 32))
@@ -390,7 +390,7 @@ def test_async_client_splits_batches_and_encodes_files(server, runtime, tmp_path
 def test_buckets_batch_by_shape_count_and_bytes():
     """The grouping both clients share: one shape per call, at most max_items images and
     max_bytes pixel bytes per call, every item exactly once, groups (token files) apart."""
-    from vqserve.serve.client_batches import Buckets, Item, encode_pixels
+    from vqserve.serve.clients.batches import Buckets, Item, encode_pixels
 
     big, small = (32, 32, 3), (16, 16, 3)
     b = Buckets(max_items=3, max_bytes=2 * 32 * 32 * 3, pixels=encode_pixels)

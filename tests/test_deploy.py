@@ -28,9 +28,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from vqserve.serve import service_oip, service_v1
-from vqserve.serve.client import ServerError, TokenizerClient, check_health
-from vqserve.serve.server import ServerConfig, ServerThread, TokenizerServer
+from vqserve.serve.api import oip as service_oip
+from vqserve.serve.api import v1 as service_v1
+from vqserve.serve.clients.sync import ServerError, TokenizerClient, check_health
+from vqserve.serve.grpc_server import ServerConfig, ServerThread, TokenizerServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -187,7 +188,7 @@ def config_from_env(monkeypatch, variables: dict[str, str]) -> ServerConfig:
     """Run the real `vqserve serve` (no flags, settings from the environment) up to the
     point where it would start serving, and return the ServerConfig it built."""
     from vqserve.commands import serve as serve_cmd
-    from vqserve.serve import server as server_mod
+    from vqserve.serve import grpc_server as server_mod
 
     for name in list(os.environ):
         if name.startswith("VQSERVE_"):

@@ -156,7 +156,7 @@ def test_default_tokenizer_on_whole_photos_is_batch_and_worker_invariant(whole_p
 
 # ---- the server: the plan, the start-up check, and what a client can observe -----------------
 def _server(checkpoint, runtime=None, **kw):
-    from vqserve.serve.server import ServerConfig, ServerThread
+    from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
     cfg = ServerConfig(model=checkpoint, backend="eager", device="cpu", host="127.0.0.1", port=0,
                        metrics_port=0, max_batch_size=16, max_delay_ms=20, grace_s=2, **kw)
@@ -166,7 +166,7 @@ def _server(checkpoint, runtime=None, **kw):
 def test_server_reports_its_plan_and_the_start_up_check(tiny_checkpoint):
     import urllib.request
 
-    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.clients.sync import TokenizerClient
 
     with _server(tiny_checkpoint, dtype="bf16") as srv:
         info = TokenizerClient(srv.target).model_info()
@@ -181,7 +181,7 @@ def test_server_reports_its_plan_and_the_start_up_check(tiny_checkpoint):
 
 
 def test_a_batch_dependent_runtime_is_reported_at_start_up(tiny_checkpoint, caplog):
-    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.clients.sync import TokenizerClient
 
     inner = BatchDependent(EagerRuntime(tiny_checkpoint, device="cpu"))
     with _server(tiny_checkpoint, runtime=inner, micro_batch=4) as srv:
@@ -197,7 +197,7 @@ def test_served_tokens_do_not_depend_on_other_traffic(tiny_checkpoint, photos):
     other photos: every answer equals the photo's tokens alone, in process (bf16)."""
     import concurrent.futures
 
-    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.clients.sync import TokenizerClient
 
     target = photos[1:2]
     expected = PlannedRuntime(EagerRuntime(tiny_checkpoint, dtype="bf16", device="cpu"),
@@ -290,7 +290,7 @@ def test_every_path_gives_the_same_bf16_tokens(tiny_checkpoint, photos, tmp_path
     from vqserve.offline import shards
     from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
     from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
-    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.clients.sync import TokenizerClient
 
     images = np.concatenate([photos, photos[:, ::-1], photos[:, :, ::-1]])  # 12 photo crops
     folder = tmp_path / "in"

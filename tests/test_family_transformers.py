@@ -304,8 +304,8 @@ def test_export_keeps_the_class_tokens(saved, oracles, photos, tmp_path, model_t
 def test_grpc_server_returns_the_class_tokens(saved, oracles, photos, model_type, tmp_path, capsys):
     import grpc
 
-    from vqserve.serve.client import TokenizerClient
-    from vqserve.serve.server import ServerConfig, ServerThread
+    from vqserve.serve.clients.sync import TokenizerClient
+    from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
     cfg = ServerConfig(model=str(saved[model_type]), backend="eager", device="cpu", host="127.0.0.1", port=0,
                        metrics_port=0, max_batch_size=4, max_delay_ms=5, grace_s=5)

@@ -29,13 +29,13 @@ import pytest
 from tests.helpers import FaultyRuntime
 from tests.test_serve_ops import in_flight, start_process
 from vqserve.export.runtimes.loader import EagerRuntime
-from vqserve.serve import codec
 from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
 from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
-from vqserve.serve.client import tensor_msg
-from vqserve.serve.server import ServerConfig, ServerThread
+from vqserve.serve.api import codec
+from vqserve.serve.clients.sync import tensor_msg
+from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -189,7 +189,7 @@ def test_cancel_and_deadline_while_the_batch_runs_leave_the_others_right(tiny_ch
 def test_an_expired_deadline_is_counted_as_deadline_exceeded():
     """The cancellation grpc delivers when a client's deadline passes, seen by the server a
     few milliseconds before its own copy of the deadline."""
-    from vqserve.serve.errors import Tracker
+    from vqserve.serve.api.errors import Tracker
     from vqserve.serve.metrics import Metrics
 
     class CancelledNearItsDeadline:

@@ -1,4 +1,4 @@
-"""A front-end sends requests to the device executor in groups (serve/frontend.py).
+"""A front-end sends requests to the device executor in groups (serve/split/frontend.py).
 
 The executor here is the real one (``ExecutorService`` over a real ``Engine`` and batcher
 on a Unix socket, the arena shared through its descriptor); the model is ``synthetic:N``,
@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from tests.helpers import CountingRuntime, staggered_clients
 from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
 from vqserve.export.runtimes.synthetic import SyntheticRuntime, block_tokens
-from vqserve.serve.batcher import DeadlineExpired
-from vqserve.serve.engine import Engine
-from vqserve.serve.executor import ExecutorService
-from vqserve.serve.frontend import RemoteBatcher
+from vqserve.serve.engine.batcher import DeadlineExpired
+from vqserve.serve.engine.engine import Engine
+from vqserve.serve.grpc_server import ServerState
 from vqserve.serve.metrics import Metrics
-from vqserve.serve.server import ServerState
+from vqserve.serve.split.executor import ExecutorService
+from vqserve.serve.split.frontend import RemoteBatcher
 
 
 def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:

@@ -134,8 +134,8 @@ def test_a_server_says_its_tokens_are_dithered_and_round_trips_them(photos, tmp_
     model's, whole photographs and 32-pixel-aligned pieces alike."""
     from tests.conftest import make_tokenizer
     from vqserve.export.runtimes.loader import EagerRuntime
-    from vqserve.serve.client import TokenizerClient
-    from vqserve.serve.server import ServerConfig, ServerThread
+    from vqserve.serve.clients.sync import TokenizerClient
+    from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
     ckpt = tmp_path / "dithered"
     save_tokenizer(make_tokenizer(channels=[16], patch_size=4, dither="bayer4"), ckpt)

@@ -45,9 +45,9 @@ from hypothesis import strategies as st
 
 from vqserve.bench.processes import tree_memory
 from vqserve.export.runtimes.loader import EagerRuntime
-from vqserve.serve import codec
 from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
 from vqserve.serve._proto import tokenizer_pb2 as pb
+from vqserve.serve.api import codec
 
 pytestmark = pytest.mark.timeout(1800)
 

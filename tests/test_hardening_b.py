@@ -18,11 +18,11 @@ import pytest
 
 from tests.helpers import CountingRuntime
 from vqserve.export.runtimes.loader import EagerRuntime
-from vqserve.serve import codec
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
-from vqserve.serve.client import tensor_msg
-from vqserve.serve.server import ServerConfig, ServerThread
+from vqserve.serve.api import codec
+from vqserve.serve.clients.sync import tensor_msg
+from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -42,8 +42,8 @@ from vqserve.export.runtimes.loader import (
 )
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
-from vqserve.serve.client import TokenizerClient, tensor_msg
-from vqserve.serve.server import ServerConfig, ServerThread, StreamGate
+from vqserve.serve.clients.sync import TokenizerClient, tensor_msg
+from vqserve.serve.grpc_server import ServerConfig, ServerThread, StreamGate
 
 pytestmark = pytest.mark.timeout(180)
 

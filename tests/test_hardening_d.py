@@ -29,12 +29,12 @@ from vqserve.cli import main as cli_main
 from vqserve.commands.serve import config_from_args
 from vqserve.core import images as imagelib
 from vqserve.export.runtimes.loader import EagerRuntime
-from vqserve.serve import decoding
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
-from vqserve.serve.batcher import Batcher
-from vqserve.serve.decoding import ByteBudget
-from vqserve.serve.server import ServerConfig, ServerThread
+from vqserve.serve.api import decoding
+from vqserve.serve.api.decoding import ByteBudget
+from vqserve.serve.engine.batcher import Batcher
+from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -265,7 +265,7 @@ def test_every_model_call_stays_inside_the_pixel_budget(served, photos):
     """Budget 3 tiles of 64x64: 16 concurrent one-image requests and one 8-image request."""
     _, rt, channel = served
     stub = pb_grpc.TokenizerStub(channel)
-    from vqserve.serve.client import tensor_msg
+    from vqserve.serve.clients.sync import tensor_msg
 
     rt.calls.clear()
     batch = np.resize(photos, (8, 64, 64, 3))
@@ -337,7 +337,7 @@ def test_max_batch_pixels_flag_env_and_range(monkeypatch, capsys):
 
 
 def test_default_batch_pixels_fits_a_cpu():
-    from vqserve.serve.engine import CPU_BATCH_PIXELS, default_batch_pixels
+    from vqserve.serve.engine.engine import CPU_BATCH_PIXELS, default_batch_pixels
 
     assert default_batch_pixels("cpu", 1024 * 1024) <= CPU_BATCH_PIXELS
     assert default_batch_pixels("cpu", 8000 * 8000) == 8000 * 8000  # never below one image

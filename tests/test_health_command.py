@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from vqserve.cli import main
-from vqserve.serve.server import ServerConfig, ServerThread
+from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 from vqserve.core import images
 from vqserve.core.images import ImageError, Preprocess, load_rgb, prepare
-from vqserve.serve import codec
+from vqserve.serve.api import codec
 
 
 def _bytes(img: Image.Image, fmt: str, **kw) -> bytes:

@@ -156,7 +156,7 @@ def test_a_process_in_a_cgroup_with_a_quota_sizes_itself_by_the_quota():
     code = ("from vqserve.core.machine import available_cores, cpu_quota_cores;"
             "from vqserve.commands.serve import resolve_frontends;"
             "from vqserve.export.runtimes.execution import default_model_workers;"
-            "from vqserve.serve.decoding import default_decode_threads;"
+            "from vqserve.serve.api.decoding import default_decode_threads;"
             "print(available_cores(), cpu_quota_cores(), default_model_workers('cpu'), default_decode_threads(),"
             "      resolve_frontends('auto', 'synthetic:0', 'cpu'))")
     got = _run_in_cgroup("cpu", {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "150000"}, code)
@@ -170,7 +170,7 @@ def test_a_process_in_a_cgroup_with_a_memory_limit_sizes_its_model_calls_by_it()
     budget per model call is a quarter of that at 300 bytes a pixel (about 0.9 megapixels),
     not 4 megapixels."""
     code = ("from vqserve.core.machine import available_memory, memory_limit_bytes;"
-            "from vqserve.serve.engine import default_batch_pixels;"
+            "from vqserve.serve.engine.engine import default_batch_pixels;"
             "print(memory_limit_bytes(), available_memory(), default_batch_pixels('cpu', 1))")
     got = _run_in_cgroup("memory", {"memory.limit_in_bytes": str(1 << 30)}, code)
     assert got == [str(1 << 30), str(1 << 30), str((1 << 30) // 4 // 300)]

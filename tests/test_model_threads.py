@@ -1,4 +1,4 @@
-"""The batcher's model threads (serve/model_threads.py): answers, errors, order of shutdown,
+"""The batcher's model threads (serve/engine/model_threads.py): answers, errors, order of shutdown,
 and no thread left behind."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from vqserve.serve.batcher import Batcher
-from vqserve.serve.model_threads import ModelThreads
+from vqserve.serve.engine.batcher import Batcher
+from vqserve.serve.engine.model_threads import ModelThreads
 
 
 def _threads_named(prefix: str) -> list[threading.Thread]:

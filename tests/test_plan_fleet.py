@@ -55,7 +55,7 @@ def images_dir(tmp_path_factory) -> Path:
 
 
 def server(model: str, **kw):
-    from vqserve.serve.server import ServerConfig, ServerThread
+    from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
     return ServerThread(ServerConfig(model=model, device="cpu", host="127.0.0.1", port=0, metrics_port=-1,
                                      grace_s=2, **kw))
@@ -80,7 +80,7 @@ def test_same_tokens_means_the_same_files_or_exact_tokens_of_the_same_checkpoint
 # ---- one plan for a fleet -------------------------------------------------------------------------
 def test_a_plan_file_moved_to_another_folder_serves_as_is(tiny_checkpoint, ts_plan, tmp_path, photos):
     from vqserve.export.runtimes.loader import load_runtime
-    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.clients.sync import TokenizerClient
 
     plan, _ = ts_plan
     moved = tmp_path / "elsewhere" / "plan.json"
@@ -98,7 +98,7 @@ def test_a_plan_file_moved_to_another_folder_serves_as_is(tiny_checkpoint, ts_pl
 def test_a_plan_file_whose_export_is_not_on_this_machine_exports_it_again(tiny_checkpoint, ts_plan, tmp_path,
                                                                           photos):
     from vqserve.export.runtimes.loader import load_runtime
-    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.clients.sync import TokenizerClient
 
     body = json.loads(Path(ts_plan[0]).read_text())
     body["artifact"] = str(tmp_path / "on-the-machine-that-measured" / "torchscript")
@@ -217,7 +217,7 @@ def test_a_lower_precision_server_says_its_tokens_are_not_exact_on_both_protocol
 
     from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
     from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
-    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.clients.sync import TokenizerClient
 
     for dtype, exact in (("bf16", False), (None, True)):
         with server(tiny_checkpoint, plan="default", dtype=dtype) as srv:

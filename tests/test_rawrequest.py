@@ -1,4 +1,4 @@
-"""Raw pixels of an EncodeRequest read in place (serve/rawrequest.py): the same request as
+"""Raw pixels of an EncodeRequest read in place (serve/api/rawrequest.py): the same request as
 protobuf's, or protobuf parses it (never a different reading)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vqserve.serve._proto import tokenizer_pb2 as pb
-from vqserve.serve.rawrequest import parse_encode_request
-from vqserve.serve.service_v1 import request_parser, tensor_array
+from vqserve.serve.api.rawrequest import parse_encode_request
+from vqserve.serve.api.v1 import request_parser, tensor_array
 
 
 def _same(fast, message: bytes) -> None:

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from tests.helpers import ServeProcess, alive, child_pids, wait_until
 from vqserve.core.shm import Arena, ArenaFull
 from vqserve.export.runtimes.synthetic import SyntheticRuntime, block_tokens
-from vqserve.serve import wire
-from vqserve.serve.client import TokenizerClient
+from vqserve.serve.clients.sync import TokenizerClient
+from vqserve.serve.split import wire
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +46,11 @@ def _scrape(srv) -> str:
 
 
 def _frontend_pids(srv) -> list[int]:
-    """The server's front-end processes (its children running vqserve.serve.frontend)."""
+    """The server's front-end processes (its children running vqserve.serve.split.frontend)."""
     def is_frontend(pid: int) -> bool:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                return b"vqserve.serve.frontend" in fh.read()
+                return b"vqserve.serve.split.frontend" in fh.read()
         except OSError:  # gone meanwhile
             return False
 
@@ -220,7 +220,7 @@ def test_overload_across_frontends_gets_resource_exhausted_then_recovers():
         def call(k: int) -> None:
             from vqserve.serve._proto import tokenizer_pb2 as pb
             from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
-            from vqserve.serve.client import tensor_array, tensor_msg
+            from vqserve.serve.clients.sync import tensor_array, tensor_msg
 
             channel = grpc.insecure_channel(srv.target, options=[("grpc.use_local_subchannel_pool", 1)])
             try:
@@ -363,8 +363,8 @@ def test_a_frontend_that_never_served_is_not_restarted(tmp_path):
     """Front-ends that end before serving are a start-up failure, reported once: the pool
     does not start others meanwhile (one it started while the server was stopping printed a
     traceback after the server's last line, and outlived its metrics folder)."""
-    from vqserve.serve.executor import FrontendPool
-    from vqserve.serve.server import ServerConfig
+    from vqserve.serve.grpc_server import ServerConfig
+    from vqserve.serve.split.executor import FrontendPool
 
     pool = FrontendPool(ServerConfig(model="synthetic:0"), 2, 0, str(tmp_path / "no-executor"), str(tmp_path))
     pool.settings = "not the settings"  # each front-end fails at once reading them
@@ -426,8 +426,8 @@ def test_arena_is_shared_through_its_descriptor():
 
 
 def test_wire_errors_come_back_as_the_same_exceptions():
-    from vqserve.serve.batcher import DeadlineExpired, QueueFull
-    from vqserve.serve.codec import BadInput
+    from vqserve.serve.api.codec import BadInput
+    from vqserve.serve.engine.batcher import DeadlineExpired, QueueFull
 
     for exc in (BadInput("images.shape", "must be [B,H,W,3]"), QueueFull("full"), DeadlineExpired("late"),
                 ValueError("bad")):
@@ -501,7 +501,7 @@ def test_a_killed_bench_serve_leaves_no_server_or_client_behind():
     def measuring() -> bool:  # the server, its front-end and a client process all running
         below[:] = child_pids(proc.pid)
         lines = [_cmdline(p) for p in below]
-        return (any("vqserve serve" in c for c in lines) and any("vqserve.serve.frontend" in c for c in lines)
+        return (any("vqserve serve" in c for c in lines) and any("vqserve.serve.split.frontend" in c for c in lines)
                 and sum("spawn_main" in c for c in lines) >= 2)  # the echo server or a client, and a client
     try:
         assert wait_until(measuring, 300), [_cmdline(p) for p in below]
@@ -550,7 +550,7 @@ def test_load_caller_kinds_refuse_an_unknown_kind_in_one_line():
 
 def test_frontends_flag_defaults_by_device_and_refuses_nonsense():
     from vqserve.commands.serve import resolve_frontends
-    from vqserve.serve.executor import default_frontends
+    from vqserve.serve.split.executor import default_frontends
 
     assert resolve_frontends("auto", "default", "cpu") == 0  # the CPU is the model's: one process
     assert resolve_frontends("auto", "synthetic:10", "cpu") >= 1  # a (stand-in) accelerator

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from vqserve.export.runtimes.loader import EagerRuntime
-from vqserve.serve import codec
-from vqserve.serve.client import TokenizerClient
-from vqserve.serve.server import ServerConfig, ServerThread
+from vqserve.serve.api import codec
+from vqserve.serve.clients.sync import TokenizerClient
+from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
 pytestmark = pytest.mark.timeout(180)
 

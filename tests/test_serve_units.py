@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vqserve.serve import codec
-from vqserve.serve.batcher import Batcher, DeadlineExpired, QueueFull
+from vqserve.serve.api import codec
+from vqserve.serve.engine.batcher import Batcher, DeadlineExpired, QueueFull
 from vqserve.serve.metrics import CodebookUsage, Metrics
 
 

@@ -1,5 +1,5 @@
 """Tokenize output folders as training data: plain readers (pandas, pyarrow.dataset, Hugging
-Face datasets, webdataset) read them as they are, and ``vqserve.data.TokenShards`` streams them
+Face datasets, webdataset) read them as they are, and ``vqserve.offline.token_shards.TokenShards`` streams them
 into PyTorch: disjoint across ranks and DataLoader workers, seeded shuffle, epochs, resume
 mid-epoch without repeating or skipping a row, and no mixing of two token identities.
 Real tokenize runs (the tiny test checkpoint), real DataLoader worker processes."""
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from tests.helpers import folder_bytes
 from tests.test_tokenize import tok, write_folder
 from vqserve.cli import main
-from vqserve.data import TokenShards
 from vqserve.offline import reader, shards
+from vqserve.offline.token_shards import TokenShards
 
 pytestmark = pytest.mark.timeout(300)
 N_IMAGES = 23   # good images; 2 bad ones beside them: 25 records in shards of 4 -> 7 shards, the last short

@@ -227,8 +227,8 @@ def test_refusals_and_fail_fast(tiny_checkpoint, tmp_path, capsys, one_thread):
 
 
 def test_server_and_cli_give_identical_tokens(tiny_checkpoint, tmp_path, one_thread):
-    from vqserve.serve.client import TokenizerClient
-    from vqserve.serve.server import ServerConfig, ServerThread
+    from vqserve.serve.clients.sync import TokenizerClient
+    from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
     pics = photo_set(6, sizes=((32, 40), (48, 32)))
     files = []

@@ -27,8 +27,8 @@ from PIL import Image
 
 from vqserve.cli import main as cli_main
 from vqserve.export.runtimes.loader import EagerRuntime
-from vqserve.export.torchserve.archives import build_archives
 from vqserve.export.torchserve import handler as th
+from vqserve.export.torchserve.archives import build_archives
 from vqserve.export.torchserve.server import PROTO_FILES, TorchServe, extract_protos, http
 
 PORT_RANGE = (18080, 18099)

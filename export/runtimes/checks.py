@@ -35,7 +35,7 @@ def check_indices(indices, codebook_size: int, codes_per_position: int = 1) -> n
 
 
 # ---- request rules: one wording for every serving front end ---------------------------------
-# The gRPC engine (serve/engine.py) and the TorchServe handler check requests before they
+# The gRPC engine (serve/engine/engine.py) and the TorchServe handler check requests before they
 # reach a runtime, with the per-image limit a server sets (--max-pixels). Each returns the
 # broken rule as text, or None; the caller names the field in its own protocol's way.
 def image_size_rule(h: int, w: int, factor: int, max_pixels: int) -> str | None:

@@ -59,7 +59,7 @@ def check_timeout(timeout: float | None) -> None:
 
 
 def client_from_args(args: argparse.Namespace):
-    from vqserve.serve.client import AUTO, TokenizerClient
+    from vqserve.serve.clients.sync import AUTO, TokenizerClient
 
     check_timeout(args.timeout)
     if args.batch_size is not None and args.batch_size < 1:

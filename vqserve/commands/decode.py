@@ -266,7 +266,7 @@ def _save_png(fh, pixels) -> None:
 def _items(files: list[_TokenFile], per_image: int) -> Iterator:
     """Token files -> one client Item per image (tag: file number, image number); a file
     that fails to load becomes a failed Outcome."""
-    from vqserve.serve.client_batches import Item, Outcome
+    from vqserve.serve.clients.batches import Item, Outcome
 
     for n, tf in enumerate(files):
         if tf.error:

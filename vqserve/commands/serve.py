@@ -37,7 +37,9 @@ from vqserve.commands.common import (
     resolve_env_fallbacks,
     switch,
 )
-from vqserve.serve.planning import DEFAULT_PLAN_BUDGET_S  # standard library only: cheap for --help
+from vqserve.serve.engine.planning import (
+    DEFAULT_PLAN_BUDGET_S,  # standard library only: cheap for --help
+)
 
 # Every serve setting can come from the environment (the container's entrypoint is plain
 # `vqserve serve`); docs/DEPLOY.md lists them and a test keeps the three in step.
@@ -204,12 +206,12 @@ def frontend_count(text: str) -> str | int:
 
 
 def resolve_frontends(value, model: str, device: str) -> int:
-    """``auto``: by the device the model will run on (serve/executor.py default_frontends)."""
+    """``auto``: by the device the model will run on (serve/split/executor.py default_frontends)."""
     if value != "auto":
         return int(value)
     from vqserve.core.machine import available_cores
     from vqserve.export.runtimes.synthetic import is_synthetic
-    from vqserve.serve.executor import default_frontends
+    from vqserve.serve.split.executor import default_frontends
 
     if is_synthetic(model):
         device = "synthetic"
@@ -221,8 +223,8 @@ def resolve_frontends(value, model: str, device: str) -> int:
 
 
 def config_from_args(args: argparse.Namespace):
+    from vqserve.serve.grpc_server import ServerConfig
     from vqserve.serve.preflight import check_tls_pair
-    from vqserve.serve.server import ServerConfig
 
     resolve_env_fallbacks(args._actions, args, ENV_VARS)  # noqa: SLF001 - flags, then VQSERVE_*
 
@@ -351,8 +353,8 @@ def check_device(config) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vqserve.serve.grpc_server import serve_until_signal, setup_logging
     from vqserve.serve.preflight import PortInUseError
-    from vqserve.serve.server import serve_until_signal, setup_logging
 
     resolve_env_fallbacks(args._actions, args, ENV_VARS)  # noqa: SLF001
     # before any log line or bound port, so a usage error is the only output
@@ -376,13 +378,13 @@ def run(args: argparse.Namespace) -> int:
 
 def exit_now_if_loading(status: int) -> None:
     """A signal during the model load ends the server while its loader thread (a daemon,
-    serve/planning.py) may still be inside torch: exit at once, skipping the interpreter's
+    serve/engine/planning.py) may still be inside torch: exit at once, skipping the interpreter's
     finalisation, which would abort on that thread ("terminate called without an active
     exception") instead of exiting ``status``."""
     import logging
     import os
 
-    from vqserve.serve.planning import daemon_work_in_flight
+    from vqserve.serve.engine.planning import daemon_work_in_flight
 
     if daemon_work_in_flight():
         logging.shutdown()

@@ -15,7 +15,7 @@ size, crop box, token grid, tokens) and, in --out/__vqserve__/, manifest.json (m
 settings, shards with rows and sha256) and errors.jsonl (images that failed, with the
 reason; the run goes on). The folder itself is the dataset: pd.read_parquet(OUT),
 pyarrow.dataset.dataset(OUT), datasets.load_dataset("parquet", data_dir=OUT), or
-vqserve.data.TokenShards(OUT) for a sharded, shuffled, resumable PyTorch loader.
+vqserve.offline.token_shards.TokenShards(OUT) for a sharded, shuffled, resumable PyTorch loader.
 
 Resume: run the same command again after a crash, kill -9, Ctrl-C or SIGTERM (the last two
 stop cleanly after the model call in hand: exit 130 or 143). Complete shards are kept, the
@@ -276,4 +276,4 @@ def read_hint(job: Job, manifest: dict) -> str:
     if job.settings.shard_format == "webdataset":
         pattern = manifest.get("shard_pattern") or "shard-*.tar"
         return f"webdataset.WebDataset('{job.out / pattern}')"
-    return f"pandas.read_parquet('{job.out}') or vqserve.data.TokenShards('{job.out}')"
+    return f"pandas.read_parquet('{job.out}') or vqserve.offline.token_shards.TokenShards('{job.out}')"

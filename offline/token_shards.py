@@ -4,7 +4,7 @@
 split across ranks and DataLoader workers, shuffled, epoch after epoch, and resumable from a
 checkpoint without seeing a row twice or missing one. This module is that stream::
 
-    from vqserve.data import TokenShards
+    from vqserve.offline.token_shards import TokenShards
 
     data = TokenShards("tokens/", rank=rank, world_size=world, shuffle=True, seed=0)
     loader = data.loader(batch_size=64, num_workers=4)

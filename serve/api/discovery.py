@@ -15,7 +15,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from vqserve.serve.errors import BadMessage, safe_deserializer
+from vqserve.serve.api.errors import BadMessage, safe_deserializer
 
 
 class DrainingHealthServicer(health.aio.HealthServicer):

@@ -19,9 +19,9 @@ import struct
 
 import numpy as np
 
-from vqserve.serve.batcher import BatcherClosed, DeadlineExpired, QueueFull
-from vqserve.serve.codec import BadInput
-from vqserve.serve.errors import ReplyTooLarge
+from vqserve.serve.api.codec import BadInput
+from vqserve.serve.api.errors import ReplyTooLarge
+from vqserve.serve.engine.batcher import BatcherClosed, DeadlineExpired, QueueFull
 
 # request: id, kind, dtype, ndim, deadline (monotonic; 0 = none), block offset, answer offset,
 # answer capacity (bytes), shape

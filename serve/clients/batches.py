@@ -1,4 +1,4 @@
-"""How the two clients of :mod:`vqserve.serve.client` cut their work into calls, and what
+"""How the two clients of :mod:`vqserve.serve.clients.sync` cut their work into calls, and what
 they do when a call fails: the server's limits per call, the items of a job and what became
 of each, buckets of one shape and dtype within those limits, deadlines that grow with the
 pixels moved, a failed multi-item call resent item by item, image files prepared by the one

@@ -1,10 +1,10 @@
 """Assemble the grpc.aio server: both APIs on one port, health, reflection, TLS, auth,
 Prometheus ``/metrics``, structured logs, and a SIGTERM drain. The parts live beside it:
-auth and the stream cap in ``serve/gates.py``, health and reflection in
-``serve/discovery.py``, the JSON logs in ``serve/logs.py``, the gRPC servers themselves (one,
-or ``--listeners`` in a front-end) in ``serve/listeners.py``, the port and TLS checks made
+auth and the stream cap in ``serve/api/gates.py``, health and reflection in
+``serve/api/discovery.py``, the JSON logs in ``serve/logs.py``, the gRPC servers themselves (one,
+or ``--listeners`` in a front-end) in ``serve/split/listeners.py``, the port and TLS checks made
 before anything starts in ``serve/preflight.py``, the choice of execution plan and
-the switch to a measured one in ``serve/serving_plan.py``, the engine, batcher, front-ends
+the switch to a measured one in ``serve/engine/serving_plan.py``, the engine, batcher, front-ends
 and device executor in their own modules; this one wires them and runs the lifecycle.
 
 Lifecycle: the port is bound and health answers NOT_SERVING while the model loads (in a
@@ -39,23 +39,24 @@ from grpc_health.v1 import health, health_pb2
 from vqserve import __version__
 from vqserve.core.machine import available_cores
 from vqserve.export.runtimes.execution import PlannedRuntime
-from vqserve.serve import service_oip, service_v1
-from vqserve.serve.discovery import (
+from vqserve.serve.api import oip as service_oip
+from vqserve.serve.api import v1 as service_v1
+from vqserve.serve.api.discovery import (
     REFLECTION_SERVICES,
     DrainingHealthServicer,
     add_health,
     add_reflection,
 )
-from vqserve.serve.engine import Engine, default_batch_pixels
-from vqserve.serve.errors import Tracker
-from vqserve.serve.gates import BearerTokenAuth, StreamGate
-from vqserve.serve.listeners import Listeners
+from vqserve.serve.api.errors import Tracker
+from vqserve.serve.api.gates import BearerTokenAuth, StreamGate
+from vqserve.serve.engine.engine import Engine, default_batch_pixels
+from vqserve.serve.engine.planning import DEFAULT_PLAN_BUDGET_S, run_in_daemon
+from vqserve.serve.engine.serving_plan import ServingPlan
 from vqserve.serve.logs import JsonFormatter, log, setup_logging
 from vqserve.serve.logs import event as _event
 from vqserve.serve.metrics import Metrics
-from vqserve.serve.planning import DEFAULT_PLAN_BUDGET_S, run_in_daemon
 from vqserve.serve.preflight import PortInUseError, check_port_free, check_tls_pair
-from vqserve.serve.serving_plan import ServingPlan
+from vqserve.serve.split.listeners import Listeners
 
 __all__ = ["JsonFormatter", "ServerConfig", "ServerThread", "StreamGate", "TokenizerServer", "log",
            "serve_until_signal", "setup_logging"]
@@ -72,7 +73,7 @@ class ServerConfig:
     metrics_port: int = 50052        # 0 = ephemeral, negative = no metrics endpoint
     metrics_host: str = "0.0.0.0"
     max_batch_size: int = 32
-    max_delay_ms: float = 0.0        # a free model slot never waits for a fuller call (serve/batcher.py)
+    max_delay_ms: float = 0.0        # a free model slot never waits for a fuller call (serve/engine/batcher.py)
     max_queue: int = 1024            # queued items (images), over all queues
     max_message_mb: int = 64         # per gRPC message, each way
     tls_cert: str | None = None
@@ -98,12 +99,12 @@ class ServerConfig:
     plan_cache: str | None = None    # where measured plans are kept; None: export.planner.cache_dir()
     min_agreement: float = 0.995     # --dtype auto: least token agreement with fp32 for a lower dtype
     plan_budget_s: float = DEFAULT_PLAN_BUDGET_S  # --plan auto: the background measurement stops after this
-    frontends: int | None = 0        # gRPC front-end processes (serve/frontend.py) before one device
+    frontends: int | None = 0        # gRPC front-end processes (serve/split/frontend.py) before one device
     #                                  executor; 0: one process does everything; None: by the device
-    #                                  (serve/executor.py default_frontends). `vqserve serve`: auto.
+    #                                  (serve/split/executor.py default_frontends). `vqserve serve`: auto.
     executor_socket: str | None = None  # set in a front-end process: the executor it forwards to
     arena_mb: int = 0                # a front-end's shared pixel memory; 0: default_arena_bytes
-    listeners: int = 8               # gRPC servers per front-end process, on its port (serve/listeners.py)
+    listeners: int = 8               # gRPC servers per front-end process, on its port (serve/split/listeners.py)
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -227,9 +228,9 @@ class TokenizerServer:
         self._load_task = asyncio.get_running_loop().create_task(self._load())
 
     async def _start_executor(self) -> int:
-        """The device executor behind ``frontends`` front-end processes (serve/executor.py):
+        """The device executor behind ``frontends`` front-end processes (serve/split/executor.py):
         reserve the port, listen for the front-ends, start them and ``/metrics``, load."""
-        from vqserve.serve.executor import ExecutorService, FrontendPool, reserve_port
+        from vqserve.serve.split.executor import ExecutorService, FrontendPool, reserve_port
 
         cfg = self.config
         self._reservation, self.port = reserve_port(cfg.host, cfg.port)
@@ -269,7 +270,7 @@ class TokenizerServer:
 
     async def _load(self) -> None:
         """Load the model and serve it at once: by the plan from the cache or a plan file, else
-        by the safe plan while the fast one is measured in the background (serve/planning.py)."""
+        by the safe plan while the fast one is measured in the background (serve/engine/planning.py)."""
         cfg = self.config
         if self.role == "frontend":
             return await self._load_frontend()
@@ -339,7 +340,7 @@ class TokenizerServer:
 
     async def _load_frontend(self) -> None:
         """A front-end's engine: the executor's identity and limits, its batcher remote."""
-        from vqserve.serve.frontend import connect_engine
+        from vqserve.serve.split.frontend import connect_engine
 
         engine = await connect_engine(self.config, self.metrics)
         self.state.engine = engine

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from vqserve.serve.model_threads import call_and_answer
+from vqserve.serve.engine.model_threads import call_and_answer
 
 # The default tokenizer's whole measurement (its ONNX export included) took 52 s on a quiet
 # 2-vCPU machine: 90 s leaves room for a busy one, and a budget that runs out caches nothing

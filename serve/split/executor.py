@@ -1,10 +1,10 @@
 """The device executor: the one process that owns the model when front-ends serve gRPC.
 
 ``vqserve serve --frontends N`` splits the server the way vLLM splits its API servers from
-its engine core: N front-end processes (``serve/frontend.py``) take the requests on one
+its engine core: N front-end processes (``serve/split/frontend.py``) take the requests on one
 port, and this process, which loaded the model by its plan, runs every model call. Its
 event loop does little per request: read a header, view the pixels in the sender's shared
-arena, hand them to the same :class:`~vqserve.serve.engine.Engine` and batcher a
+arena, hand them to the same :class:`~vqserve.serve.engine.engine.Engine` and batcher a
 single-process server uses (so batching across all front-ends, deadlines, expiry, the
 plan, its start-up certificate, the background plan switch and the codebook metrics are
 that code, not a copy), write the answer back into the arena and a header onto the socket.
@@ -35,8 +35,8 @@ import threading
 import time
 
 from vqserve.core.shm import Arena
-from vqserve.serve import wire
-from vqserve.serve.batcher import BatcherClosed
+from vqserve.serve.engine.batcher import BatcherClosed
+from vqserve.serve.split import wire
 
 log = logging.getLogger("vqserve.serve")
 
@@ -57,7 +57,7 @@ def default_frontends(device: str, cores: int) -> int:
 def identity_payload(engine) -> dict:
     """What a front-end needs to answer GetModelInfo and check requests like this process,
     and the methods whose short calls this batcher holds to fill (a front-end never holds
-    those requests back: serve/frontend.py)."""
+    those requests back: serve/split/frontend.py)."""
     info = engine.runtime.info.to_dict()
     certificate = engine.determinism
     fills = engine.batcher.fills_calls
@@ -283,7 +283,7 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
 
 
 class FrontendPool:
-    """N ``python -m vqserve.serve.frontend`` processes with this server's settings."""
+    """N ``python -m vqserve.serve.split.frontend`` processes with this server's settings."""
 
     def __init__(self, config, count: int, port: int, socket_path: str, metrics_dir: str):
         settings = dataclasses.asdict(config)
@@ -301,7 +301,7 @@ class FrontendPool:
 
     def _spawn(self) -> subprocess.Popen:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
-        proc = subprocess.Popen([sys.executable, "-m", "vqserve.serve.frontend"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "vqserve.serve.split.frontend"], stdin=subprocess.PIPE,
                                 env=env, text=True)
         proc.stdin.write(self.settings)
         proc.stdin.close()

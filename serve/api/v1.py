@@ -9,10 +9,10 @@ import grpc
 import numpy as np
 
 from vqserve import __version__
-from vqserve.serve import codec
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
-from vqserve.serve.errors import (
+from vqserve.serve.api import codec
+from vqserve.serve.api.errors import (
     NotReady,
     abort_for,
     deadline_of,
@@ -20,7 +20,7 @@ from vqserve.serve.errors import (
     safe_deserializer,
     status_for,
 )
-from vqserve.serve.rawrequest import parse_encode_request
+from vqserve.serve.api.rawrequest import parse_encode_request
 
 STREAM_WINDOW = 32  # requests a stream may have in flight before the server stops reading
 
@@ -197,7 +197,7 @@ _METHODS = {
 
 def request_parser(request_cls):
     """The request deserializer: never raises (``safe_deserializer``), and an Encode request
-    of raw pixels is read in place (``serve/rawrequest.py``: no protobuf copies of them)."""
+    of raw pixels is read in place (``serve/api/rawrequest.py``: no protobuf copies of them)."""
     slow = safe_deserializer(request_cls)
     if request_cls is not pb.EncodeRequest:
         return slow

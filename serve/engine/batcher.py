@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vqserve.serve.model_threads import ModelThreads
+from vqserve.serve.engine.model_threads import ModelThreads
 
 _MAX_KEYS_REMEMBERED = 256  # (method, shape, dtype) queues whose call time and last call are kept
 

@@ -12,7 +12,7 @@ and its answer one ``call_soon_threadsafe`` that settles the caller's asyncio fu
 The threads live as long as the batcher (named ``vqserve-infer_<i>``): thread-local state
 a runtime keeps (CUDA streams and graphs, torch's inference mode) stays with them.
 :func:`call_and_answer` (run a function in a thread, settle a future on the loop) is also
-the body of ``run_in_daemon``'s one-off threads (serve/planning.py).
+the body of ``run_in_daemon``'s one-off threads (serve/engine/planning.py).
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 At start the plan comes from ``--plan``: a plan file, the plan cache, the device's default,
 or, with ``--plan auto`` and nothing cached, the safe plan while the fast one is measured
-in a child process beside serving (serve/planning.py). Once measured, the server switches
+in a child process beside serving (serve/engine/planning.py). Once measured, the server switches
 to it between model calls; every plan it may switch to gives the safe plan's tokens and
 pixels, so clients see a change in speed only. The user's flags (``--micro-batch``,
 ``--model-workers``, ``--threads``, ``--no-cuda-graphs``) apply on top of whichever plan,
 and each plan is checked for batch invariance before it serves a client.
 
-The server (serve/server.py) owns the lifecycle and the engine; this module owns the plan
+The server (serve/grpc_server.py) owns the lifecycle and the engine; this module owns the plan
 choice, so the server's start-up reads as steps and not as the planner's details.
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from vqserve.export.runtimes.determinism import start_up_check
 from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime, plan_for
+from vqserve.serve.engine.planning import BackgroundPlan, plan_argv, run_in_daemon
 from vqserve.serve.logs import event as _event
-from vqserve.serve.planning import BackgroundPlan, plan_argv, run_in_daemon
 
 
 class ServingPlan:

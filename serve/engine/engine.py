@@ -18,10 +18,10 @@ import numpy as np
 from vqserve.core.input_rules import decode_unsupported
 from vqserve.core.machine import available_memory
 from vqserve.export.runtimes.checks import image_size_rule, index_grid_rule, index_range_rule
-from vqserve.serve.batcher import Batcher
-from vqserve.serve.codec import BadInput
-from vqserve.serve.decoding import ImageDecoder
-from vqserve.serve.errors import ReplyTooLarge
+from vqserve.serve.api.codec import BadInput
+from vqserve.serve.api.decoding import ImageDecoder
+from vqserve.serve.api.errors import ReplyTooLarge
+from vqserve.serve.engine.batcher import Batcher
 
 # Bytes a response adds around a tensor's data: field tags, lengths, shape, dtype, names.
 REPLY_OVERHEAD = 1024
@@ -62,7 +62,7 @@ class Engine:
         images in flight (None: :func:`default_decoded_bytes`). ``max_pixels``: per image,
         replacing the runtime's own limit (both APIs and GetModelInfo read ``self.info``).
         ``batcher``: where checked requests go instead of a local :class:`Batcher` over
-        ``runtime`` (a front-end process: the executor's, through ``serve/frontend.py``);
+        ``runtime`` (a front-end process: the executor's, through ``serve/split/frontend.py``);
         ``runtime`` then only needs its ``info``."""
         self.runtime = runtime
         self.info = runtime.info if not max_pixels else dataclasses.replace(runtime.info, max_pixels=max_pixels)

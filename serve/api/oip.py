@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from vqserve import __version__
-from vqserve.serve import codec
 from vqserve.serve._proto import grpc_predict_v2_pb2 as pb
 from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as pb_grpc
-from vqserve.serve.codec import BadInput
-from vqserve.serve.errors import (
+from vqserve.serve.api import codec
+from vqserve.serve.api.codec import BadInput
+from vqserve.serve.api.errors import (
     NotFound,
     NotReady,
     abort_for,

@@ -4,12 +4,12 @@ On a GPU node one Python process cannot both handle thousands of requests a seco
 keep the device fed: its event loop and its model thread share one GIL while the device
 waits. So ``vqserve serve --frontends N`` runs N of these processes on one port
 (``SO_REUSEPORT``: the kernel spreads connections over them), each a full
-:class:`~vqserve.serve.server.TokenizerServer` (auth before parse, budgets, deadlines,
+:class:`~vqserve.serve.grpc_server.TokenizerServer` (auth before parse, budgets, deadlines,
 health, reflection, SIGTERM drain) whose engine hands checked pixels to the one device
-executor (``serve/executor.py``) instead of a local batcher:
+executor (``serve/split/executor.py``) instead of a local batcher:
 
 - the pixels are written once into this process's shared arena (:mod:`vqserve.core.shm`) and
-  the executor reads them in place; only a header crosses the socket (``serve/wire.py``);
+  the executor reads them in place; only a header crosses the socket (``serve/split/wire.py``);
 - the executor batches across every front-end, runs the model by its plan and writes the
   answer into the same block; this process copies it out, frees the block and replies.
 
@@ -32,8 +32,8 @@ import time
 import numpy as np
 
 from vqserve.core.shm import Arena, ArenaFull, round_up
-from vqserve.serve import wire
-from vqserve.serve.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from vqserve.serve.engine.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from vqserve.serve.split import wire
 
 
 def default_arena_bytes(max_batch_size: int, max_pixels: int) -> int:
@@ -372,7 +372,7 @@ def _certificate(payload: dict):
 async def connect_engine(config, metrics):
     """An :class:`Engine` whose batcher is the executor's, with the executor's identity,
     plan and start-up certificate (kept current: a plan switch there is pushed here)."""
-    from vqserve.serve.engine import Engine, default_decoded_bytes
+    from vqserve.serve.engine.engine import Engine, default_decoded_bytes
 
     max_pixels_hint = config.max_pixels or 1024 * 1024
     remote = RemoteBatcher(config.executor_socket,
@@ -400,12 +400,12 @@ async def connect_engine(config, metrics):
 
 
 def main() -> int:
-    """``python -m vqserve.serve.frontend``: started by the executor (serve/executor.py),
+    """``python -m vqserve.serve.split.frontend``: started by the executor (serve/split/executor.py),
     its ServerConfig as JSON on stdin; ends with its parent whatever kills it."""
     from vqserve.core.lifetime import die_with_parent
 
     die_with_parent()
-    from vqserve.serve.server import ServerConfig, serve_until_signal, setup_logging
+    from vqserve.serve.grpc_server import ServerConfig, serve_until_signal, setup_logging
 
     settings = json.loads(sys.stdin.read())
     setup_logging(settings.pop("log_level", "info"))

@@ -1,6 +1,6 @@
 """Python clients for vqserve.v1.Tokenizer.
 
-    from vqserve.serve.client import TokenizerClient
+    from vqserve.serve.clients.sync import TokenizerClient
     with TokenizerClient("127.0.0.1:50051") as client:
         indices = client.encode(images)          # uint8 [N,H,W,3], any N: split and pipelined
         images2 = client.decode(indices)
@@ -10,7 +10,7 @@ Large arrays are split into calls of at most the server's ``max_batch_size`` ima
 once with GetModelInfo) and at most ``CALL_BYTES`` of pixels, and sent over one
 bidirectional stream, so many calls are in flight at once and the server can batch them.
 ``AsyncTokenizerClient`` does the same for asyncio code: both clients share how work is cut
-into calls (:mod:`vqserve.serve.client_batches`) and differ only in how they wait for the
+into calls (:mod:`vqserve.serve.clients.batches`) and differ only in how they wait for the
 network.
 
 Files (:meth:`TokenizerClient.iter_encode_files`) are read and preprocessed here by the
@@ -35,10 +35,10 @@ import grpc
 import numpy as np
 
 from vqserve.core import images as imagelib
-from vqserve.serve import codec
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
-from vqserve.serve.client_batches import (
+from vqserve.serve.api import codec
+from vqserve.serve.clients.batches import (
     AUTO,
     Buckets,
     FileError,  # noqa: F401 - what encode_files raises: part of this module's API

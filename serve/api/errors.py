@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import grpc
 
-from vqserve.serve.batcher import BatcherClosed, DeadlineExpired, QueueFull
-from vqserve.serve.codec import BadInput
+from vqserve.serve.api.codec import BadInput
+from vqserve.serve.engine.batcher import BatcherClosed, DeadlineExpired, QueueFull
 
 log = logging.getLogger("vqserve.serve")
 
