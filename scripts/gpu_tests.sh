@@ -9,5 +9,5 @@ out=${1:?usage: scripts/gpu_tests.sh OUT_DIR [pytest args]}; shift
 copy=$(mktemp -d); cp -r tests pyproject.toml "$copy"/
 cd "$copy"
 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_cuda_graphs.py "tests/test_mixed_precision.py::test_every_cuda_runtime_turns_tf32_off_whatever_ran_before" \
+    tests/unit/export/test_cuda_graphs.py "tests/unit/model/test_mixed_precision.py::test_every_cuda_runtime_turns_tf32_off_whatever_ran_before" \
     "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -30

@@ -15,7 +15,7 @@ from vqserve.model import Tokenizer, TokenizerConfig, save_tokenizer
 # `vqserve serve` and `vqserve tokenize` measure their execution plan at the first start
 # (--plan auto, tens of seconds per model on 2 cores). Every test that is not about planning
 # runs the fixed default plan, and measured plans never land in the user's cache;
-# tests/test_plan.py sets --plan auto and its own cache explicitly.
+# tests/integration/test_plan.py sets --plan auto and its own cache explicitly.
 os.environ.setdefault("VQSERVE_PLAN", "default")
 os.environ.setdefault("VQSERVE_PLAN_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                          f"vqserve-test-plans-{os.getpid()}"))

@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FIXTURES = Path(__file__).parent / "fixtures" / "families"
+from tests.helpers import FIXTURES_DIR
+
+FIXTURES = FIXTURES_DIR / "families"
 PUBLISHED = ("amused-256-vqvae", "ldm-celebahq-256-vqvae", "ldm-vq-f8", "kandinsky-2-2-movq")
 
 

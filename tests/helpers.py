@@ -15,6 +15,7 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+FIXTURES_DIR = ROOT / "tests" / "fixtures"  # the recorded fixtures, whatever folder a test sits in
 
 
 def count_torch_ops(fn, *args) -> int:

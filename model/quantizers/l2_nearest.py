@@ -85,7 +85,7 @@ class L2NearestCode(Fp32StateModule):
     def _argmin(flat: torch.Tensor, code_norms: torch.Tensor, codebook_t: torch.Tensor) -> torch.Tensor:
         # (|z|^2 + |e|^2) + (-2)(z @ e^T) in one fused product: scaling by -2 is exact, so each
         # distance is rounded exactly as the original's ``(a + b) - 2 * (z @ e^T)``
-        # (tests/test_family_llamagen.py compares with the unfused formula), with one
+        # (tests/integration/families/test_llamagen.py compares with the unfused formula), with one
         # [rows, codes] tensor written instead of three
         return torch.addmm(flat.pow(2).sum(dim=1, keepdim=True) + code_norms, flat, codebook_t,
                            alpha=-2).argmin(dim=1)

@@ -11,7 +11,7 @@ module runs the very same three operations on the same tensor shapes (NCHW, one 
 call), in fp32 with autocast off, whatever dtype the networks run in. The shapes matter:
 PyTorch's softmax over a strided dimension sums in an order that depends on the number of
 positions, so splitting an image into row chunks changes probabilities in their last bit;
-splitting a batch into images does not (both checked, tests/test_family_ibq.py).
+splitting a batch into images does not (both checked, tests/integration/families/test_ibq.py).
 
 The cost is the original's: per image ``positions x codebook_size`` logits and
 probabilities (256 positions x 262,144 codes = 2 x 268 MB in fp32). Traced and exported

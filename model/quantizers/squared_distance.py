@@ -22,7 +22,7 @@ training path's codes) are what the class's ``decode`` feeds its decoder.
 Speed and memory: the distance matrix is rows x codes (an Emu3 image of 512x512 pixels is
 4,096 positions x 32,768 codes, 512 MB in one product), so eager mode searches fixed chunks
 of about 2**20 distances; every row's distances are the same numbers in any chunk (checked
-against one product in tests/test_family_transformers.py). Every product has at least two
+against one product in tests/integration/families/test_transformers.py). Every product has at least two
 rows: a one-row product takes a matrix-vector path that may round differently, which would
 make a one-position image's token depend on its batch. Traced / exported graphs compute all
 rows in one product (a traced loop would be unrolled to the example's size).

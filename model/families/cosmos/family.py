@@ -14,7 +14,7 @@ this family owns:
 The networks (``cosmos_networks``) are Cosmos's architecture rebuilt op for op; the quantizer
 (``CosmosFSQ``) is vqserve's FSQ island, which is Cosmos's FSQ arithmetic (both follow
 vector-quantize-pytorch) run in fp32 whatever the networks run in. Indices equal the original
-code's in fp32 (tests/test_family_cosmos.py, against fixtures made by the original).
+code's in fp32 (tests/integration/families/test_cosmos.py, against fixtures made by the original).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ integer-valued fp32, so vqserve's clamp-and-round leaves it unchanged.
 Parameter names follow Cosmos's state dict (``down.0.block.1.conv2.weight``, ``mid.attn_1.q``,
 ``up.2.upsample.conv``); ``quant_conv`` lives in the encoder and ``post_quant_conv`` in the
 decoder, because vqserve's encoder ends at the quantizer's input and its decoder starts at
-its output. Checked against the original code in tests/test_family_cosmos.py.
+its output. Checked against the original code in tests/integration/families/test_cosmos.py.
 """
 
 from __future__ import annotations

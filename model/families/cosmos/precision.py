@@ -10,7 +10,7 @@ rounding that decides the token. vqserve's path keeps ``quant_conv``, the residu
 the quantizer in fp32 (only the residual-branch convolutions run in bf16), so the latent
 reaches the rounding with fp32 precision.
 
-Paths, each compared with the fp32 indices (which equal Cosmos's, tests/test_family_cosmos.py):
+Paths, each compared with the fp32 indices (which equal Cosmos's, tests/integration/families/test_cosmos.py):
 
 * ``naive``: the whole model in bf16 and Cosmos's FSQ on its bf16 latent (``NaivePath``: its
   indices equal Cosmos's own ``DiscreteImageTokenizer`` cast to bf16, checked by

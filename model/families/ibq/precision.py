@@ -5,7 +5,7 @@
 many codes round to the same value and ``max`` keeps the lowest index among them, so the
 search itself flips tokens. vqserve keeps the rule in fp32 (``SoftmaxMaxVQ``) and, by
 default, the encoder's residual stream in fp32. Each path is compared with the fp32 indices,
-which equal the original code's (tests/test_family_ibq.py)::
+which equal the original code's (tests/integration/families/test_ibq.py)::
 
     python -m vqserve.model.families.ibq.precision --model DIR --photos A.jpg B.jpg ... [--size 256]
 """

@@ -12,7 +12,7 @@ one with ``torch.load(weights_only=True)`` and writes a directory this family ow
 The networks (``llamagen_networks``) are LlamaGen's architecture rebuilt op for op; the
 quantizer (``llamagen_quantizer.L2NearestCode``) is its nearest-code search over an
 l2-normalised codebook, in fp32 whatever the networks run in. Indices equal the original
-code's in fp32 (tests/test_family_llamagen.py, against fixtures made by the original).
+code's in fp32 (tests/integration/families/test_llamagen.py, against fixtures made by the original).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ and a token flips when a latent moves across a nearest-code boundary by one ulp.
 op here is the same floating-point operation in the same order as the original (``x *
 sigmoid(x)`` rather than ``F.silu``, the attention's two ``bmm`` in the same layouts, the
 1/sqrt(c) scale applied after the product), checked against fixtures produced by the
-original code (tests/test_family_llamagen.py). The parameter names are those of LlamaGen's
+original code (tests/integration/families/test_llamagen.py). The parameter names are those of LlamaGen's
 state dict (``conv_blocks.0.res.1.norm1.weight`` ...) so an imported checkpoint maps onto
 them one to one; ``quant_conv`` lives in the encoder and ``post_quant_conv`` in the decoder,
 because vqserve's encoder ends at the quantizer's input and its decoder starts at its output.

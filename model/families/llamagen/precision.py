@@ -6,7 +6,7 @@ matrix and the argmin all see 8 significant bits; on a unit sphere holding 16,38
 8 dimensions, neighbouring codes are closer than that. vqserve's path keeps the quantizer
 in fp32 (the island) and, by default, the encoder's residual stream in fp32 too
 (``vqserve.model.mixed_precision``). Both are compared with the fp32 indices, which equal
-the original code's (tests/test_family_llamagen.py).
+the original code's (tests/integration/families/test_llamagen.py).
 
     python -m vqserve.model.families.llamagen.precision --model DIR --photos A.jpg B.jpg ... \
         [--size 256] [--dtype bf16] [--json out.json]

@@ -12,7 +12,7 @@ with ``torch.load(weights_only=True)`` and writes a directory this family owns:
 
 The networks (``magvit2_networks``) are the original's, rebuilt op for op; the quantizer is
 vqserve's LFQ in fp32 with Open-MAGVIT2's bit order (``LsbFirstLFQ``). Indices equal the
-original code's in fp32 (tests/test_family_magvit2.py, against fixtures made by the original).
+original code's in fp32 (tests/integration/families/test_magvit2.py, against fixtures made by the original).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class LsbFirstLFQ(LFQ):
 
     Everything else is the same sign rule: a channel is bit 1 when ``z > 0`` (0, -0 and NaN
     give 0), the code is +-1. Open-MAGVIT2's ``LFQ.forward`` gives these indices and
-    ``get_codebook_entry`` these codes (tests/test_family_magvit2.py). Its autoregressive
+    ``get_codebook_entry`` these codes (tests/integration/families/test_magvit2.py). Its autoregressive
     stage splits an 18-bit index into two 9-bit sub-tokens (token factorization): ``pre =
     index & 511`` (channels 0-8) and ``post = index >> 9`` (channels 9-17). Inference only
     (served models are not trained here), so no entropy codebook is built."""

@@ -26,7 +26,7 @@ autoregressive stage feeds it (``cond_transformer.get_input``); the decoder star
 channels-last codes, which is what the original's ``LFQ.get_codebook_entry`` (and its
 ``encode``) hand to its decoder, and turns contiguous at the first depth-to-space, as the
 original does. Checked against fixtures produced by the original code
-(tests/test_family_magvit2.py). Parameter names are the original's state-dict names
+(tests/integration/families/test_magvit2.py). Parameter names are the original's state-dict names
 (``down.0.block.1.norm1.weight``, ``adaptive.2.gamma.weight``...), so a checkpoint maps on
 them one to one.
 

@@ -8,7 +8,7 @@ fp32 island removes almost no flips here: what flips LFQ tokens is the bf16 *enc
 moving a latent across zero. vqserve's served path keeps the encoder's residual stream in
 fp32 (only the residual-branch convolutions run in bf16, ``vqserve.model.mixed_precision``),
 which is where the difference comes from. Each path is compared with the fp32 indices,
-which equal the original code's (tests/test_family_magvit2.py)::
+which equal the original code's (tests/integration/families/test_magvit2.py)::
 
     python -m vqserve.model.families.magvit2.precision --model DIR --photos A.jpg B.jpg ... \\
         [--size 256] [--dtype bf16] [--json out.json]

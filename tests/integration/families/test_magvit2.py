@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import assert_matches_reference, tokenize_grids, write_case_photos
+from tests.helpers import FIXTURES_DIR, assert_matches_reference, tokenize_grids, write_case_photos
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -35,7 +35,7 @@ from vqserve.model.tokenizer import pixels_to_float
 
 pytestmark = pytest.mark.timeout(300)
 
-FIXTURES = Path(__file__).parent / "fixtures" / "magvit2"
+FIXTURES = FIXTURES_DIR / "magvit2"
 SMALL = Magvit2Config(base_channels=32, ch_mult=[2, 1, 1], num_res_blocks=1, z_channels=10)
 
 
@@ -257,7 +257,7 @@ def _bad_checkpoints(tmp_path: Path, trained: dict, ema: dict) -> dict[str, tupl
         "lightning hparams class": (save("hparams.ckpt", lightning_checkpoint(trained, ema, hyper_parameters={
                                         "lossconfig": LossConfig()})),
                                     r"refused, this pickle holds more than weights \(it names "
-                                    r"\S*test_family_magvit2.LossConfig\)", {}),
+                                    r"\S*test_magvit2.LossConfig\)", {}),
         "not a dict": (save("list.ckpt", [torch.zeros(1)]), "expected a Lightning checkpoint", {}),
         "no state_dict": (save("nokey.ckpt", {"optimizer_states": []}), "no 'state_dict' in the checkpoint", {}),
         "an IBQ checkpoint": (save("ibq.ckpt", {"state_dict": {**trained, "quant_conv.weight": torch.zeros(4, 4, 1, 1)}}),

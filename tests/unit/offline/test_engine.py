@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from tests.helpers import alive, child_pids, wait_until
-from tests.test_tokenize import photo_set, write_folder
+from tests.integration.test_tokenize import photo_set, write_folder
 from vqserve.cli import main
 from vqserve.offline import engine, pipeline, shards
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from safetensors.torch import load_file
 
+from tests.helpers import ROOT
 from vqserve.model import load_tokenizer
 from vqserve.training.trainer import (
     TrainConfig,
@@ -510,7 +510,7 @@ def test_an_undithered_tokenizer_fine_tunes_into_a_dithered_one(image_dir, tmp_p
 # -- the shipped recipes (issue 28) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")),
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_every_shipped_recipe_is_a_valid_training_config(path):
     cfg = TrainConfig.from_dict(load_config_file(path))
@@ -526,7 +526,7 @@ def test_the_shipped_tokenizers_are_what_their_recipes_train(name, recipes):
     must be the shipped config, and the v6 stages keep v4's tokens (encoder frozen)."""
     shipped = load_tokenizer(name).config
     for recipe in recipes:
-        cfg = TrainConfig.from_dict(load_config_file(Path(__file__).resolve().parents[1] / "configs" / recipe))
+        cfg = TrainConfig.from_dict(load_config_file(ROOT / "configs" / recipe))
         assert cfg.tokenizer_config() == shipped, recipe
         assert cfg.freeze_encoder == (name == "default"), recipe
 
@@ -537,7 +537,7 @@ def test_train_on_budget_sets_the_schedule_from_the_measured_rate(image_dir, tmp
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     config = tmp_path / "tiny.yaml"
     config.write_text(json.dumps({**tiny_config(image_dir, tmp_path / "unused").to_dict(), "steps": 10_000}))
     res = subprocess.run([sys.executable, str(root / "scripts" / "train_on_budget.py"), "--config", str(config),
@@ -563,7 +563,7 @@ def test_train_candidates_runs_recipes_side_by_side_and_packs_each(image_dir, tm
     import sys
     import tarfile
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     config = tmp_path / "tiny.yaml"
     config.write_text(json.dumps({**tiny_config(image_dir, tmp_path / "unused").to_dict(), "steps": 10_000}))
     env = {**os.environ, "PY": sys.executable, "COMMON": "val_every=0"}

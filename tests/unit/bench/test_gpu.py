@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.helpers import ROOT
 from vqserve.bench import gpu
 from vqserve.bench.profiling import find_py_spy
 
@@ -147,9 +148,8 @@ def test_the_one_image_rows_come_back_profiled_beside_the_json(tmp_path):
 
 def test_the_targets_are_read_from_a_stored_run_as_the_issue_states_them():
     """H200 run 6 (docs/bench): every target met but 1-image bf16 calls (0.39 of in-process)."""
-    from pathlib import Path
 
-    run6 = json.loads((Path(__file__).parents[1] / "docs/bench/gpu-h200-run6.json").read_text())
+    run6 = json.loads((ROOT / "docs/bench/gpu-h200-run6.json").read_text())
     verdicts = {v["target"]: v for v in gpu.targets(run6)}
     missed = [t for t, v in verdicts.items() if not v["met"]]
     assert missed == ["bf16 v1 raw x1 served / in-process >= 0.8"], missed
@@ -171,9 +171,8 @@ def test_the_targets_are_read_from_a_stored_run_as_the_issue_states_them():
 
 
 def test_a_stored_run_is_reported_without_measuring(capsys, tmp_path):
-    from pathlib import Path
 
-    run6 = Path(__file__).parents[1] / "docs/bench/gpu-h200-run6.json"
+    run6 = ROOT / "docs/bench/gpu-h200-run6.json"
     assert gpu.main(["--report", str(run6), "--device", "cuda"]) == 0  # no GPU touched
     out = capsys.readouterr().out
     assert "MISSED bf16 v1 raw x1 served / in-process >= 0.8: 0.393" in out

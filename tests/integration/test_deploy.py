@@ -28,6 +28,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import ROOT
 from vqserve.serve.api import oip as service_oip
 from vqserve.serve.api import v1 as service_v1
 from vqserve.serve.clients.sync import ServerError, TokenizerClient, check_health
@@ -35,7 +36,6 @@ from vqserve.serve.grpc_server import ServerConfig, ServerThread, TokenizerServe
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
 PROMETHEUS = DEPLOY / "prometheus"

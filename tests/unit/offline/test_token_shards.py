@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import folder_bytes
-from tests.test_tokenize import tok, write_folder
+from tests.integration.test_tokenize import tok, write_folder
 from vqserve.cli import main
 from vqserve.offline import reader, shards
 from vqserve.offline.token_shards import TokenShards

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers import ROOT
 from vqserve.bench import inputs, processes, servers
 from vqserve.bench import serving as bench
 from vqserve.export.runtimes.loader import load_runtime
@@ -169,7 +169,7 @@ def test_the_baseline_server_runs_the_install_it_names(tmp_path, monkeypatch):
         "time.sleep(60)\n")
     model = tmp_path / "model"
     model.mkdir()
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(ROOT)
     args = argparse.Namespace(backend="eager", dtype=None, device="cpu")
     log: list[str] = []
     proc, _ = servers.start_server(str(model), args, 8, None, log=log, pythonpath=str(tmp_path / "before"))

@@ -11,12 +11,12 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
+from tests.helpers import ROOT
 from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve.api import codec
 from vqserve.serve.clients.sync import TokenizerClient
@@ -24,7 +24,6 @@ from vqserve.serve.grpc_server import ServerConfig, ServerThread
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def config(**kw) -> ServerConfig:

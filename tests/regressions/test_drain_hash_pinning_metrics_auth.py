@@ -192,7 +192,7 @@ def test_streams_over_the_cap_are_refused_and_counted(tiny_checkpoint, photos):
 def test_sigterm_with_idle_streams_exits_promptly(tiny_checkpoint, photos):
     """A real `vqserve serve` with an idle EncodeStream and a health Watch open: SIGTERM
     with --grace 60 exits 0 in seconds."""
-    from tests.test_serve_ops import start_process
+    from tests.integration.test_serve_ops import start_process
 
     proc, info, lines = start_process(
         ["--model", tiny_checkpoint, "--device", "cpu", "--host", "127.0.0.1", "--port", "0",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,10 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from tests.helpers import ROOT
 from vqserve.model import learnability as learn
 from vqserve.model import load_tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @settings(max_examples=20, deadline=None)

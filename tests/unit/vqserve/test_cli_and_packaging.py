@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from vqserve.cli import COMMANDS, build_parser, main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_info_runs_as_console_script():
@@ -71,9 +70,9 @@ def test_wheel_installs_only_under_vqserve(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.startswith("vqserve-")}
     assert tops == {"vqserve"}, tops
-    for sub in ("model", "export", "serve", "offline", "bench", "commands"):
+    for sub in ("core", "model", "export", "serve", "offline", "bench", "training", "commands"):
         assert f"vqserve/{sub}/__init__.py" in names
-    assert "offline/token_shards.py" in names and "vqserve/offline/reader.py" in names
+    assert "vqserve/offline/token_shards.py" in names and "vqserve/offline/reader.py" in names
     assert "vqserve/model/quantizers/fsq.py" in names
     assert "vqserve/serve/_proto/tokenizer_pb2.py" in names
     default = ROOT / "model" / "default" / "model.safetensors"

@@ -4,13 +4,11 @@ and our OIP v2 proto matches the public protocol (as tritonclient ships it) fiel
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import load_script
+from tests.helpers import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 STUBS = ROOT / "serve" / "_proto"
 # Lines that only record the generator's version (a newer grpcio-tools is not "stale").
 VERSION_LINES = re.compile(r"^(# Protobuf Python Version:.*|GRPC_GENERATED_VERSION = .*|\s+\d+,\s*)$", re.M)

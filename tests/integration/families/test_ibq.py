@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import assert_matches_reference, tokenize_grids, write_case_photos
-from tests.test_family_magvit2 import CodePayload, LossConfig, lightning_checkpoint
+from tests.helpers import FIXTURES_DIR, assert_matches_reference, tokenize_grids, write_case_photos
+from tests.integration.families.test_magvit2 import CodePayload, LossConfig, lightning_checkpoint
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -36,7 +36,7 @@ from vqserve.model.tokenizer import pixels_to_float
 
 pytestmark = pytest.mark.timeout(300)
 
-FIXTURES = Path(__file__).parent / "fixtures" / "ibq"
+FIXTURES = FIXTURES_DIR / "ibq"
 
 
 @pytest.fixture(scope="module", autouse=True)

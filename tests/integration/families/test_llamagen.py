@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from tests.helpers import count_torch_ops
+from tests.helpers import FIXTURES_DIR, count_torch_ops
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -34,7 +34,7 @@ from vqserve.model.quantizers.l2_nearest import L2NearestCode
 
 pytestmark = pytest.mark.timeout(300)
 
-FIXTURES = Path(__file__).parent / "fixtures" / "llamagen"
+FIXTURES = FIXTURES_DIR / "llamagen"
 
 
 @pytest.fixture(scope="module", autouse=True)

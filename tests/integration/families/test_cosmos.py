@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from tests.helpers import assert_matches_reference, tokenize_grids, write_case_photos
+from tests.helpers import FIXTURES_DIR, assert_matches_reference, tokenize_grids, write_case_photos
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -49,7 +49,7 @@ from vqserve.model.tokenizer import pixels_to_float
 
 pytestmark = pytest.mark.timeout(300)
 
-FIXTURES = Path(__file__).parent / "fixtures" / "cosmos"
+FIXTURES = FIXTURES_DIR / "cosmos"
 CASES = ("square", "rect")
 
 

@@ -3,9 +3,9 @@
 Already covered elsewhere, not repeated here:
 - the queue overflowing on unary calls (RESOURCE_EXHAUSTED, then served again), and a
   queued request whose deadline passed or whose client cancelled never running, with a
-  batch of one: ``tests/test_serve_grpc.py::test_overload_gets_resource_exhausted_then_recovers``
+  batch of one: ``tests/integration/test_serve_grpc.py::test_overload_gets_resource_exhausted_then_recovers``
   and ``::test_deadline_and_cancellation_drop_requests_before_they_run``;
-- SIGTERM with unary calls in flight: ``tests/test_serve_ops.py::test_sigterm_drains_without_losing_accepted_requests``.
+- SIGTERM with unary calls in flight: ``tests/integration/test_serve_ops.py::test_sigterm_drains_without_losing_accepted_requests``.
 
 Here: cancellations and deadlines inside a batch of several requests (queued, and while the
 model runs), leaving nothing behind (queued items, decoded-image budget, in-flight gauge,
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import FaultyRuntime
-from tests.test_serve_ops import in_flight, start_process
+from tests.integration.test_serve_ops import in_flight, start_process
 from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
 from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc

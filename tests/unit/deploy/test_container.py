@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from vqserve.commands import serve as serve_cmd
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 
 
