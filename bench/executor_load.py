@@ -34,7 +34,7 @@ def _stand_in_main(socket_path: str, method: str, request: np.ndarray, callers: 
                    start_at: float, stop_at: float, send) -> None:
     """One stand-in front-end: ``callers`` coroutines sending ``request`` back to back."""
     die_with_parent()
-    from vqserve.serve.split.frontend import RemoteBatcher
+    from vqserve.serve.split.remote_batcher import RemoteBatcher
 
     async def run() -> tuple[int, int, int, list[str]]:
         batcher = RemoteBatcher(socket_path, ARENA_BYTES, max_group_rows=group_rows)

@@ -18,13 +18,17 @@
 
 from __future__ import annotations
 
+import errno
 import math
+import ssl
 import threading
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from vqserve.serve.preflight import PortInUseError
 
 # Requests take 1 ms .. 10 s.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -342,3 +346,33 @@ def _bearer_only(app, token: str):
         return [b"missing or wrong bearer token: send 'Authorization: Bearer <token>'\n"]
 
     return guarded
+
+
+def start_metrics_endpoint(cfg, metrics: Metrics):
+    """``/metrics`` of a serving process as ``cfg`` asks (its ``metrics_*`` settings): returns
+    (HTTP server, bound port), or (None, None) when ``metrics_port`` is negative. A port in
+    use is a :class:`~vqserve.serve.preflight.PortInUseError`; a bad certificate or key its
+    own ``ssl.SSLError``."""
+    if cfg.metrics_port < 0:
+        return None, None
+    if cfg.metrics_auth and not cfg.auth_token:
+        raise ValueError("--metrics-auth needs --auth-token-file: /metrics asks for the gRPC token")
+    if cfg.metrics_tls and not (cfg.tls_cert and cfg.tls_key):
+        raise ValueError("--metrics-tls needs --tls-cert and --tls-key: /metrics uses the same pair")
+    try:
+        return metrics.start_http(cfg.metrics_port, cfg.metrics_host,
+                                  token=cfg.auth_token if cfg.metrics_auth else None,
+                                  tls=(cfg.tls_cert, cfg.tls_key) if cfg.metrics_tls else None)
+    except ssl.SSLError:
+        raise  # a bad certificate or key, not a port problem
+    except OSError as exc:
+        detail = (PortInUseError.IN_USE if exc.errno == errno.EADDRINUSE
+                  else f"could not be bound ({exc.strerror or exc})")
+        raise PortInUseError("metrics", cfg.metrics_host, cfg.metrics_port, detail) from None
+
+
+def stop_metrics_endpoint(http) -> None:
+    """Stop an endpoint :func:`start_metrics_endpoint` started (None: nothing to stop)."""
+    if http is not None:
+        http.shutdown()
+        http.server_close()

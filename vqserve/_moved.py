@@ -84,7 +84,7 @@ MOVED: dict[str, str] = {
     "vqserve.serve.wire": "vqserve.serve.split.wire",
     "vqserve.serve.client": "vqserve.serve.clients.sync",
     "vqserve.serve.client_batches": "vqserve.serve.clients.batches",
-    "vqserve.serve.server": "vqserve.serve.grpc_server",
+    "vqserve.serve.server": "vqserve.serve.launcher",
     "vqserve.data": "vqserve.offline.token_shards",
 }
 

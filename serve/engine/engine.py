@@ -235,3 +235,16 @@ class Engine:
             self.metrics.record_codes("encode", out)
             return out
         return np.asarray(out, dtype=np.uint8)
+
+
+def build_engine(runtime, metrics, config, *, batcher=None, max_batch_pixels: int | None = None,
+                 max_decoded_bytes: int | None = None) -> Engine:
+    """The one Engine factory of both layouts: the limits of ``config``'s engine section over
+    ``runtime`` (a front-end passes the executor's identity and its remote ``batcher``)."""
+    max_pixels = config.max_pixels or runtime.info.max_pixels
+    return Engine(runtime, metrics, max_batch_size=config.max_batch_size,
+                  max_delay_s=config.max_delay_ms / 1000.0, max_queue=config.max_queue,
+                  max_message_bytes=config.max_message_mb * 1024 * 1024, max_pixels=max_pixels,
+                  max_batch_pixels=max_batch_pixels,
+                  max_decoded_bytes=((config.max_decoded_mb or 0) << 20) or max_decoded_bytes,
+                  decode_threads=config.decode_threads, batcher=batcher)

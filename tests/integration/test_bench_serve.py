@@ -19,7 +19,8 @@ from tests.helpers import ROOT
 from vqserve.bench import inputs, processes, servers
 from vqserve.bench import serving as bench
 from vqserve.export.runtimes.loader import load_runtime
-from vqserve.serve.grpc_server import ServerConfig, ServerThread
+from vqserve.serve.config import ServerConfig
+from vqserve.serve.launcher import ServerThread
 
 SIZE = 32
 

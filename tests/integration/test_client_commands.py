@@ -21,7 +21,8 @@ from vqserve.core import images
 from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.offline import shards
 from vqserve.serve.clients.sync import AsyncTokenizerClient, TokenizerClient
-from vqserve.serve.grpc_server import ServerConfig, ServerThread
+from vqserve.serve.config import ServerConfig
+from vqserve.serve.launcher import ServerThread
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -32,7 +32,9 @@ from tests.helpers import ROOT
 from vqserve.serve.api import oip as service_oip
 from vqserve.serve.api import v1 as service_v1
 from vqserve.serve.clients.sync import ServerError, TokenizerClient, check_health
-from vqserve.serve.grpc_server import ServerConfig, ServerThread, TokenizerServer
+from vqserve.serve.config import ServerConfig
+from vqserve.serve.grpc_server import TokenizerServer
+from vqserve.serve.launcher import ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -188,7 +190,7 @@ def config_from_env(monkeypatch, variables: dict[str, str]) -> ServerConfig:
     """Run the real `vqserve serve` (no flags, settings from the environment) up to the
     point where it would start serving, and return the ServerConfig it built."""
     from vqserve.commands import serve as serve_cmd
-    from vqserve.serve import grpc_server as server_mod
+    from vqserve.serve import launcher as server_mod
 
     for name in list(os.environ):
         if name.startswith("VQSERVE_"):

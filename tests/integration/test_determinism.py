@@ -156,7 +156,8 @@ def test_default_tokenizer_on_whole_photos_is_batch_and_worker_invariant(whole_p
 
 # ---- the server: the plan, the start-up check, and what a client can observe -----------------
 def _server(checkpoint, runtime=None, **kw):
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     cfg = ServerConfig(model=checkpoint, backend="eager", device="cpu", host="127.0.0.1", port=0,
                        metrics_port=0, max_batch_size=16, max_delay_ms=20, grace_s=2, **kw)

@@ -35,7 +35,8 @@ from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
 from vqserve.serve.api import codec
 from vqserve.serve.clients.sync import tensor_msg
-from vqserve.serve.grpc_server import ServerConfig, ServerThread
+from vqserve.serve.config import ServerConfig
+from vqserve.serve.launcher import ServerThread
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,7 +7,8 @@ import socket
 import pytest
 
 from vqserve.cli import main
-from vqserve.serve.grpc_server import ServerConfig, ServerThread
+from vqserve.serve.config import ServerConfig
+from vqserve.serve.launcher import ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -175,7 +175,8 @@ def test_a_plan_file_measured_on_the_stand_in_serves_as_written(tmp_path, capsys
     exports to try) and `vqserve serve --plan F` runs it: before, the plan named backend
     "synthetic", and the server tried to export the stand-in to that format and stopped."""
     from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     plan = tmp_path / "plan.json"
     assert main(["plan", "--model", "synthetic:0", *FAST, "--plan-cache", str(tmp_path / "plans"),
@@ -432,7 +433,8 @@ def test_serve_with_an_empty_cache_serves_exact_tokens_at_once_then_switches_to_
     node), the front-end answers with the executor's identity and plan as they change."""
     from vqserve.export.runtimes.loader import load_runtime
     from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     # the one-process run fills the module's shared cache (read by the tests below); the
     # split run, after it, needs an empty cache of its own to measure again
@@ -476,7 +478,8 @@ def test_tokenize_plan_auto_uses_the_servers_cached_plan_and_gives_its_tokens(ti
 
     from vqserve.offline import shards
     from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     cache = plan_cache
     rng = np.random.default_rng(1)
@@ -531,7 +534,8 @@ def onnx_plan(tiny_checkpoint, tmp_path_factory):
 def test_a_plan_that_chose_onnx_serves_it_with_the_models_hash_and_eager_tokens(tiny_checkpoint, onnx_plan):
     from vqserve.export.runtimes.loader import load_runtime, model_hash_of
     from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     cache, _, plan = onnx_plan
     images = np.random.default_rng(3).integers(0, 256, (5, 64, 64, 3), dtype=np.uint8)
@@ -657,9 +661,10 @@ def test_a_server_that_drains_before_its_measurement_starts_measures_nothing(tin
     child process, caches nothing and leaves no switch to come."""
     import asyncio
 
+    from vqserve.serve.config import ServerConfig
     from vqserve.serve.engine import serving_plan
-    from vqserve.serve.grpc_server import ServerConfig, ServerState
     from vqserve.serve.metrics import Metrics
+    from vqserve.serve.state import ServerState
 
     started = []
     monkeypatch.setattr(serving_plan, "BackgroundPlan", lambda argv: started.append(argv))

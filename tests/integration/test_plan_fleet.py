@@ -55,7 +55,8 @@ def images_dir(tmp_path_factory) -> Path:
 
 
 def server(model: str, **kw):
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     return ServerThread(ServerConfig(model=model, device="cpu", host="127.0.0.1", port=0, metrics_port=-1,
                                      grace_s=2, **kw))

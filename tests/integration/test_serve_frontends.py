@@ -363,8 +363,8 @@ def test_a_frontend_that_never_served_is_not_restarted(tmp_path):
     """Front-ends that end before serving are a start-up failure, reported once: the pool
     does not start others meanwhile (one it started while the server was stopping printed a
     traceback after the server's last line, and outlived its metrics folder)."""
-    from vqserve.serve.grpc_server import ServerConfig
-    from vqserve.serve.split.executor import FrontendPool
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.split.pool import FrontendPool
 
     pool = FrontendPool(ServerConfig(model="synthetic:0"), 2, 0, str(tmp_path / "no-executor"), str(tmp_path))
     pool.settings = "not the settings"  # each front-end fails at once reading them
@@ -550,7 +550,7 @@ def test_load_caller_kinds_refuse_an_unknown_kind_in_one_line():
 
 def test_frontends_flag_defaults_by_device_and_refuses_nonsense():
     from vqserve.commands.serve import resolve_frontends
-    from vqserve.serve.split.executor import default_frontends
+    from vqserve.serve.split.pool import default_frontends
 
     assert resolve_frontends("auto", "default", "cpu") == 0  # the CPU is the model's: one process
     assert resolve_frontends("auto", "synthetic:10", "cpu") >= 1  # a (stand-in) accelerator

@@ -23,7 +23,8 @@ from vqserve.serve.clients.sync import (
     TokenizerClient,
     tensor_msg,
 )
-from vqserve.serve.grpc_server import ServerConfig, ServerThread
+from vqserve.serve.config import ServerConfig
+from vqserve.serve.launcher import ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,7 +20,8 @@ from tests.helpers import ROOT
 from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve.api import codec
 from vqserve.serve.clients.sync import TokenizerClient
-from vqserve.serve.grpc_server import ServerConfig, ServerThread
+from vqserve.serve.config import ServerConfig
+from vqserve.serve.launcher import ServerThread
 
 pytestmark = pytest.mark.timeout(180)
 

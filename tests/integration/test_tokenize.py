@@ -228,7 +228,8 @@ def test_refusals_and_fail_fast(tiny_checkpoint, tmp_path, capsys, one_thread):
 
 def test_server_and_cli_give_identical_tokens(tiny_checkpoint, tmp_path, one_thread):
     from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     pics = photo_set(6, sizes=((32, 40), (48, 32)))
     files = []

@@ -33,8 +33,9 @@ from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
 from vqserve.serve.api import decoding
 from vqserve.serve.api.decoding import ByteBudget
+from vqserve.serve.config import ServerConfig
 from vqserve.serve.engine.batcher import Batcher
-from vqserve.serve.grpc_server import ServerConfig, ServerThread
+from vqserve.serve.launcher import ServerThread
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -20,7 +20,8 @@ from vqserve.commands.common import UsageError
 from vqserve.commands.serve import config_from_args
 from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
 from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
-from vqserve.serve.grpc_server import ServerConfig, ServerThread
+from vqserve.serve.config import ServerConfig
+from vqserve.serve.launcher import ServerThread
 
 EXPORT = ["--format", "torchscript", "--dtype", "fp32", "--parity-size", "32",
           "--parity-count", "2", "--quiet"]

@@ -93,7 +93,8 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 @pytest.fixture(scope="module")
 def small_server(tiny_checkpoint):
     """An in-process server with a 1 MB message limit (so an over-limit message is cheap)."""
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     cfg = ServerConfig(model=tiny_checkpoint, backend="eager", device="cpu", host="127.0.0.1", port=0,
                        metrics_port=-1, max_batch_size=8, max_message_mb=1, grace_s=2, self_check=False)
@@ -236,7 +237,8 @@ def held_server(tiny_checkpoint, one_thread):
     (the real tiny runtime; every call recorded, and held while its gate is closed)."""
     from tests.helpers import FaultyRuntime
     from vqserve.export.runtimes.loader import EagerRuntime
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     runtime = FaultyRuntime(EagerRuntime(tiny_checkpoint, device="cpu"))
     cfg = ServerConfig(model=tiny_checkpoint, backend="eager", device="cpu", host="127.0.0.1", port=0,
@@ -269,7 +271,8 @@ def test_expired_requests_stop_taking_the_model(tiny_checkpoint, one_thread):
     expiry it is about."""
     from tests.helpers import FaultyRuntime
     from vqserve.export.runtimes.loader import EagerRuntime
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     cfg = ServerConfig(model=tiny_checkpoint, backend="eager", device="cpu", host="127.0.0.1", port=0,
                        metrics_port=-1, max_batch_size=BIG_ROWS, max_message_mb=64, grace_s=2,

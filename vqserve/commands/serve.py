@@ -211,7 +211,7 @@ def resolve_frontends(value, model: str, device: str) -> int:
         return int(value)
     from vqserve.core.machine import available_cores
     from vqserve.export.runtimes.synthetic import is_synthetic
-    from vqserve.serve.split.executor import default_frontends
+    from vqserve.serve.split.pool import default_frontends
 
     if is_synthetic(model):
         device = "synthetic"
@@ -223,7 +223,7 @@ def resolve_frontends(value, model: str, device: str) -> int:
 
 
 def config_from_args(args: argparse.Namespace):
-    from vqserve.serve.grpc_server import ServerConfig
+    from vqserve.serve.config import ServerConfig
     from vqserve.serve.preflight import check_tls_pair
 
     resolve_env_fallbacks(args._actions, args, ENV_VARS)  # noqa: SLF001 - flags, then VQSERVE_*
@@ -353,7 +353,8 @@ def check_device(config) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vqserve.serve.grpc_server import serve_until_signal, setup_logging
+    from vqserve.serve.launcher import serve_until_signal
+    from vqserve.serve.logs import setup_logging
     from vqserve.serve.preflight import PortInUseError
 
     resolve_env_fallbacks(args._actions, args, ENV_VARS)  # noqa: SLF001

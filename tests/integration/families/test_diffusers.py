@@ -154,7 +154,8 @@ def test_export_passes_parity_with_the_fp32_island(small_movq, photos_128, fmt, 
 def test_serve_v1_encode_decode(small_movq, photos_128):
     from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
     from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     config = ServerConfig(model=str(small_movq), backend="eager", device="cpu", host="127.0.0.1",
                           port=0, metrics_port=0, max_batch_size=4, max_delay_ms=20, grace_s=5)

@@ -216,7 +216,8 @@ def test_cli_import(checkpoint, tmp_path, capsys):
 def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
 
     from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     cfg = ServerConfig(model=imported, backend="eager", device="cpu", host="127.0.0.1", port=0,
                        metrics_port=0, max_batch_size=4, max_delay_ms=5, grace_s=5)

@@ -135,7 +135,8 @@ def test_a_server_says_its_tokens_are_dithered_and_round_trips_them(photos, tmp_
     from tests.conftest import make_tokenizer
     from vqserve.export.runtimes.loader import EagerRuntime
     from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     ckpt = tmp_path / "dithered"
     save_tokenizer(make_tokenizer(channels=[16], patch_size=4, dither="bayer4"), ckpt)

@@ -22,10 +22,10 @@ from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
 from vqserve.export.runtimes.synthetic import SyntheticRuntime, block_tokens
 from vqserve.serve.engine.batcher import DeadlineExpired
 from vqserve.serve.engine.engine import Engine
-from vqserve.serve.grpc_server import ServerState
 from vqserve.serve.metrics import Metrics
 from vqserve.serve.split.executor import ExecutorService
-from vqserve.serve.split.frontend import RemoteBatcher
+from vqserve.serve.split.remote_batcher import RemoteBatcher
+from vqserve.serve.state import ServerState
 
 
 def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:

@@ -172,7 +172,7 @@ NO_GPU = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="nee
 def test_serve_device_it_cannot_use_is_one_line_before_starting(device, fragment, monkeypatch, capsys):
     # before: the executor's and a front-end's "listening" lines, load_failed, two
     # "draining" and two "stopped" lines, then the error, 1.5 s later
-    from vqserve.serve import grpc_server as server
+    from vqserve.serve import launcher as server
 
     def never(config):
         raise AssertionError("the server started")
@@ -269,7 +269,7 @@ def test_serve_dtype_other_than_the_artifacts_is_one_line_before_binding(onnx_fp
     assert proc.returncode == 2, proc.stderr
     line = _wrong_dtype_line(proc.stderr, "serve", onnx_fp32, "bf16")
     assert "--format pt2 --dtype bf16" in line  # ONNX cannot run bf16: no advice that fails
-    from vqserve.serve import grpc_server as server
+    from vqserve.serve import launcher as server
 
     def never(config):
         raise AssertionError("the server started")
@@ -326,7 +326,8 @@ def test_max_pixels_reaches_the_served_limit(tiny_checkpoint):
     """Without the flag a 12-megapixel photo had no remedy: the limit was hard-coded."""
     from vqserve.serve.api.codec import BadInput
     from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.grpc_server import ServerConfig, ServerThread
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
 
     config = ServerConfig(model=tiny_checkpoint, backend="eager", device="cpu", host="127.0.0.1",
                           port=0, metrics_port=-1, max_pixels=64 * 64, grace_s=1)
