@@ -126,7 +126,8 @@ class ServerThread:
             self._thread.join(grace + 30)
 
     def __enter__(self) -> ServerThread:
-        return self.start()
+        """Start, unless started already (``with vqserve.serve(...) as server`` starts first)."""
+        return self if self._thread.is_alive() or self._ready.is_set() else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
