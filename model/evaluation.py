@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vqserve.core.codebook import codebook_stats as core_codebook_stats
+
 # -- pixel metrics ----------------------------------------------------------------------
 
 
@@ -158,25 +160,9 @@ def code_counts(indices: torch.Tensor | Iterable[torch.Tensor], codebook_size: i
 
 
 def codebook_stats(counts: torch.Tensor) -> dict:
-    """utilization, used codes, entropy (bits), perplexity from a usage histogram."""
-    counts = counts.to(torch.float64)
-    total = float(counts.sum())
-    size = counts.numel()
-    used = int((counts > 0).sum())
-    if total == 0:
-        return {"codebook_size": size, "positions": 0, "used_codes": 0, "utilization": 0.0,
-                "entropy_bits": 0.0, "perplexity": 0.0}
-    p = counts[counts > 0] / total
-    entropy = float(-(p * torch.log2(p)).sum())
-    return {
-        "codebook_size": size,
-        "positions": int(total),
-        "used_codes": used,
-        "utilization": used / size,
-        "entropy_bits": entropy,
-        "max_entropy_bits": math.log2(size),
-        "perplexity": 2.0**entropy,
-    }
+    """utilization, used codes, entropy (bits), perplexity from a usage histogram
+    (:func:`vqserve.core.codebook.codebook_stats`, the one definition)."""
+    return core_codebook_stats(counts.detach().cpu().to(torch.float64).numpy())
 
 
 def index_agreement(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -9,7 +9,7 @@
   ``preflight``: one gRPC server, how processes are composed and run, and what they share.
 
 The package itself is callable: ``vqserve.serve("default", port=0)`` starts the server in a
-background thread of this process and returns it (:func:`vqserve.face.serve_in_thread`),
+background thread of this process and returns it (:func:`vqserve.serve.launcher.serve_in_thread`),
 the Python face of ``vqserve serve``.
 """
 
@@ -18,11 +18,11 @@ import types
 
 
 class _CallableServe(types.ModuleType):
-    """``vqserve.serve(...)``: the package, called, starts a server (``vqserve.face``)."""
+    """``vqserve.serve(...)``: the package, called, starts a server (``launcher.serve_in_thread``)."""
 
     def __call__(self, *args, **kwargs):
         # imported on call: a front-end process imports this package and must load no torch
-        from vqserve.face import serve_in_thread
+        from vqserve.serve.launcher import serve_in_thread
 
         return serve_in_thread(*args, **kwargs)
 

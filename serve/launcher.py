@@ -11,6 +11,7 @@ server on an event loop in a background thread, for tests, benchmarks and embedd
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 from vqserve.serve.config import ServerConfig
@@ -22,7 +23,7 @@ from vqserve.serve.running import run_until_signal
 from vqserve.serve.split.executor_server import ExecutorServer
 
 __all__ = ["JsonFormatter", "ServerConfig", "ServerThread", "TokenizerServer", "build_server", "log",
-           "serve_until_signal", "setup_logging"]
+           "serve_in_thread", "serve_until_signal", "setup_logging"]
 
 
 def build_server(config: ServerConfig, runtime=None):
@@ -131,3 +132,20 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve_in_thread(model: str | os.PathLike = "default", *, port: int = 50051,
+                    host: str = "127.0.0.1", metrics_port: int = -1, wait_loaded: bool = True,
+                    timeout: float = 600.0, **settings) -> ServerThread:
+    """Start the server ``vqserve serve`` runs (both gRPC APIs, health, reflection) in a
+    background thread of this process and return it, serving once the model is loaded.
+    ``port=0`` picks a free port (``server.port``, ``server.target``); ``settings`` are
+    :class:`~vqserve.serve.config.ServerConfig` fields (``max_batch_size``, ``dtype``,
+    ``auth_token``, ...). Stop it with ``server.stop()`` or use it as a context manager::
+
+        with vqserve.serve("default", port=0) as server:
+            tokens = vqserve.TokenizerClient(server.target).encode(images)
+    """
+    config = ServerConfig(model=str(model), host=host, port=port, metrics_port=metrics_port,
+                          **settings)
+    return ServerThread(config).start(timeout=timeout, wait_loaded=wait_loaded)

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from vqserve.core.codebook import codebook_stats
 from vqserve.serve.preflight import PortInUseError
 
 # Requests take 1 ms .. 10 s.
@@ -108,12 +109,8 @@ class CodebookUsage:
 
     def stats(self) -> dict:
         self.flush()
-        import torch  # at scrape time, in the executor: a front-end process never loads torch
-
-        from vqserve.model.evaluation import codebook_stats
-
         with self._lock:
-            counts = torch.from_numpy(self._counts.copy())
+            counts = self._counts.copy()
         s = codebook_stats(counts)
         return {"usage": s["utilization"], "entropy_bits": s["entropy_bits"],
                 "perplexity": s["perplexity"], "tokens": s["positions"]}

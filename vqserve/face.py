@@ -5,7 +5,8 @@
   (model hash, backend, dtype, exact or not). Exact by default: no ``dtype`` gives the
   model's fp32 tokens.
 * ``vqserve.serve(...)`` - the same server ``vqserve serve`` runs, started in a background
-  thread and returned (a context manager): see :func:`serve_in_thread`.
+  thread and returned (a context manager): the ``vqserve.serve`` package, called
+  (:func:`vqserve.serve.launcher.serve_in_thread`).
 * ``TokenizerClient`` / ``AsyncTokenizerClient`` - clients of a running server (no torch).
 * ``TokenShards`` - the output of ``vqserve tokenize`` as PyTorch training data.
 
@@ -19,8 +20,6 @@ import os
 
 from vqserve.export.runtimes.loader import load_runtime
 from vqserve.model.devices import resolve_device
-from vqserve.serve.config import ServerConfig
-from vqserve.serve.launcher import ServerThread
 
 
 def load(model: str | os.PathLike = "default", device: str = "cpu", dtype: str | None = None,
@@ -38,20 +37,3 @@ def load(model: str | os.PathLike = "default", device: str = "cpu", dtype: str |
     """
     return load_runtime(model, backend=backend, dtype=dtype, device=resolve_device(device),
                         expect_hash=expect_hash)
-
-
-def serve_in_thread(model: str | os.PathLike = "default", *, port: int = 50051,
-                    host: str = "127.0.0.1", metrics_port: int = -1, wait_loaded: bool = True,
-                    timeout: float = 600.0, **settings) -> ServerThread:
-    """Start the server ``vqserve serve`` runs (both gRPC APIs, health, reflection) in a
-    background thread of this process and return it, serving once the model is loaded.
-    ``port=0`` picks a free port (``server.port``, ``server.target``); ``settings`` are
-    :class:`~vqserve.serve.config.ServerConfig` fields (``max_batch_size``, ``dtype``,
-    ``auth_token``, ...). Stop it with ``server.stop()`` or use it as a context manager::
-
-        with vqserve.serve("default", port=0) as server:
-            tokens = vqserve.TokenizerClient(server.target).encode(images)
-    """
-    config = ServerConfig(model=str(model), host=host, port=port, metrics_port=metrics_port,
-                          **settings)
-    return ServerThread(config).start(timeout=timeout, wait_loaded=wait_loaded)

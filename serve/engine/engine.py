@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from vqserve.core.input_rules import decode_unsupported
-from vqserve.core.machine import available_memory
 from vqserve.export.runtimes.checks import image_size_rule, index_grid_rule, index_range_rule
 from vqserve.serve.api.codec import BadInput
 from vqserve.serve.api.decoding import ImageDecoder
@@ -27,23 +26,7 @@ from vqserve.serve.engine.batcher import Batcher
 REPLY_OVERHEAD = 1024
 # Peak bytes per pixel of one model call, measured with the default tokenizer on CPU
 # (encode: ~250 in fp32, ~290 in bf16 with its fp32 residual stream; decode: ~150-180).
-BYTES_PER_PIXEL = 300
-CPU_BATCH_PIXELS = 4 * 1024 * 1024   # ~1.2 GB peak; batching gains nothing beyond this on CPU
 MIN_DECODED_BYTES = 256 << 20
-
-
-def default_batch_pixels(device: str, max_pixels: int) -> int:
-    """A pixel budget per model call that fits the device: half a GPU's memory, or on CPU
-    4 megapixels or a quarter of the memory this process may use (a container's memory
-    limit, not its node's RAM), whichever is less; never below one image."""
-    if device.startswith("cuda"):
-        import torch
-
-        index = torch.device(device).index or 0
-        budget = torch.cuda.get_device_properties(index).total_memory // 2 // BYTES_PER_PIXEL
-    else:
-        budget = min(CPU_BATCH_PIXELS, available_memory() // 4 // BYTES_PER_PIXEL)
-    return max(int(max_pixels), int(budget))
 
 
 def default_decoded_bytes(max_batch_size: int, max_pixels: int) -> int:

@@ -18,13 +18,29 @@ import logging
 import time
 from collections.abc import Callable
 
-from vqserve.export.plan.planner import check_reproduces
+from vqserve.core.machine import available_memory
 from vqserve.export.runtimes.execution import PlannedRuntime
-from vqserve.export.runtimes.loader import check_expected_hash, load_runtime, resolve_device
-from vqserve.serve.engine.engine import Engine, build_engine, default_batch_pixels
+from vqserve.serve.engine.engine import Engine, build_engine
 from vqserve.serve.engine.planning import run_in_daemon
 from vqserve.serve.engine.serving_plan import ServingPlan
 from vqserve.serve.logs import event as _event
+
+BYTES_PER_PIXEL = 300
+CPU_BATCH_PIXELS = 4 * 1024 * 1024   # ~1.2 GB peak; batching gains nothing beyond this on CPU
+
+
+def default_batch_pixels(device: str, max_pixels: int) -> int:
+    """A pixel budget per model call that fits the device: half a GPU's memory, or on CPU
+    4 megapixels or a quarter of the memory this process may use (a container's memory
+    limit, not its node's RAM), whichever is less; never below one image."""
+    if device.startswith("cuda"):
+        import torch  # only where a CUDA device is already in use
+
+        index = torch.device(device).index or 0
+        budget = torch.cuda.get_device_properties(index).total_memory // 2 // BYTES_PER_PIXEL
+    else:
+        budget = min(CPU_BATCH_PIXELS, available_memory() // 4 // BYTES_PER_PIXEL)
+    return max(int(max_pixels), int(budget))
 
 
 class LocalModel:
@@ -53,6 +69,11 @@ class LocalModel:
 
     async def load(self) -> Engine:
         """Load the model by its plan and set ``state.engine``; the caller then says SERVING."""
+        # imported here, not at the top: the port is bound and health answers NOT_SERVING
+        # before torch and the planner load (seconds), and synthetic:N never needs them
+        from vqserve.export.plan.planner import check_reproduces
+        from vqserve.export.runtimes.loader import check_expected_hash, load_runtime, resolve_device
+
         cfg = self.config
         self.started = time.perf_counter()
         runtime = self._runtime

@@ -25,9 +25,9 @@ import json
 import os
 import sys
 
+from vqserve.core.certificate import Certificate
 from vqserve.core.lifetime import die_with_parent
 from vqserve.core.runtime_info import RuntimeInfo
-from vqserve.export.runtimes.determinism import Certificate
 from vqserve.serve.config import config_from_sections
 from vqserve.serve.engine.engine import build_engine, default_decoded_bytes
 from vqserve.serve.grpc_server import TokenizerServer

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if "note" in p:
         print(f"note: {p['note']}")
     if "determinism" in manifest:
-        from vqserve.export.runtimes.determinism import Certificate
+        from vqserve.core.certificate import Certificate
 
         print(Certificate(**manifest["determinism"]).summary())
     return 0
