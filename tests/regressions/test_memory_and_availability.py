@@ -338,7 +338,7 @@ def test_max_batch_pixels_flag_env_and_range(monkeypatch, capsys):
 
 
 def test_default_batch_pixels_fits_a_cpu():
-    from vqserve.serve.engine.engine import CPU_BATCH_PIXELS, default_batch_pixels
+    from vqserve.serve.engine.local import CPU_BATCH_PIXELS, default_batch_pixels
 
     assert default_batch_pixels("cpu", 1024 * 1024) <= CPU_BATCH_PIXELS
     assert default_batch_pixels("cpu", 8000 * 8000) == 8000 * 8000  # never below one image

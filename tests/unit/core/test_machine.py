@@ -170,7 +170,7 @@ def test_a_process_in_a_cgroup_with_a_memory_limit_sizes_its_model_calls_by_it()
     budget per model call is a quarter of that at 300 bytes a pixel (about 0.9 megapixels),
     not 4 megapixels."""
     code = ("from vqserve.core.machine import available_memory, memory_limit_bytes;"
-            "from vqserve.serve.engine.engine import default_batch_pixels;"
+            "from vqserve.serve.engine.local import default_batch_pixels;"
             "print(memory_limit_bytes(), available_memory(), default_batch_pixels('cpu', 1))")
     got = _run_in_cgroup("memory", {"memory.limit_in_bytes": str(1 << 30)}, code)
     assert got == [str(1 << 30), str(1 << 30), str((1 << 30) // 4 // 300)]
