@@ -1,11 +1,22 @@
-"""The tokenizer's input rules and its refusal to decode, without torch.
+"""The tokenizer's input rules and its refusal to decode, without torch: their one home.
 
 The eager model, every exported runtime and the server's request checks give the same
 one-line errors from these functions. They import nothing heavy, so a serving front-end
 process (which checks requests but runs no model) never loads torch.
+
+* shape rules (``check_image_batch``, ``check_index_shape``): the eager model and every
+  runtime;
+* array checks (``check_images``, ``check_indices``): every artifact runtime validates numpy
+  input before running anything, since exported graphs cannot raise helpful errors (and a
+  gather with an out-of-range index is undefined behaviour on some providers);
+* request rules (``image_size_rule``, ``index_grid_rule``, ``index_range_rule``): what a
+  serving front end (the gRPC engine, the TorchServe handler) checks before a request reaches
+  a runtime, with the per-image limit a server sets.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 
 def check_spatial(h: int, w: int, factor: int) -> None:
@@ -50,3 +61,55 @@ class DecodeUnsupported(ValueError):
 def decode_unsupported(family: str, reason: str = "it has no decoder") -> DecodeUnsupported:
     """The one-line refusal every runtime gives for an encode-only model."""
     return DecodeUnsupported(f"{family} encodes only ({reason}): indices cannot be decoded to pixels")
+
+
+def check_images(images, factor: int) -> np.ndarray:
+    if not isinstance(images, np.ndarray):
+        raise ValueError(f"images must be a numpy array, got {type(images).__name__}")
+    check_image_batch(tuple(images.shape), images.dtype == np.uint8, str(images.dtype), factor)
+    return np.ascontiguousarray(images)
+
+
+def check_indices(indices, codebook_size: int, codes_per_position: int = 1) -> np.ndarray:
+    """Integer ``[B,h,w]`` (``[B,h,w,Q]``) with values in ``[0, codebook_size)`` -> int64."""
+    if not isinstance(indices, np.ndarray):
+        raise ValueError(f"indices must be a numpy array, got {type(indices).__name__}")
+    if indices.dtype.kind not in "iu":
+        raise ValueError(f"indices must be an integer array, got {indices.dtype}")
+    check_index_shape(tuple(indices.shape), codes_per_position)
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= codebook_size:
+        raise ValueError(
+            f"indices must lie in [0, {codebook_size - 1}], got values in [{lo}, {hi}]"
+        )
+    return np.ascontiguousarray(indices, dtype=np.int64)
+
+
+# ---- request rules: one wording for every serving front end ---------------------------------
+# The gRPC engine (serve/engine/engine.py) and the TorchServe handler check requests before they
+# reach a runtime, with the per-image limit a server sets (--max-pixels). Each returns the
+# broken rule as text, or None; the caller names the field in its own protocol's way.
+def image_size_rule(h: int, w: int, factor: int, max_pixels: int) -> str | None:
+    if h == 0 or w == 0 or h % factor or w % factor:
+        return f"H and W must be positive multiples of the downsampling factor {factor}, got {h}x{w}"
+    if h * w > max_pixels:
+        return f"{h}x{w} = {h * w} pixels per image exceeds the limit {max_pixels}"
+    return None
+
+
+def index_grid_rule(h: int, w: int, factor: int, max_pixels: int) -> str | None:
+    if h == 0 or w == 0:
+        return f"h and w must be positive, got {h}x{w}"
+    f = factor
+    if h * w * f * f > max_pixels:
+        return (f"{h}x{w} indices decode to {h * f}x{w * f} = {h * w * f * f} pixels per image, "
+                f"more than the limit {max_pixels}")
+    return None
+
+
+def index_range_rule(indices: np.ndarray, codebook_size: int) -> str | None:
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= codebook_size:
+        return (f"every index must lie in [0, {codebook_size - 1}] (codebook size {codebook_size}), "
+                f"got values in [{lo}, {hi}]")
+    return None

@@ -54,7 +54,7 @@ MOVED: dict[str, str] = {
     "vqserve.export.synthetic": "vqserve.export.runtimes.synthetic",
     "vqserve.export.execution": "vqserve.export.runtimes.execution",
     "vqserve.export.determinism": "vqserve.export.runtimes.determinism",
-    "vqserve.export.checks": "vqserve.export.runtimes.checks",
+    "vqserve.export.checks": "vqserve.core.input_rules",
     "vqserve.export.wrappers": "vqserve.export.formats.wrappers",
     "vqserve.export.torchscript": "vqserve.export.formats.torchscript",
     "vqserve.export.onnx_export": "vqserve.export.formats.onnx",

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vqserve.core.input_rules import check_images, check_indices
 from vqserve.export.formats.manifest import (
     artifact_hash,
     graph_roles,
@@ -23,7 +24,6 @@ from vqserve.export.formats.manifest import (
     read_verified,
     verify_files,
 )
-from vqserve.export.runtimes.checks import check_images, check_indices
 from vqserve.export.runtimes.loader import RuntimeInfo, check_expected_hash, resolve_device
 from vqserve.model.tokenizer import decode_unsupported
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.export.runtimes.checks import image_size_rule, index_grid_rule, index_range_rule
+from vqserve.core.input_rules import image_size_rule, index_grid_rule, index_range_rule
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class TokenizerService:
 
     # -- input rules (the messages match vqserve serve's) --
     def check_image(self, image: np.ndarray) -> np.ndarray:
-        """One image's rules, worded as ``vqserve serve`` words them (export/runtimes/checks.py)."""
+        """One image's rules, worded as ``vqserve serve`` words them (core/input_rules.py)."""
         if image.dtype != np.uint8:
             raise BadRequest(f"images must be uint8, got {image.dtype.name}")
         if image.ndim != 3 or image.shape[-1] != 3:

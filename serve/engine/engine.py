@@ -15,8 +15,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vqserve.core.input_rules import decode_unsupported
-from vqserve.export.runtimes.checks import image_size_rule, index_grid_rule, index_range_rule
+from vqserve.core.input_rules import (
+    decode_unsupported,
+    image_size_rule,
+    index_grid_rule,
+    index_range_rule,
+)
 from vqserve.serve.api.codec import BadInput
 from vqserve.serve.api.decoding import ImageDecoder
 from vqserve.serve.api.errors import ReplyTooLarge
