@@ -1,17 +1,77 @@
-"""Write a directory all at once: stage it beside its final place, then rename.
+"""Files and directories written all at once: a killed process leaves the old one or the
+new one, never half of either. The one home of atomic writes in vqserve.
 
-Checkpoints, training state and exported artifacts are directories of several files; a
-killed process must leave either the old directory or the new one, never half of each.
+* :func:`atomic_write` / :func:`atomic_write_bytes` / :func:`atomic_write_json`: one file,
+  written under a hidden temporary name beside its final place and renamed;
+* :func:`atomic_directory`: a directory of several files (checkpoints, training state,
+  exported artifacts), staged beside its final place and renamed.
+
+The durability rule, one for the project: where the data is the user's (token shards and
+their manifest, the files the client commands write), the file is fsynced before the rename
+and its folder after it, so a power cut cannot leave a complete name over missing bytes;
+what can be made again (caches, downloads) is renamed without fsync (``durable=False``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO, Any
+
+TMP_PREFIX = ".tmp-"  # temporary files start so; a folder's own cleanup may glob for them
+
+
+def _fsync_folder(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_write(final: str | os.PathLike, write: Callable[[Path], Any], durable: bool = True) -> None:
+    """Write ``final`` through ``write(tmp_path)`` (a hidden name beside it), then rename: a
+    file with the final name is always complete. ``durable``: fsync the file before the
+    rename and the folder after it (the project's rule: the user's data is durable). A
+    failure removes the temporary file and leaves any earlier ``final`` as it was."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
+    try:
+        write(tmp)
+        if durable:
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync_folder(final.parent)
+
+
+def atomic_write_stream(final: str | os.PathLike, write: Callable[[IO[bytes]], Any],
+                        durable: bool = True) -> None:
+    """:func:`atomic_write` for a writer of an open binary file."""
+    def to_path(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:
+            write(fh)
+
+    atomic_write(final, to_path, durable)
+
+
+def atomic_write_bytes(final: str | os.PathLike, data: bytes, durable: bool = True) -> None:
+    atomic_write_stream(final, lambda fh: fh.write(data), durable)
+
+
+def atomic_write_json(final: str | os.PathLike, data, durable: bool = True, **dump_options) -> None:
+    """``data`` as JSON (``json.dumps(data, **dump_options)`` and a newline), atomically."""
+    atomic_write_bytes(final, (json.dumps(data, **dump_options) + "\n").encode(), durable)
 
 
 def _normal_permissions(path: Path) -> None:

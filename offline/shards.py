@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-TMP_PREFIX = ".tmp-"
+from vqserve.core import files
+from vqserve.core.files import atomic_write
+
+TMP_PREFIX = files.TMP_PREFIX
 META_FINGERPRINT = b"vqserve.fingerprint"
 META_PLAN = b"vqserve.plan"
 META_ERRORS = b"vqserve.errors"
@@ -142,21 +144,7 @@ def schema(index_dtype: str):
 def write_atomically(final: Path, write) -> None:
     """Write through ``write(tmp_path)``, fsync, rename to ``final``, fsync the folder: a
     file with a final name is always complete (shards, the manifest, the error log)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write(final, write, durable=True)
 
 
 def write_parquet_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str, fingerprint: str,

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.core.files import atomic_write_stream
 from vqserve.model.photos import DataError, to_rgb_uint8
 
 MAX_SIDE = 1280
@@ -163,11 +164,8 @@ def extract_members(deb: bytes, members: list[str], dest: Path, package: str) ->
         for info in tar:
             if info.name in wanted and info.isfile():
                 target = local_path(package, info.name, dest)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_suffix(target.suffix + ".part")
-                with tar.extractfile(info) as src, open(tmp, "wb") as fh:
-                    shutil.copyfileobj(src, fh)
-                os.replace(tmp, target)
+                with tar.extractfile(info) as src:  # a cache, fetched again if lost: no fsync
+                    atomic_write_stream(target, lambda fh, src=src: shutil.copyfileobj(src, fh), durable=False)
                 written.append(target)
                 wanted.discard(info.name)
     if wanted:

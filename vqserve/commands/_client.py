@@ -8,7 +8,6 @@ Not a subcommand itself (the leading underscore keeps it out of the command list
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from vqserve.commands.common import UsageError  # one exit-2 error for every command
+from vqserve.core.files import atomic_write_json, atomic_write_stream
 
 IDENTITY_FORMAT = "vqserve-tokens/1"
 MODEL_FIELDS = ("model_hash", "source_hash", "exact", "codebook_size", "factor", "index_dtype", "quantizer", "levels",
@@ -162,17 +162,13 @@ def check_out_dir(out: Path) -> None:
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Write through a hidden temporary file and rename, so an interrupted run never leaves
-    a half-written result that looks complete."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "wb") as fh:
-        write(fh)
-    os.replace(tmp, path)
+    """Write through a hidden temporary file and rename (durably: the user's data), so an
+    interrupted run never leaves a half-written result that looks complete."""
+    atomic_write_stream(path, write, durable=True)
 
 
 def write_json(path: Path, data: dict) -> None:
-    write_atomic(path, lambda fh: fh.write((json.dumps(data) + "\n").encode()))
+    atomic_write_json(path, data, durable=True)
 
 
 def identity(info: dict) -> dict:
