@@ -43,6 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.core import images
+from vqserve.offline import pipeline, shards
+from vqserve.offline.engine import EXECUTORS_PER_DEVICE, device_kind, parse_devices
+from vqserve.offline.job import Job, Settings
+from vqserve.offline.tasks import decode_pool, decode_task
+
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry",
           "retina", "stereo_motorcycle", "camera", "moon")
 
@@ -75,8 +81,6 @@ def replicate_folder(src: Path, dst: Path, rows: int, shard_rows: int = 1000) ->
     """A tokenize output folder of about ``rows`` rows, made of ``src``'s rows with new keys,
     written by the same shard writer and described by the same manifest (sha256 and row
     counts rebuilt), so ``TokenShards`` opens it like any other. Returns its row count."""
-    from vqserve.offline import shards
-
     layout = shards.layout_of(src)
     manifest = json.loads(layout.manifest_path(src).read_text())
     base = [shards.TokenRow(key=r["key"], source=r["source"], orig_height=r["orig_height"],
@@ -125,8 +129,6 @@ def _raw_pass(runtimes: dict, batches: list[np.ndarray]) -> float:
     """Seconds to encode ``batches``, two calls in flight per device, each taking the next."""
     import threading
 
-    from vqserve.offline.engine import EXECUTORS_PER_DEVICE
-
     todo = iter(batches)
     lock = threading.Lock()
 
@@ -150,24 +152,20 @@ def _raw_pass(runtimes: dict, batches: list[np.ndarray]) -> float:
 
 def _e2e_pass(job_factory, runtimes: dict, workers: int, serial: bool | None) -> tuple[float, Path, dict]:
     """Seconds for one whole ``vqserve tokenize`` run, its output folder and its stages."""
-    from vqserve.offline.pipeline import run_local
-
     job = job_factory()
     t0 = time.perf_counter()
     job.prepare()
-    result = run_local(job, runtimes, workers=workers, progress=False, serial=serial)
+    result = pipeline.run_local(job, runtimes, workers=workers, progress=False, serial=serial)
     return time.perf_counter() - t0, job.out, result["stages"].to_dict()
 
 
 def _decode_all(tasks: list, pre, workers: int) -> list:
     """The raw pass's pixels: ``tasks`` decoded in ``workers`` processes (thousands of
     images for a GPU's steady rate would take minutes in one)."""
-    from vqserve.offline import pipeline
-
     if workers <= 1 or len(tasks) < 2:
-        return [pipeline.decode_task(t, pre, "image") for t in tasks]
-    with pipeline.decode_pool(workers) as pool:  # its workers end with this process, killed or not
-        return list(pool.map(pipeline.decode_task, tasks, [pre] * len(tasks), ["image"] * len(tasks)))
+        return [decode_task(t, pre, "image") for t in tasks]
+    with decode_pool(workers) as pool:  # its workers end with this process, killed or not
+        return list(pool.map(decode_task, tasks, [pre] * len(tasks), ["image"] * len(tasks)))
 
 
 def _median(values: list) -> float:
@@ -175,10 +173,7 @@ def _median(values: list) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vqserve.core import images
     from vqserve.export.runtimes.loader import load_runtime
-    from vqserve.offline import pipeline
-    from vqserve.offline.engine import device_kind, parse_devices
 
     ap = argparse.ArgumentParser(prog="vqserve bench tokenize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,18 +218,18 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.images) if args.images else scratch / "photos"
         if not args.images:
             write_photo_folder(folder, count)
-        settings = pipeline.Settings(preprocess=pre, shard_size=1000, batch_size=args.batch_size)
+        settings = Settings(preprocess=pre, shard_size=1000, batch_size=args.batch_size)
 
         def job_factory(counter=[0]):  # noqa: B006 - a fresh output folder per pass
             counter[0] += 1
-            return pipeline.Job(inputs=[str(folder.resolve())], out=scratch / f"out{counter[0]}",
-                               settings=settings, runtime_info=info, model_ref=args.model)
+            return Job(inputs=[str(folder.resolve())], out=scratch / f"out{counter[0]}",
+                       settings=settings, runtime_info=info, model_ref=args.model)
 
         plan = job_factory()
         plan.prepare()
         tasks = [t for s in range(plan.shard_count) for t in plan.tasks(s)]
         t0 = time.perf_counter()
-        decoded = [pipeline.decode_task(t, pre, "image") for t in tasks[:4]]  # one process's rate
+        decoded = [decode_task(t, pre, "image") for t in tasks[:4]]  # one process's rate
         decode_s = time.perf_counter() - t0
         decode_per_image = decode_s / max(1, sum(len(t.records) for t in tasks[:4]))
         decoded += _decode_all(tasks[4:], pre, workers)

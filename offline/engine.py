@@ -17,7 +17,7 @@ and a writer, each stage running beside the others.
   as ``cuda:0,2`` or ``synthetic:0,1`` picks), two executor threads each so one call's host
   work overlaps the other's device time. Executors take tasks from one queue in plan order,
   so a faster device takes more. Every task is one fixed set of runtime calls (one per image
-  shape, ``pipeline.encode_groups``), so its tokens do not depend on which device ran it:
+  shape, ``tasks.encode_groups``), so its tokens do not depend on which device ran it:
   the shards are byte-identical to a one-device run.
 * **Writing off the critical path.** Shards are assembled, written and hashed by one writer
   thread while the devices work; the manifest reuses those hashes.
@@ -43,9 +43,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vqserve.core import images
-from vqserve.core.lifetime import Stopped
-from vqserve.core.shm import round_up
-from vqserve.offline import pipeline
+from vqserve.core.lifetime import Stopped, lower_priority
+from vqserve.core.shm import Arena, round_up
+from vqserve.offline import shards
+from vqserve.offline.committer import Committer
+from vqserve.offline.errors import TokenizeError
+from vqserve.offline.job import Job, Settings
+from vqserve.offline.tasks import (
+    Task,
+    _decode_worker_start,
+    decode_task,
+    encode_groups,
+    encode_task,
+    shape_groups,
+)
 
 EXECUTORS_PER_DEVICE = 2
 SHORT_RUN_S = 2.0  # shorter runs get no bottleneck verdict: start-up and the end dominate them
@@ -223,17 +234,13 @@ _ARENA = None
 
 
 def _worker_start(address: str | None) -> None:
-    """A decode worker: dies with its parent (``pipeline._decode_worker_start``), runs below
+    """A decode worker: dies with its parent (``tasks._decode_worker_start``), runs below
     its priority, then maps the parent's arena, whose descriptor it receives over the Unix
     socket at ``address``."""
     global _ARENA
-    pipeline._decode_worker_start()
-    from vqserve.core.lifetime import lower_priority
-
+    _decode_worker_start()
     lower_priority(5)  # the main process feeds the device: it must get a core whenever it asks
     if address:
-        from vqserve.core.shm import Arena
-
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(address)
             header, fd = Arena.receive(sock)
@@ -247,18 +254,18 @@ class SlotResult:
     task itself stays in the main process (``task`` is filled in there: unpickling its
     records again cost the main thread ~6 µs per image)."""
 
-    task: pipeline.Task | None
+    task: Task | None
     metas: list
     groups: list
     overflow: dict          # group number -> stacked pixels (did not fit the slot)
     seconds: float
 
 
-def decode_into_slot(task: pipeline.Task, pre: images.Preprocess, image_column: str, slot: int,
+def decode_into_slot(task: Task, pre: images.Preprocess, image_column: str, slot: int,
                      slot_bytes: int) -> SlotResult:
     t0 = time.perf_counter()
-    items = pipeline.decode_task(task, pre, image_column).items
-    metas, order = pipeline.shape_groups(items)
+    items = decode_task(task, pre, image_column).items
+    metas, order = shape_groups(items)
     groups, overflow, used = [], {}, 0
     for g, (shape, idx) in enumerate(order.items()):
         nbytes = int(np.prod(shape)) * len(idx)
@@ -324,7 +331,7 @@ class _DecodePool:
         i = min(range(len(self.conns)), key=lambda k: len(self.queued[k]))
         return i if len(self.queued[i]) < self.depth else None
 
-    def send(self, worker: int, task: pipeline.Task, slot: int, slot_bytes: int) -> None:
+    def send(self, worker: int, task: Task, slot: int, slot_bytes: int) -> None:
         self.conns[worker].send((task, max(0, slot), slot_bytes if slot >= 0 else 0))
         self.queued[worker].append((task, slot))
 
@@ -349,10 +356,10 @@ class _DecodePool:
                     # the stop signal sent to the whole process group, which reached this
                     # worker while it started, before it could leave the signal to us
                     raise Stopped(-proc.exitcode) from None
-                raise pipeline.TokenizeError(f"decode worker {i} (pid {proc.pid}) died "
+                raise TokenizeError(f"decode worker {i} (pid {proc.pid}) died "
                                              f"(exit code {proc.exitcode})") from None
             if isinstance(got, str):
-                raise pipeline.TokenizeError(got)
+                raise TokenizeError(got)
             got.task, slot = self.queued[i].popleft()
             out.append((got, slot))
         return out
@@ -377,8 +384,6 @@ class _ArenaServer:
     """The arena and the socket its descriptor is handed over on, to every worker that asks."""
 
     def __init__(self, size: int):
-        from vqserve.core.shm import Arena
-
         self.arena = Arena(size, name="vqserve-tokenize")
         self.address = f"\0vqserve-tokenize-{os.getpid()}-{id(self):x}-{time.monotonic_ns()}"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -412,13 +417,13 @@ class _Failed(Exception):
     pass
 
 
-def _slot_bytes(settings: pipeline.Settings) -> int:
+def _slot_bytes(settings: Settings) -> int:
     pre = settings.preprocess
     per_image = pre.size * pre.size * 3 if pre.mode == "size" and pre.size else SLOT_IMAGE_BYTES
     return round_up(settings.batch_size * round_up(per_image, _ALIGN))  # the arena hands out whole pages
 
 
-def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: bool = False,
+def run_overlapped(job: Job, runtimes: dict, workers: int, fail_fast: bool = False,
                    progress: bool | None = None, slots: int = 0, use_shm: bool = True) -> dict:
     """Decode in ``workers`` processes (0: in this thread), encode on every runtime of
     ``runtimes`` (device name -> runtime) in two executor threads each, write in one writer
@@ -436,8 +441,6 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
     errors: list[BaseException] = []
     stop = threading.Event()
     server = pool = None
-    from vqserve.offline import shards
-
     shards.load_writer(job.settings.shard_format)
     cpu0, t0, main0 = time.process_time(), time.perf_counter(), time.thread_time()
 
@@ -471,10 +474,10 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
                                server.arena.view(offset, (len(idx), *shape), np.uint8))
                               for g, (shape, offset, idx) in enumerate(got.groups)]
                     with meter:
-                        enc = pipeline.encode_groups(runtime, got.task, got.metas, groups)
+                        enc = encode_groups(runtime, got.task, got.metas, groups)
                 else:
                     with meter:
-                        enc = pipeline.encode_task(runtime, got)
+                        enc = encode_task(runtime, got)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 fail(exc)
                 return
@@ -483,7 +486,7 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
                     free_slots.put(slot)
             done.put(enc)
 
-    def write(committer: pipeline.Committer) -> None:
+    def write(committer: Committer) -> None:
         c0 = time.thread_time()
         while True:
             enc = done.get()
@@ -506,7 +509,7 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
             raise _Failed
         committer.check_stop()
 
-    with pipeline.Committer(job, fail_fast, progress, defer_stop=True) as committer:
+    with Committer(job, fail_fast, progress, defer_stop=True) as committer:
         threads = [threading.Thread(target=execute, args=(d,), name=f"vqserve-exec-{d}", daemon=True)
                    for d in devices for _ in range(EXECUTORS_PER_DEVICE)]
         writer = threading.Thread(target=write, args=(committer,), name="vqserve-writer", daemon=True)
@@ -527,7 +530,7 @@ def run_overlapped(job: pipeline.Job, runtimes: dict, workers: int, fail_fast: b
                 check()
                 if not workers:  # inline: decode here, one task at a time
                     t1 = time.perf_counter()
-                    decoded = pipeline.decode_task(pending, pre, col)
+                    decoded = decode_task(pending, pre, col)
                     stages.decode_s += time.perf_counter() - t1
                     stages.decode_images += len(pending.records)
                     while todo.qsize() >= 2 * len(devices) and not errors and not committer.stop.requested:

@@ -4,9 +4,9 @@ Same plan, same decode, same encode, same commit as :func:`pipeline.run_local`, 
 engines write byte-identical shards, ``manifest.json`` and ``errors.jsonl``:
 
 * **one row per Task** (≤ ``batch_size`` records of one shard). Decoding runs as Ray CPU
-  tasks (``ds.map`` -> :func:`pipeline.decode_task`); encoding runs in a pool of tokenizer
+  tasks (``ds.map`` -> :func:`tasks.decode_task`); encoding runs in a pool of tokenizer
   actors that take **one row per call** (``batch_size=1``) and call
-  :func:`pipeline.encode_task`, so every runtime call sees exactly the images the local
+  :func:`tasks.encode_task`, so every runtime call sees exactly the images the local
   engine batches together, and the tokens never depend on the engine or the timing;
 * **resume is shard-level**, as with the local engine: ``job.prepare()`` (done by the
   caller) lists the shards still missing and only their tasks become rows; a committed
@@ -30,7 +30,11 @@ import numpy as np
 from vqserve.core import images
 from vqserve.core.lifetime import StopSignals
 from vqserve.core.machine import available_cores
-from vqserve.offline import pipeline, shards, sources
+from vqserve.offline import shards, sources
+from vqserve.offline.committer import Committer
+from vqserve.offline.errors import TokenizeError
+from vqserve.offline.job import Job
+from vqserve.offline.tasks import DecodedTask, EncodedTask, Task, decode_task, encode_task
 
 _RAY_BARS_LOG = logging.getLogger("ray.data._internal.progress")  # "Progress bars disabled"
 
@@ -38,8 +42,8 @@ _RAY_BARS_LOG = logging.getLogger("ray.data._internal.progress")  # "Progress ba
 # ---- stage 1: decode (Ray CPU tasks) --------------------------------------------------------
 def _decode_row(row: dict, pre: images.Preprocess, image_column: str) -> dict:
     records = tuple(sources.Record(*r) for r in json.loads(row["records"]))
-    task = pipeline.Task(int(row["shard"]), int(row["index"]), records)
-    decoded = pipeline.decode_task(task, pre, image_column)
+    task = Task(int(row["shard"]), int(row["index"]), records)
+    decoded = decode_task(task, pre, image_column)
     meta, chunks = [], []
     for item in decoded.items:
         if isinstance(item, str):
@@ -85,7 +89,7 @@ class TokenizerActor:
         out: dict[str, list] = {"shard": [], "index": [], "result": [], "tokens": [], "runtime": []}
         for r in range(len(batch["shard"])):
             records = tuple(sources.Record(*x) for x in json.loads(batch["records"][r]))
-            task = pipeline.Task(int(batch["shard"][r]), int(batch["index"][r]), records)
+            task = Task(int(batch["shard"][r]), int(batch["index"][r]), records)
             pixels, offset, items = batch["pixels"][r], 0, []
             for m in json.loads(batch["meta"][r]):
                 if "error" in m:
@@ -96,7 +100,7 @@ class TokenizerActor:
                     np.frombuffer(pixels, np.uint8, n, offset).reshape(m["shape"]),
                     m["orig_height"], m["orig_width"], tuple(m["crop"])))
                 offset += n
-            enc = pipeline.encode_task(self.runtime, pipeline.DecodedTask(task, items))
+            enc = encode_task(self.runtime, DecodedTask(task, items))
             rows = [{"key": t.key, "source": t.source, "orig_height": t.orig_height,
                      "orig_width": t.orig_width, "crop": list(t.crop), "height": t.height,
                      "width": t.width, "shape": list(t.tokens.shape)} for t in enc.rows]
@@ -110,7 +114,7 @@ class TokenizerActor:
 
 
 # ---- driver -----------------------------------------------------------------------------------
-def _encoded(task: pipeline.Task, row: dict, index_dtype: np.dtype) -> pipeline.EncodedTask:
+def _encoded(task: Task, row: dict, index_dtype: np.dtype) -> EncodedTask:
     """A result row -> the EncodedTask the local engine makes for ``task``."""
     result = json.loads(row["result"])
     tokens, offset, rows = row["tokens"], 0, []
@@ -122,9 +126,9 @@ def _encoded(task: pipeline.Task, row: dict, index_dtype: np.dtype) -> pipeline.
                                     orig_width=m["orig_width"], crop=tuple(m["crop"]),
                                     height=m["height"], width=m["width"], tokens=arr))
     if offset != len(tokens):
-        raise pipeline.TokenizeError(f"shard {task.shard} task {task.index}: {len(tokens)} token "
+        raise TokenizeError(f"shard {task.shard} task {task.index}: {len(tokens)} token "
                                     f"bytes for {offset} expected (a worker runs another vqserve?)")
-    return pipeline.EncodedTask(task, rows, result["errors"])
+    return EncodedTask(task, rows, result["errors"])
 
 
 def _init_ray(address: str | None):
@@ -133,7 +137,7 @@ def _init_ray(address: str | None):
         import ray
         import ray.data  # noqa: F401
     except ImportError:
-        raise pipeline.TokenizeError("--engine ray needs Ray: pip install 'vqserve[ray]'") from None
+        raise TokenizeError("--engine ray needs Ray: pip install 'vqserve[ray]'") from None
     if ray.is_initialized():
         return ray, False
     kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
@@ -155,17 +159,17 @@ def _actor_count(ray, actors: int, device: str, local: bool) -> int:
     if device.startswith("cuda"):
         n = actors or max(1, gpus)
         if local and n > gpus:
-            raise pipeline.TokenizeError(f"{n} tokenizer actors on {device} need {n} GPUs; the local "
+            raise TokenizeError(f"{n} tokenizer actors on {device} need {n} GPUs; the local "
                                         f"Ray has {gpus}")
         return n
     n = actors or max(1, min(2, cpus - 1))
     if local and n >= cpus:  # every actor holds a CPU: none would be left to decode, Ray waits forever
-        raise pipeline.TokenizeError(f"{n} tokenizer actors on CPU take all {cpus} CPUs of the local "
+        raise TokenizeError(f"{n} tokenizer actors on CPU take all {cpus} CPUs of the local "
                                     "Ray and leave none for decoding; use fewer --ray-actors")
     return n
 
 
-def run_ray(job: pipeline.Job, model: str, backend: str, dtype: str | None, device: str,
+def run_ray(job: Job, model: str, backend: str, dtype: str | None, device: str,
             address: str | None = None, actors: int = 0, fail_fast: bool = False,
             progress: bool = True, plan: dict | None = None) -> dict:
     """Decode in Ray tasks, encode in ``actors`` tokenizer actors, commit here shard by shard.
@@ -177,7 +181,7 @@ def run_ray(job: pipeline.Job, model: str, backend: str, dtype: str | None, devi
         model = str(Path(model).resolve())  # workers need not share the driver's cwd
     tasks = {(t.shard, t.index): t for s in job.pending for t in job.tasks(s)}
     ray, started, ctx, saved = None, False, None, None
-    with pipeline.Committer(job, fail_fast, progress) as committer:
+    with Committer(job, fail_fast, progress) as committer:
         try:
             if tasks:
                 ray, started = _init_ray(address)
@@ -205,12 +209,12 @@ def run_ray(job: pipeline.Job, model: str, backend: str, dtype: str | None, devi
                                                           "expect_hash": job.runtime_info["model_hash"]}))
                 for row in ds.iter_rows():
                     if row["runtime"] != expected:
-                        raise pipeline.TokenizeError(f"a Ray worker loaded another model or runtime "
+                        raise TokenizeError(f"a Ray worker loaded another model or runtime "
                                                     f"({row['runtime']}) than this run ({expected})")
                     committer.add(_encoded(tasks.pop((int(row["shard"]), int(row["index"]))), row,
                                            index_dtype))
                 if tasks:
-                    raise pipeline.TokenizeError(f"Ray returned no result for {len(tasks)} tasks")
+                    raise TokenizeError(f"Ray returned no result for {len(tasks)} tasks")
         finally:
             if saved is not None:
                 ctx.enable_progress_bars, ctx.print_on_execution_start = saved[:2]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve.offline import shards
-from vqserve.offline.verify import NotADataset, read_manifest
+from vqserve.offline.verify.folder import NotADataset, read_manifest
 
 
 @dataclass(frozen=True)

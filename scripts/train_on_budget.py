@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vqserve.model.checkpoint import save_tokenizer
-    from vqserve.training.trainer import TrainConfig, Trainer, load_config_file
+    from vqserve.training.config import TrainConfig, load_config_file
+    from vqserve.training.trainer import Trainer
 
     t_start = time.monotonic()
     data = load_config_file(args.config)

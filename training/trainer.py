@@ -1,7 +1,7 @@
 """The training loop: mixed precision through the one precision policy, resumable runs.
 
-``TrainConfig`` holds every knob (a YAML/JSON file plus CLI overrides builds it);
-``train(config)`` runs it. Precision follows ``vqserve.model.precision``:
+``TrainConfig`` (``training/config.py``) holds every knob (a YAML/JSON file plus CLI
+overrides builds it); ``train(config)`` runs it. Precision follows ``vqserve.model.precision``:
 
 * fp32 - plain eager;
 * bf16 - the networks under ``torch.autocast(bfloat16)``, **no GradScaler** (failure 4);
@@ -9,18 +9,18 @@
 * the quantizer always computes in fp32 inside its own island (failures 1 and 2), and
   the losses are computed on fp32 upcasts.
 
-Losses: L1 + L2 reconstruction, optionally L1 on the factor x factor block means
-(``block_mean_weight``: colour and smooth regions), the quantizer's aux losses (commitment / entropy for
-VQ / LFQ), and, optionally, the low-precision robustness **margin** term for FSQ: the
-bounded pre-rounding latent of every channel is pushed at least ``margin`` away from its
-rounding boundaries (the half-integers), so the small drift a bf16/fp16 encoder adds does
-not flip a token. ``quant_noise`` additionally perturbs the bounded latent with uniform
-noise before rounding in training (straight-through), so the decoder tolerates it.
+Losses (``training/losses.py``): L1 + L2 reconstruction, optionally L1 on the factor x factor
+block means (``block_mean_weight``: colour and smooth regions), the quantizer's aux losses
+(commitment / entropy for VQ / LFQ), and, optionally, the low-precision robustness **margin**
+term for FSQ: the bounded pre-rounding latent of every channel is pushed at least ``margin``
+away from its rounding boundaries (the half-integers), so the small drift a bf16/fp16 encoder
+adds does not flip a token. ``quant_noise`` additionally perturbs the bounded latent with
+uniform noise before rounding in training (straight-through), so the decoder tolerates it.
 ``latent_tv_weight`` (FSQ) is a rate proxy: L1 between neighbouring bounded latents, in
 levels. Neighbours whose latents agree round to the same code, so a busy region spreads over
 fewer codes and a prior predicts its tokens more cheaply (issue 28's bits/token).
 
-Run directory (``out``)::
+Run directory (``out``; the metrics log and the plots: ``training/outputs.py``)::
 
     last/            the latest checkpoint, replaced atomically (temp dir + rename)
       tokenizer/     config.json + model.safetensors (load_tokenizer works on it)
@@ -36,229 +36,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from vqserve.core.files import atomic_directory
-from vqserve.model.checkpoint import load_tokenizer, save_tokenizer
+from vqserve.model.checkpoint import load_tokenizer, resolve_model_path, save_tokenizer
 from vqserve.model.config import TokenizerConfig
 from vqserve.model.devices import resolve_device
 from vqserve.model.evaluation import code_counts, codebook_stats, psnr
 from vqserve.model.precision import PrecisionPolicy, fp32_island, policy
 from vqserve.model.quantizers import FSQ
 from vqserve.model.tokenizer import Tokenizer
+from vqserve.training.config import TrainConfig
+from vqserve.training.data import RandomCrops, open_source, tile_crops
+from vqserve.training.losses import block_losses, latent_tv, lr_at, margin_loss, margin_weight_at
+from vqserve.training.outputs import plot_curves, read_metrics, reconstruction_grid, write_metrics
 
-MODEL_KEYS = {f.name for f in dataclasses.fields(TokenizerConfig)}
 PREFETCH = 3  # batches cut ahead in threads while an accelerator trains (Trainer._host_batch)
-
-
-@dataclass
-class TrainConfig:
-    # data
-    data: str = "builtin"            # "builtin" (skimage.data train split), "photos:train", or a folder
-    val_data: str = "builtin:val"    # "builtin:val", "photos:select", a folder, or "" for none
-    crop_size: int = 64
-    sampling: str = "area"           # area (images drawn by pixel count) | uniform
-    batch_size: int = 16
-    val_crop_size: int = 128
-    val_tiles_per_image: int = 0     # 0: every tile of every validation image
-    init_from: str = ""              # start from this tokenizer's weights ("default", a checkpoint dir)
-    # optimisation
-    steps: int = 1000
-    lr: float = 1e-3
-    lr_schedule: str = "cosine"      # cosine | constant | linear
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.99)
-    grad_clip: float = 1.0
-    # losses
-    l1_weight: float = 1.0
-    l2_weight: float = 1.0
-    aux_weight: float = 1.0
-    block_mean_weight: float = 0.0   # L1 on factor x factor block means (colour and smooth regions)
-    block_chroma_weight: float = 0.0  # extra L1 on the block means' chroma (R-G, B-(R+G)/2): tints
-    smooth_fraction: float = 0.0     # share of crops replaced by synthetic smooth patches (skies)
-    freeze_encoder: bool = False     # train only the decoder: every token stays what init_from gives
-    change_dither: bool = False      # init_from with another dither: its tokens will mean something else
-    margin: float = 0.0              # robustness: min distance of bounded FSQ latents to a boundary
-    margin_weight: float = 0.0
-    margin_start: float = 0.0        # fraction of training before the margin term switches on
-    margin_ramp: float = 0.0         # fraction of training over which its weight ramps up linearly
-    quant_noise: float = 0.0         # robustness: uniform noise half-width before rounding (train only)
-    latent_tv_weight: float = 0.0    # rate proxy (FSQ): L1 between neighbouring bounded latents
-    # model (TokenizerConfig fields)
-    model: dict = field(default_factory=lambda: {"quantizer": "fsq", "levels": [8, 8, 8, 6, 5],
-                                                 "channels": [64, 128, 128], "num_res_blocks": 1})
-    # runtime
-    precision: str = "fp32"          # fp32 | bf16 | fp16
-    device: str = "cpu"              # cpu | cuda
-    channels_last: bool = False
-    threads: int = 0                 # torch.set_num_threads on CPU (0: leave as is)
-    seed: int = 0
-    out: str = "runs/train"
-    log_every: int = 10
-    val_every: int = 250
-    ckpt_every: int = 250
-    ckpt_minutes: float = 5.0        # also checkpoint when this much wall time has passed
-    progress: bool = True
-    plots: bool = True
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
-        policy(self.precision)  # validates the name
-        from vqserve.training.data import HELDOUT_SPECS
-
-        for name in ("data", "val_data"):
-            if getattr(self, name) in HELDOUT_SPECS:
-                raise ValueError(f"{name}={getattr(self, name)!r}: the held-out photographs are reserved "
-                                 "for evaluation (vqserve eval); train on 'photos:train', select on "
-                                 "'photos:select'")
-        unknown = sorted(set(self.model) - MODEL_KEYS)
-        if unknown:
-            raise ValueError(f"unknown model keys {unknown}; known: {sorted(MODEL_KEYS)}")
-        if self.lr_schedule not in ("cosine", "constant", "linear"):
-            raise ValueError(f"lr_schedule must be cosine, constant or linear, got {self.lr_schedule!r}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        tok_config = self.tokenizer_config()  # validates the model section
-        if self.freeze_encoder and not self.init_from:
-            raise ValueError("freeze_encoder keeps the encoder's weights, so it needs init_from (the "
-                             "tokenizer whose tokens to keep)")
-        if self.freeze_encoder and (self.margin_weight > 0 or self.quant_noise > 0 or self.latent_tv_weight > 0):
-            raise ValueError("freeze_encoder trains only the decoder; margin_weight, quant_noise and "
-                             "latent_tv_weight act on the encoder's latents: set them to 0")
-        if self.latent_tv_weight < 0:
-            raise ValueError(f"latent_tv_weight must be >= 0, got {self.latent_tv_weight}")
-        if self.latent_tv_weight > 0 and tok_config.quantizer != "fsq":
-            raise ValueError("latent_tv_weight acts on FSQ's bounded latents; the model's quantizer is "
-                             f"{tok_config.quantizer!r}")
-        f = tok_config.factor
-        for name in ("crop_size", "val_crop_size"):
-            if getattr(self, name) % f:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of the factor {f}")
-
-    def tokenizer_config(self) -> TokenizerConfig:
-        return TokenizerConfig(**self.model)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["betas"] = list(self.betas)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict) -> TrainConfig:
-        data = dict(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        model = dict(data.pop("model", {}) or {})
-        # model keys may also be given at the top level (flat configs / CLI overrides)
-        for k in list(data):
-            if k in MODEL_KEYS and k not in known:
-                model[k] = data.pop(k)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown training config keys {unknown}")
-        base = cls().model
-        return cls(**data, model={**base, **model})
-
-
-def load_config_file(path: str | os.PathLike) -> dict:
-    """A YAML or JSON file -> dict."""
-    text = Path(path).read_text()
-    if str(path).endswith(".json"):
-        return json.loads(text)
-    import yaml
-
-    data = yaml.safe_load(text) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a training config must be a mapping, got {type(data).__name__}")
-    return data
-
-
-# -- schedule and losses ------------------------------------------------------------------
-
-
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    span = max(cfg.steps - cfg.warmup_steps, 1)
-    t = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
-    lo = cfg.lr * cfg.min_lr_ratio
-    if cfg.lr_schedule == "linear":
-        return lo + (cfg.lr - lo) * (1 - t)
-    return lo + (cfg.lr - lo) * 0.5 * (1 + math.cos(math.pi * t))
-
-
-def margin_weight_at(cfg: TrainConfig, step: int) -> float:
-    """Weight of the margin term at ``step``: 0 before ``margin_start``, then a linear ramp.
-
-    Switching it on after the codebook has organised itself matters: a margin from step 0
-    is a barrier at every rounding boundary that slows latents moving between codes.
-    """
-    if cfg.margin_weight <= 0 or cfg.margin <= 0:
-        return 0.0
-    start, ramp = cfg.margin_start * cfg.steps, cfg.margin_ramp * cfg.steps
-    if step < start:
-        return 0.0
-    if ramp <= 0:
-        return cfg.margin_weight
-    return cfg.margin_weight * min(1.0, (step - start + 1) / ramp)
-
-
-def boundary_distance(bounded: torch.Tensor) -> torch.Tensor:
-    """Distance of each bounded FSQ latent to its nearest rounding boundary (in [0, 0.5])."""
-    return 0.5 - (bounded - bounded.round()).abs()
-
-
-def latent_tv(bounded: torch.Tensor) -> torch.Tensor:
-    """Mean L1 between horizontally and vertically neighbouring bounded latents
-    ``[B, h, w, d]``, in levels: a differentiable stand-in for how often neighbouring tokens
-    differ, which is what a left/up context model pays for."""
-    dx = (bounded[:, :, 1:] - bounded[:, :, :-1]).abs().mean()
-    dy = (bounded[:, 1:] - bounded[:, :-1]).abs().mean()
-    return (dx + dy) / 2
-
-
-def margin_loss(bounded: torch.Tensor, margin: float) -> torch.Tensor:
-    """Hinge, normalised to [0, 1]: zero once every latent is ``margin`` from a boundary.
-
-    Linear rather than squared so a latent just inside the margin still feels a push
-    (a squared hinge fades to nothing exactly where the flips happen).
-    """
-    return (torch.relu(margin - boundary_distance(bounded)) / margin).mean()
-
-
-def block_losses(recon: torch.Tensor, target: torch.Tensor, factor: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block mean, block chroma): two L1 terms on one error, the ``factor x factor`` block
-    means of reconstruction minus those of the target (NCHW), computed once per step.
-
-    Block mean: the bicubic baseline keeps every block's mean colour exactly; the per-pixel
-    L1 + L2 let the default drift by 5-27 levels per channel on whole photographs (issue 17).
-    This weighs that low-frequency error on its own, so colour casts and smooth regions cost
-    as much as they look.
-
-    Block chroma: the same error's R-G and B-(R+G)/2, where brightness cancels. A flat region
-    becomes one code repeated, so its colour can only be one of the flat colours the code
-    grid offers, a staircase 5-10 levels apart (a grey of 180 came back as 176,181,181: a
-    cyan tint on a neutral sky). The eye forgives a wrong brightness there much more than a
-    tint; this term makes a tint cost extra, so training places the steps where colours stay
-    neutral.
-    """
-    err = F.avg_pool2d(recon, factor) - F.avg_pool2d(target, factor)
-    r, g, b = err.unbind(1)
-    return err.abs().mean(), ((r - g).abs() + (b - (r + g) / 2).abs()).mean()
 
 
 class Trainer:
@@ -293,8 +93,6 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------------
     def _load_data(self) -> None:
-        from vqserve.training.data import RandomCrops, open_source, tile_crops
-
         cfg = self.cfg
         self.train_source = open_source(cfg.data, "train", min_size=1)
         self.crops = RandomCrops(self.train_source, cfg.crop_size, cfg.batch_size, seed=cfg.seed,
@@ -469,8 +267,6 @@ class Trainer:
         """Fine-tune: start the network from a trained tokenizer of the same architecture
         (the optimizer, schedule and step count start fresh). Checked before any step, so a
         mismatch costs nothing; a resumed run ignores it, since its own weights are newer."""
-        from vqserve.model.checkpoint import resolve_model_path
-
         path = resolve_model_path(source)
         loaded = load_tokenizer(path, device=self.device)
         theirs = getattr(loaded, "config", None)
@@ -595,71 +391,6 @@ class Trainer:
                 print(f"[train] plots skipped: {exc}", file=sys.stderr)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
-
-
-def read_metrics(path: Path, up_to_step: int | None = None) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if up_to_step is None or row.get("step", 0) <= up_to_step:
-            rows.append(row)
-    return rows
-
-
-def write_metrics(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
-
-
-def plot_curves(history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    tr = [h for h in history if "loss" in h]
-    va = [h for h in history if "val_psnr" in h]
-    axes[0].plot([h["step"] for h in tr], [h["loss"] for h in tr])
-    axes[0].set_yscale("log")
-    axes[0].set_title("training loss")
-    axes[1].plot([h["step"] for h in tr], [h["psnr"] for h in tr], label="train crops")
-    axes[1].plot([h["step"] for h in va], [h["val_psnr"] for h in va], "o-", label="validation")
-    axes[1].set_title("PSNR (dB)")
-    axes[1].legend()
-    axes[2].plot([h["step"] for h in tr], [h["utilization"] for h in tr], label="train (log window)")
-    axes[2].plot([h["step"] for h in va], [h["val_utilization"] for h in va], "o-", label="validation")
-    axes[2].set_title("codebook utilization")
-    axes[2].legend()
-    for ax in axes:
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-@torch.no_grad()
-def reconstruction_grid(tokenizer: Tokenizer, tiles_u8: torch.Tensor, path: Path) -> None:
-    """Top row originals, bottom row reconstructions (PNG via Pillow)."""
-    from PIL import Image
-
-    tok = tokenizer.eval()
-    was_cl = tok.encoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last) and \
-        not tok.encoder.conv_in.weight.is_contiguous()
-    tok.to(memory_format=torch.contiguous_format)
-    recon = tok.decode(tok.encode(tiles_u8))
-    if was_cl:
-        tok.to(memory_format=torch.channels_last)
-    top = torch.cat(list(tiles_u8), dim=1)
-    bottom = torch.cat(list(recon), dim=1)
-    Image.fromarray(torch.cat([top, bottom], dim=0).numpy()).save(path)
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT
-from vqserve.bench import inputs, processes, servers
+from vqserve.bench import closed_loop, inputs, processes, servers
 from vqserve.bench import serving as bench
 from vqserve.export.runtimes.loader import load_runtime
 from vqserve.serve.config import ServerConfig
@@ -44,7 +44,7 @@ def _args(**kw) -> argparse.Namespace:
 
 def test_capacity_pool_runs_one_thread_per_process_and_returns_the_runtimes_tokens(
         tiny_checkpoint, images, expected):
-    pool = bench.CapacityPool(tiny_checkpoint, _args(), images, workers=2)
+    pool = closed_loop.CapacityPool(tiny_checkpoint, _args(), images, workers=2)
     try:
         assert len(set(pool.pids)) == 2 and set(pool.threads.values()) == {1}
         for c in range(len(images)):  # straight answers, whichever worker takes them
@@ -55,7 +55,7 @@ def test_capacity_pool_runs_one_thread_per_process_and_returns_the_runtimes_toke
         # 5 clients over 4 images: client 4 sends image 0 again; a window that is over
         # before the warm-up answers come back (duration 0) still times one call per client
         for level, duration, warmup in ((1, 0.5, 0.1), (5, 0.5, 0.1), (3, 0.0, 0.0)):
-            row = bench.bench_capacity(pool, expected, level, duration=duration, warmup=warmup)
+            row = closed_loop.bench_capacity(pool, expected, level, duration=duration, warmup=warmup)
             assert row["mode"] == "in-process-capacity" and row["level"] == level
             assert row["requests"] >= level and row["throughput"] > 0
             assert 0 < row["p50_ms"] <= row["p99_ms"]
@@ -69,7 +69,7 @@ def test_capacity_pool_runs_one_thread_per_process_and_returns_the_runtimes_toke
 
 def test_a_failing_capacity_worker_is_reported_with_its_traceback(tmp_path, images):
     with pytest.raises(RuntimeError, match="a capacity worker failed"):
-        bench.CapacityPool(str(tmp_path / "no-such-model"), _args(), images, workers=1)
+        closed_loop.CapacityPool(str(tmp_path / "no-such-model"), _args(), images, workers=1)
 
 
 def test_plan_is_read_from_metrics_and_the_log():
@@ -129,7 +129,7 @@ def test_every_served_client_times_a_call_even_when_its_warm_up_outlasts_the_win
     config = ServerConfig(model=tiny_checkpoint, backend="eager", device="cpu", host="127.0.0.1", port=0,
                           metrics_port=-1, max_batch_size=8, max_delay_ms=5, grace_s=5)
     with ServerThread(config) as srv:
-        row = bench.bench_served("v1", srv.target, "encode", images, expected, 3, 0.0, 0.0, "served-v1")
+        row = closed_loop.bench_served("v1", srv.target, "encode", images, expected, 3, 0.0, 0.0, "served-v1")
     assert row["requests"] >= 3 and row["throughput"] > 0 and row["agreement"] == 1.0
 
 
@@ -147,8 +147,8 @@ def test_torchserve_best_starts_n_workers_with_its_batch(tiny_checkpoint, tmp_pa
         assert described["batchSize"] == 8
         assert [w["status"] for w in described["workers"]] == ["READY", "READY"]
         assert "TorchServe (run-best): 2/2 worker(s) ready, batch 8, delay 5 ms" in lines
-        row = bench.bench_served("torchserve", f"127.0.0.1:{ts.grpc}", "encode", images, expected,
-                                 4, 0.5, 0.2, "torchserve-best")
+        row = closed_loop.bench_served("torchserve", f"127.0.0.1:{ts.grpc}", "encode", images, expected,
+                                       4, 0.5, 0.2, "torchserve-best")
         assert row["requests"] >= 4 and row["agreement"] == 1.0
     finally:
         ts.stop()

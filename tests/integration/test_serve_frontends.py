@@ -617,12 +617,12 @@ def test_bench_gpu_noise_tells_ties_from_corruption(tiny_checkpoint, monkeypatch
     moved by the device (here a stand-in that changes one) is counted, and not as a tie."""
     import torch
 
-    from vqserve.bench import gpu
+    from vqserve.bench.gpu import measure
 
-    assert gpu.noise_row(tiny_checkpoint, "cpu", 3, 32) == {
+    assert measure.noise_row(tiny_checkpoint, "cpu", 3, 32) == {
         "tiles": 3, "tokens": 3 * 4 * 4, "differing": 0, "images_differing": 0, "ties": 0, "not_ties": 0,
         "rate": 0.0}
-    real_load = gpu.load
+    real_load = measure.load
 
     class OneTokenMoved:
         def __init__(self, runtime):
@@ -633,10 +633,10 @@ def test_bench_gpu_noise_tells_ties_from_corruption(tiny_checkpoint, monkeypatch
             out.flat[0] = (int(out.flat[0]) + 1) % self.info.codebook_size
             return out
 
-    monkeypatch.setattr(gpu, "load", lambda model, dtype, device, tf32=False: (
+    monkeypatch.setattr(measure, "load", lambda model, dtype, device, tf32=False: (
         OneTokenMoved(real_load(model, dtype, "cpu")) if device == "gpu-stand-in" else real_load(model, dtype, device)))
     threads = torch.get_num_threads()
-    row = gpu.noise_row(tiny_checkpoint, "gpu-stand-in", 3, 32)  # calls of one image: one moved in each
+    row = measure.noise_row(tiny_checkpoint, "gpu-stand-in", 3, 32)  # calls of one image: one moved in each
     assert row["differing"] == 3 and row["images_differing"] == 3
     assert row["ties"] == 0 and row["not_ties"] == 3
     assert torch.get_num_threads() == threads  # the float64 pass put the process's thread count back
@@ -645,7 +645,7 @@ def test_bench_gpu_noise_tells_ties_from_corruption(tiny_checkpoint, monkeypatch
 def test_bench_gpu_measures_the_plan_it_serves_as_planned(tiny_checkpoint, tmp_path):
     """`vqserve bench gpu --planned` serves each dtype by the plan `vqserve plan` measures
     on the machine (what --plan auto serves): the child's plan file, read back."""
-    from vqserve.bench.gpu import measured_plan
+    from vqserve.bench.gpu.measure import measured_plan
     from vqserve.export.runtimes.execution import ExecutionPlan
 
     choice = measured_plan(tiny_checkpoint, "cpu", "fp32", str(tmp_path), 600.0)

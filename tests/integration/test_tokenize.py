@@ -354,6 +354,7 @@ def test_ctrl_c_that_lands_in_a_finalizer_still_stops_the_run(tiny_checkpoint, t
     of the overlapped engine's main thread is what once left a run waiting 120 s after
     Ctrl-C. Ctrl-C is now a flag the engines check at safe points."""
     from vqserve.offline import engine, pipeline
+    from vqserve.offline.job import Job
 
     write_folder(tmp_path / "in", 40, bad=False)
     calls = []
@@ -373,7 +374,7 @@ def test_ctrl_c_that_lands_in_a_finalizer_still_stops_the_run(tiny_checkpoint, t
         monkeypatch.setattr(pipeline, "encode_task", with_ctrl_c_on_the_second_call(pipeline.encode_task))
     else:                             # while the output folder is prepared: Python's exception is lost
         calls.append(1)
-        monkeypatch.setattr(pipeline.Job, "prepare", with_ctrl_c_on_the_second_call(pipeline.Job.prepare))
+        monkeypatch.setattr(Job, "prepare", with_ctrl_c_on_the_second_call(Job.prepare))
     out = tmp_path / "out"
     code = main(["tokenize", str(tmp_path / "in"), "--size", "32", "--shard-size", "8", "--model", tiny_checkpoint,
                  "--out", str(out), "--workers", str(workers), "--no-progress"])
@@ -445,10 +446,11 @@ def test_a_decode_pool_that_broke_is_the_stop_signal_or_one_line():
     line that says how to go on, not BrokenProcessPool as "unexpected")."""
     from vqserve.core.lifetime import Stopped, StopSignals
     from vqserve.offline import pipeline
+    from vqserve.offline.errors import TokenizeError
 
     stop = StopSignals()
     crashed = pipeline._pool_broke(stop)
-    assert isinstance(crashed, pipeline.TokenizeError) and "--workers 0" in str(crashed)
+    assert isinstance(crashed, TokenizeError) and "--workers 0" in str(crashed)
     stop.signum = signal.SIGTERM
     stopped = pipeline._pool_broke(stop)
     assert isinstance(stopped, Stopped) and stopped.status == 143

@@ -19,7 +19,8 @@ from PIL import Image
 
 from vqserve.cli import main
 from vqserve.offline import shards
-from vqserve.offline.verify import sample_positions, verify_dataset
+from vqserve.offline.verify import verify_dataset
+from vqserve.offline.verify.reencode import sample_positions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -20,13 +20,13 @@ import argparse
 import importlib
 
 TARGETS = {
-    "all": "vqserve.bench.report",
+    "all": "vqserve.bench.report.run",
     "quantizers": "vqserve.bench.quantizers",
     "runtimes": "vqserve.bench.runtimes",
     "serve": "vqserve.bench.serving",
     "tokenize": "vqserve.bench.offline",
     "plan": "vqserve.bench.plan",
-    "gpu": "vqserve.bench.gpu",
+    "gpu": "vqserve.bench.gpu.run",
 }
 
 

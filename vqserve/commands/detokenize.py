@@ -76,7 +76,7 @@ def resolve_shards(args: list[str]) -> list[Path]:
 def manifest_for(paths: list[Path]) -> dict | None:
     """The tokenize manifest beside the shards; shards from two different models are refused
     (one runtime decodes them all, so they must share one)."""
-    from vqserve.offline.verify import NotADataset, read_manifest
+    from vqserve.offline.verify.folder import NotADataset, read_manifest
 
     found: dict[str, dict] = {}
     for folder in dict.fromkeys(p.parent for p in paths):
@@ -207,7 +207,7 @@ def open_runtime(args: argparse.Namespace, manifest: dict | None):
     """--model, else the manifest's model; the recorded hash must match unless --model was
     given explicitly (then a warning: the user may knowingly decode with a fine-tuned copy)."""
     from vqserve.export.runtimes.loader import load_runtime
-    from vqserve.offline.verify import recorded_runtime
+    from vqserve.offline.verify.reencode import recorded_runtime
 
     recorded = (manifest or {}).get("model", {})
     if args.model is None and "ref" not in recorded:

@@ -52,7 +52,7 @@ from vqserve.commands.common import (
 )
 
 if TYPE_CHECKING:  # the pipeline (and torch) load only when a run starts, not for --help
-    from vqserve.offline.pipeline import Job
+    from vqserve.offline.job import Job
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -114,17 +114,17 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
     from vqserve.core import images
-    from vqserve.offline import pipeline
+    from vqserve.offline.job import Job, Settings
 
     pre = images.Preprocess(mode="size" if args.size else "keep" if args.keep_size else "exact",
                             factor=runtime_info["factor"], size=args.size, resample=args.resample,
                             max_pixels=args.max_pixels)
-    settings = pipeline.Settings(preprocess=pre, shard_size=args.shard_size, batch_size=args.batch_size,
-                                shard_format=args.format, image_column=args.image_column,
-                                key_column=args.key_column)
+    settings = Settings(preprocess=pre, shard_size=args.shard_size, batch_size=args.batch_size,
+                        shard_format=args.format, image_column=args.image_column,
+                        key_column=args.key_column)
 
-    return pipeline.Job(inputs=[str(Path(p).resolve()) for p in inputs], out=Path(args.out), settings=settings,
-                       runtime_info=runtime_info, model_ref=model_ref(args.model))
+    return Job(inputs=[str(Path(p).resolve()) for p in inputs], out=Path(args.out), settings=settings,
+               runtime_info=runtime_info, model_ref=model_ref(args.model))
 
 
 def _chosen_plan(args: argparse.Namespace, device: str):
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from vqserve.offline import pipeline, sources
+    from vqserve.offline import errors, pipeline, sources
 
     if args.workers is not None and args.workers < 0:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
@@ -246,16 +246,16 @@ def _run(args: argparse.Namespace) -> int:
                         for d, r in runtimes.items()}
             result = pipeline.run_local(job, runtimes, workers=workers, fail_fast=args.fail_fast,
                                         progress=False if args.no_progress else None, serial=serial)
-    except (pipeline.Interrupted, KeyboardInterrupt) as exc:
-        if not isinstance(exc, pipeline.Interrupted):  # stopped before the engine's run began
+    except (errors.Interrupted, KeyboardInterrupt) as exc:
+        if not isinstance(exc, errors.Interrupted):  # stopped before the engine's run began
             if prepared is None:
                 raise
             exc = prepared.interrupted(exc)
         print(f"vqserve tokenize: {exc}", file=sys.stderr)
         return exc.status
-    except (pipeline.TokenizeError, sources.InputError) as exc:
+    except (errors.TokenizeError, sources.InputError) as exc:
         print(f"vqserve tokenize: error: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, pipeline.FailFast) else 2
+        return 1 if isinstance(exc, errors.FailFast) else 2
     totals = result["manifest"]["totals"]
     print(f"tokenize: done: {totals['rows']} images tokenized, {totals['errors']} errors "
           f"(see {job.errors_path}), {totals['shards']} shards; this run "

@@ -30,7 +30,7 @@ def _int_list(text: str) -> list[int]:
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML or JSON training config (CLI flags override it; "
                                           "flags left out keep its values, else the built-in "
-                                          "defaults of TrainConfig in vqserve.training.trainer)")
+                                          "defaults of TrainConfig in vqserve.training.config)")
     g = parser.add_argument_group("data")
     g.add_argument("--data", help="'builtin' (skimage.data train split), 'photos:train' (plus the "
                                   "Debian package photographs: `make data`) or an image folder (recursive)")
@@ -114,7 +114,7 @@ _MODEL = ["quantizer", "levels", "channels", "num_res_blocks", "patch_size", "no
 
 
 def build_config(args: argparse.Namespace):
-    from vqserve.training.trainer import TrainConfig, load_config_file
+    from vqserve.training.config import TrainConfig, load_config_file
 
     data = load_config_file(args.config) if args.config else {}
     model = dict(data.pop("model", {}) or {})

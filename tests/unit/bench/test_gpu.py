@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.helpers import ROOT
-from vqserve.bench import gpu
+from vqserve.bench.gpu import measure, report, run, targets
 from vqserve.bench.profiling import find_py_spy
 
 
@@ -30,15 +30,15 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on_saving_as_it_goes(tin
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     seen_before_serving = {}
-    real_compare = gpu.compare_layouts
+    real_compare = run.compare_layouts
 
     def compare_after_reading_the_file(*args, **kwargs):
         seen_before_serving.update(json.loads(out.read_text()))
         return real_compare(*args, **kwargs)
 
-    monkeypatch.setattr(gpu, "token_rows", broken_token_rows)
-    monkeypatch.setattr(gpu, "compare_layouts", compare_after_reading_the_file)
-    code = gpu.main(_small_run(tiny_checkpoint, "fp32", out))
+    monkeypatch.setattr(run, "token_rows", broken_token_rows)
+    monkeypatch.setattr(run, "compare_layouts", compare_after_reading_the_file)
+    code = run.main(_small_run(tiny_checkpoint, "fp32", out))
     assert code == 1
     # saved as the sections ended: the failure and the in-process figures, before serving
     assert seen_before_serving["complete"] is False
@@ -59,15 +59,16 @@ def test_a_dtype_that_fails_leaves_the_others_measured(tiny_checkpoint, tmp_path
     """bf16 cannot load (injected, as on a GPU without it): its token row and its in-process
     section say so, and fp32 is still timed and served."""
     out = tmp_path / "gpu.json"
-    real_load = gpu.load
+    real_load = measure.load
 
     def load_without_bf16(model, dtype, device, tf32=False):
         if dtype == "bf16":
             raise RuntimeError("bf16 is not supported on this device")
         return real_load(model, dtype, device, tf32)
 
-    monkeypatch.setattr(gpu, "load", load_without_bf16)
-    code = gpu.main(_small_run(tiny_checkpoint, "fp32,bf16", out))
+    monkeypatch.setattr(measure, "load", load_without_bf16)  # the token rows
+    monkeypatch.setattr(run, "load", load_without_bf16)      # the in-process section
+    code = run.main(_small_run(tiny_checkpoint, "fp32,bf16", out))
     result = json.loads(out.read_text())
     assert code == 1 and result["complete"]
     assert [f["section"] for f in result["failed"]] == ["2. in-process images/s, bf16"]
@@ -77,16 +78,16 @@ def test_a_dtype_that_fails_leaves_the_others_measured(tiny_checkpoint, tmp_path
 
 
 def test_figures_a_short_run_could_not_measure_print_as_a_dash():
-    assert gpu._figure(float("nan"), ".0f") == "-"
-    assert gpu._figure(None, ".2f") == "-"
-    assert gpu._figure(0.5, ".2f") == "0.50"
+    assert report._figure(float("nan"), ".0f") == "-"
+    assert report._figure(None, ".2f") == "-"
+    assert report._figure(0.5, ".2f") == "0.50"
 
 
 def test_the_stand_in_device_is_timed_in_fp32_alone_in_every_section(tmp_path, capsys):
     """``synthetic:N`` is exact only: with the default ``--dtypes fp32,bf16`` no section
     asks it for bf16 (tokenize did, and printed an error row), and the run exits 0."""
     out = tmp_path / "gpu.json"
-    code = gpu.main(["--model", "synthetic:20", "--device", "cpu", "--batches", "8", "--seconds", "0.3",
+    code = run.main(["--model", "synthetic:20", "--device", "cpu", "--batches", "8", "--seconds", "0.3",
                      "--procs", "1", "--callers", "2", "--cases", "v1:raw:2", "--layouts", "split=--frontends 1",
                      "--tokenize-seconds", "120", "--tokenize-count", "200", "--json", str(out)])
     result = json.loads(out.read_text())
@@ -106,7 +107,7 @@ def test_each_layout_is_recorded_and_checked_at_its_own_micro_batch(tiny_checkpo
     argv = _small_run(tiny_checkpoint, "fp32", out)
     argv[argv.index("--batches") + 1] = "2,4"
     argv[argv.index("--layouts") + 1] = "split=--frontends 1;split-m2=--frontends 1 --micro-batch 2"
-    assert gpu.main(argv) == 0
+    assert run.main(argv) == 0
     result = json.loads(out.read_text())
     best = max(result["in_process"], key=lambda r: r["throughput"])["batch"]
     lone = {r["batch"]: r["one_caller"] for r in result["in_process"]}
@@ -115,16 +116,16 @@ def test_each_layout_is_recorded_and_checked_at_its_own_micro_batch(tiny_checkpo
     for r in served.values():
         assert r["tokens_equal_in_process"] and r["calls"] > 0, r
         assert r["in_process_call_ms"] == pytest.approx(1e3 * r["micro_batch"] / lone[r["micro_batch"]])
-        assert gpu.call_against_in_process(r) == pytest.approx(r["ms_per_call"] / r["in_process_call_ms"])
+        assert report.call_against_in_process(r) == pytest.approx(r["ms_per_call"] / r["in_process_call_ms"])
     assert "call/in" in capsys.readouterr().out
 
 
 def test_a_layouts_micro_batch_is_the_last_its_flags_set():
     flags = ["--plan", "default", "--micro-batch", "64", "--frontends", "auto"]
-    assert gpu.layout_micro_batch(flags, 8) == 64
-    assert gpu.layout_micro_batch([*flags, "--micro-batch", "32"], 8) == 32
-    assert gpu.layout_micro_batch([*flags, "--micro-batch=16"], 8) == 16
-    assert gpu.layout_micro_batch(["--frontends", "auto"], 8) == 8
+    assert run.layout_micro_batch(flags, 8) == 64
+    assert run.layout_micro_batch([*flags, "--micro-batch", "32"], 8) == 32
+    assert run.layout_micro_batch([*flags, "--micro-batch=16"], 8) == 16
+    assert run.layout_micro_batch(["--frontends", "auto"], 8) == 8
 
 
 @pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
@@ -132,7 +133,7 @@ def test_the_one_image_rows_come_back_profiled_beside_the_json(tmp_path):
     """A lent GPU's single run also says where each layout's 1-image window went: the rows of
     `--profile-dtypes` carry py-spy's summary, its raw stacks in profile/DTYPE/ beside --json."""
     out = tmp_path / "gpu.json"
-    assert gpu.main(["--model", "synthetic:20", "--device", "cpu", "--batches", "8", "--seconds", "0.3",
+    assert run.main(["--model", "synthetic:20", "--device", "cpu", "--batches", "8", "--seconds", "0.3",
                      "--procs", "1", "--callers", "2", "--cases", "v1:raw:1,v1:raw:2", "--layouts",
                      "split=--frontends 1", "--tokenize-seconds", "0", "--skip-tokens", "--noise-tiles", "0",
                      "--profile-dtypes", "fp32", "--profile-seconds", "1", "--json", str(out)]) == 0
@@ -143,14 +144,14 @@ def test_the_one_image_rows_come_back_profiled_beside_the_json(tmp_path):
     for p in processes:
         assert p["file"].startswith(str(tmp_path / "profile" / "fp32")), p
     assert rows["v1 raw x1"]["profile"]["executor_alone"]["throughput"] > 0
-    assert "profiled fp32 split v1 raw x1: the executor alone (no gRPC)" in gpu.report(json.loads(out.read_text()))
+    assert "profiled fp32 split v1 raw x1: the executor alone (no gRPC)" in report.report(json.loads(out.read_text()))
 
 
 def test_the_targets_are_read_from_a_stored_run_as_the_issue_states_them():
     """H200 run 6 (docs/bench): every target met but 1-image bf16 calls (0.39 of in-process)."""
 
     run6 = json.loads((ROOT / "docs/bench/gpu-h200-run6.json").read_text())
-    verdicts = {v["target"]: v for v in gpu.targets(run6)}
+    verdicts = {v["target"]: v for v in targets.targets(run6)}
     missed = [t for t, v in verdicts.items() if not v["met"]]
     assert missed == ["bf16 v1 raw x1 served / in-process >= 0.8"], missed
     assert verdicts["bf16 v1 raw x1 served / in-process >= 0.8"]["measured"] == \
@@ -163,20 +164,20 @@ def test_the_targets_are_read_from_a_stored_run_as_the_issue_states_them():
     # a row whose tokens moved, and fp32 tokens one in a million off, are missed targets
     run6["served"][0]["tokens_equal_in_process"] = False
     run6["tokens"][0]["agree_cpu_fp32"] = 0.999999
-    verdicts = {v["target"]: v for v in gpu.targets(run6)}
+    verdicts = {v["target"]: v for v in targets.targets(run6)}
     assert not verdicts["served tokens = the same plan in-process"]["met"]
     assert verdicts["served tokens = the same plan in-process"]["measured"].startswith("17/18 rows (fp32 single")
     assert not verdicts["fp32 tokens identical to CPU fp32"]["met"]
-    assert "MISSED fp32 tokens identical to CPU fp32" in gpu.report(run6)
+    assert "MISSED fp32 tokens identical to CPU fp32" in report.report(run6)
 
 
 def test_a_stored_run_is_reported_without_measuring(capsys, tmp_path):
 
     run6 = ROOT / "docs/bench/gpu-h200-run6.json"
-    assert gpu.main(["--report", str(run6), "--device", "cuda"]) == 0  # no GPU touched
+    assert run.main(["--report", str(run6), "--device", "cuda"]) == 0  # no GPU touched
     out = capsys.readouterr().out
     assert "MISSED bf16 v1 raw x1 served / in-process >= 0.8: 0.393" in out
     assert "met    fp32 v1 raw x16 served / in-process >= 0.9" in out
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a readable bench gpu JSON"):
-        gpu.main(["--report", str(tmp_path / "bad.json")])
+        run.main(["--report", str(tmp_path / "bad.json")])

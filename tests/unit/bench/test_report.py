@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from vqserve.bench import report as br
+from vqserve.bench.report import document, machine, targets
 from vqserve.cli import main as cli_main
 
 SECTIONS = ("## Machine", "## Settings", "## Targets", "## 1. Runtimes per backend and dtype",
@@ -40,7 +40,7 @@ def test_report_has_every_section_plot_and_the_machine(report):
                  "| versions | vqserve ", "torch 2.", "| source |"):
         assert line in doc, line
     flags = result["machine"]["cpu_flags"]
-    assert set(flags) == set(br.CPU_FLAGS) and all(isinstance(v, bool) for v in flags.values())
+    assert set(flags) == set(machine.CPU_FLAGS) and all(isinstance(v, bool) for v in flags.values())
     assert result["load"]["samples"] >= 1 and result["wall_s"] > 0
     for name in ("runtimes.png", "serving.png", "memory.png"):
         assert (out / "bench" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -87,10 +87,10 @@ def test_ratios_come_from_the_measured_rows(report):
 
 
 def test_verdict_says_by_how_much():
-    assert br.verdict("served_v1_vs_in_process", 0.95)["text"] == "met"
-    assert br.verdict("served_v1_vs_in_process", 0.81)["text"] == "missed: 0.090 short (10.0% below the target)"
-    assert br.verdict("vqserve_vs_torchserve_p99", 1.0)["text"] == "missed: 0.500 over (2.00× the target)"
-    assert br.verdict("vqserve_vs_torchserve_throughput", None)["text"] == "not measured"
+    assert targets.verdict("served_v1_vs_in_process", 0.95)["text"] == "met"
+    assert targets.verdict("served_v1_vs_in_process", 0.81)["text"] == "missed: 0.090 short (10.0% below the target)"
+    assert targets.verdict("vqserve_vs_torchserve_p99", 1.0)["text"] == "missed: 0.500 over (2.00× the target)"
+    assert targets.verdict("vqserve_vs_torchserve_throughput", None)["text"] == "not measured"
 
 
 @pytest.mark.slow
@@ -106,9 +106,9 @@ def test_missed_targets_are_explained_and_a_missing_torchserve_is_named(report):
             r["throughput"] = 0.5 * next(x["throughput"] for x in serving["best"]
                                          if x["mode"] == "in-process" and x["level"] == top)
     result["torchserve_skipped"] = "left out with --no-torchserve"
-    result["ratios"] = br.compute_ratios(serving["best"], serving["memory"], top)
-    result["verdicts"] = [br.verdict(k, result["ratios"][k]) for k in br.TARGETS]
-    doc = br.render(result)
+    result["ratios"] = targets.compute_ratios(serving["best"], serving["memory"], top)
+    result["verdicts"] = [targets.verdict(k, result["ratios"][k]) for k in targets.TARGETS]
+    doc = document.render(result)
     assert "Not measured: left out with --no-torchserve." in doc
     assert "### Where a target is missed, and why" in doc
     assert f"**vqserve, v1 at {top} clients is 0.50× in-process**" in doc
@@ -116,7 +116,7 @@ def test_missed_targets_are_explained_and_a_missing_torchserve_is_named(report):
 
 
 def test_bench_all_keeps_the_sections_other_commands_measured(tmp_path):
-    from vqserve.bench.report import KEPT_MARKER, with_kept_sections
+    from vqserve.bench.report.document import KEPT_MARKER, with_kept_sections
 
     doc = tmp_path / "BENCHMARKS.md"
     assert with_kept_sections("# new\n", doc) == "# new\n", "no file yet: the report alone"

@@ -165,7 +165,8 @@ def test_images_module_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, vqserve.core.images, vqserve.offline.sources, vqserve.offline.pipeline; "
+    code = ("import sys, vqserve.core.images, vqserve.offline.sources, vqserve.offline.tasks, "
+            "vqserve.offline.pipeline; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -23,6 +23,8 @@ from tests.helpers import alive, child_pids, wait_until
 from tests.integration.test_tokenize import photo_set, write_folder
 from vqserve.cli import main
 from vqserve.offline import engine, pipeline, shards
+from vqserve.offline.job import Job, Settings
+from vqserve.offline.tasks import decode_pool
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "synthetic:0"  # no simulated device time: the pipeline alone
@@ -84,17 +86,16 @@ def test_several_shapes_per_task_and_images_too_large_for_a_slot(tmp_path, monke
     small for some groups those come back pickled. Same shards either way."""
     from vqserve.core import images
     from vqserve.export.runtimes.loader import load_runtime
-    from vqserve.offline import pipeline
 
     _mixed_sizes(tmp_path / "in", 23)
     runtime = load_runtime(MODEL, device="synthetic:0")
     info = {**runtime.info.to_dict(), "device": "synthetic:0"}
-    settings = pipeline.Settings(preprocess=images.Preprocess(mode="keep", factor=8), shard_size=10,
-                                 batch_size=5)
+    settings = Settings(preprocess=images.Preprocess(mode="keep", factor=8), shard_size=10,
+                        batch_size=5)
 
     def run(name: str, **kw) -> dict[str, bytes]:
-        job = pipeline.Job(inputs=[str(tmp_path / "in")], out=tmp_path / name, settings=settings,
-                           runtime_info=info, model_ref=MODEL)
+        job = Job(inputs=[str(tmp_path / "in")], out=tmp_path / name, settings=settings,
+                  runtime_info=info, model_ref=MODEL)
         job.prepare()
         result = pipeline.run_local(job, runtime, progress=False, **kw)
         assert result["manifest"]["totals"] == {"images": 24, "rows": 23, "errors": 1, "shards": 3}
@@ -234,8 +235,8 @@ def test_decode_pool_workers_end_with_a_parent_killed_mid_run():
     """Regression: `vqserve bench tokenize` decoded its raw pass in a plain process pool, so
     when `bench gpu` killed it at its time limit, its two workers and their resource tracker
     waited forever (found an hour later). It now takes the pool `vqserve tokenize` decodes
-    with (`pipeline.decode_pool`), whose workers end with their parent, kill -9 included."""
-    code = ("import time; from vqserve.offline import pipeline; pool = pipeline.decode_pool(2); "
+    with (`tasks.decode_pool`), whose workers end with their parent, kill -9 included."""
+    code = ("import time; from vqserve.offline.tasks import decode_pool; pool = decode_pool(2); "
             "[f.result() for f in [pool.submit(time.sleep, 0.2) for _ in range(4)]]; "
             "print('ready', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -269,7 +270,7 @@ def test_decode_pool_workers_leave_a_schedulers_sigterm_to_their_parent():
     message in the pool's shared result pipe. The pool's manager thread then read from it for
     ever, and tokenize hung after printing its resume line. A worker now leaves a SIGTERM
     from anyone but its parent to the parent (here `kill`, another process, sends it)."""
-    with pipeline.decode_pool(1) as pool:
+    with decode_pool(1) as pool:
         pid = pool.submit(os.getpid).result(timeout=60)
         subprocess.run(["kill", "-TERM", str(pid)], check=True)
         assert wait_until(lambda: _signal_handled(pid))
@@ -284,7 +285,7 @@ def test_a_broken_decode_pool_still_ends_its_workers_which_ignore_sigterm():
     ``terminate()`` kills them."""
     from concurrent.futures.process import BrokenProcessPool
 
-    pool = pipeline.decode_pool(2)
+    pool = decode_pool(2)
     procs: list = []
     try:
         # two calls at once start both workers (the pool starts them as calls find none idle)

@@ -61,7 +61,8 @@ def test_corrupt_images_are_skipped_warned_and_counted(messy_folder):
 
 
 def test_training_on_a_folder_with_corrupt_files_does_not_crash(messy_folder, tmp_path_factory):
-    from vqserve.training.trainer import TrainConfig, Trainer
+    from vqserve.training.config import TrainConfig
+    from vqserve.training.trainer import Trainer
 
     out = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(data=str(messy_folder), val_data=str(messy_folder), crop_size=16, batch_size=2,
@@ -217,8 +218,8 @@ def test_a_deb_with_the_wrong_sha256_is_refused(tmp_path):
 
 
 def test_package_photographs_missing_is_a_clear_error_naming_make_data(tmp_path, monkeypatch):
+    from vqserve.training.config import TrainConfig
     from vqserve.training.data import open_source
-    from vqserve.training.trainer import TrainConfig
 
     monkeypatch.setenv("VQSERVE_DATA_DIR", str(tmp_path / "empty"))
     with pytest.raises(DataError, match="make data"):

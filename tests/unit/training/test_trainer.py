@@ -19,16 +19,10 @@ from safetensors.torch import load_file
 
 from tests.helpers import ROOT
 from vqserve.model import load_tokenizer
-from vqserve.training.trainer import (
-    TrainConfig,
-    Trainer,
-    boundary_distance,
-    latent_tv,
-    load_config_file,
-    lr_at,
-    margin_loss,
-    read_metrics,
-)
+from vqserve.training.config import TrainConfig, load_config_file
+from vqserve.training.losses import boundary_distance, latent_tv, lr_at, margin_loss
+from vqserve.training.outputs import read_metrics
+from vqserve.training.trainer import Trainer
 
 TINY_MODEL = {"quantizer": "fsq", "levels": [8, 5, 5, 5], "channels": [8, 8, 8], "num_res_blocks": 1}
 
@@ -358,7 +352,7 @@ def test_norm_option_defaults_to_the_old_architecture_and_pixel_trains(image_dir
 
 
 def test_block_mean_loss_sees_a_colour_cast_that_per_pixel_noise_hides():
-    from vqserve.training.trainer import block_losses
+    from vqserve.training.losses import block_losses
 
     def block_mean_loss(recon, target, factor):
         return block_losses(recon, target, factor)[0]
@@ -376,7 +370,7 @@ def test_block_mean_loss_sees_a_colour_cast_that_per_pixel_noise_hides():
 def test_block_chroma_loss_charges_a_tint_and_not_a_brightness_error(shift, tint, channel):
     """The same error on all three channels (too dark / too bright) costs nothing; moving one
     channel alone (a tint on a grey) costs in proportion to how far it moves."""
-    from vqserve.training.trainer import block_losses
+    from vqserve.training.losses import block_losses
 
     def block_chroma_loss(recon, target, factor):
         return block_losses(recon, target, factor)[1]

@@ -1,40 +1,21 @@
-"""``vqserve bench all`` (``make bench``): every benchmark of the project in one run, written
-as docs/BENCHMARKS.md with PNG plots and a JSON of the raw rows.
+"""docs/BENCHMARKS.md and its plots, written from a ``vqserve bench all`` result alone.
 
-1. runtimes per backend and dtype (``vqserve.bench.runtimes.run_bench``);
-2. served vs in-process at 1/8/32 clients, native v1 and OIP v2 ``ModelInfer``;
-3. dynamic batching on vs off;
-4. the same tokenizer in TorchServe (its own batching, same load generator, same images),
-   throughput, p50/p99 and peak RSS of each server's process tree.
-
-Each section measures its rows side by side in interleaved rounds (``vqserve.bench.serving``),
-so every ratio compares figures taken under the same machine load; the doc states the
-machine, the versions and the load average sampled during the run, and says for each
-target whether it was met, and by how much it was missed.
-
-    vqserve bench all --out docs            # the full run (default model, 128x128), ~15 min on 2 cores
-    vqserve bench all --quick --out /tmp/b  # tiny model, 1 s windows: a smoke run
+:func:`render` turns the measured result (the JSON ``bench all`` also writes) into the
+whole document: the machine, the settings, the targets (and, where one is missed, why),
+then one section per benchmark; :func:`plot_all` draws its PNG plots. Sections other
+commands measure, below :data:`KEPT_MARKER`, are kept when the file is rewritten
+(:func:`with_kept_sections`).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import json
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import threading
-import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
-from vqserve.core.machine import cpu_info
+from vqserve.bench.report.machine import CPU_FLAGS
+from vqserve.bench.report.targets import _f, _pick
+from vqserve.bench.runtimes import markdown_table
 
 DOC_NAME = "BENCHMARKS.md"
 # Sections measured by other commands (each says which) that `bench all` keeps when it
@@ -50,171 +31,13 @@ def with_kept_sections(text: str, old: Path) -> str:
         return text
     at = previous.find(KEPT_MARKER)
     return text if at < 0 else text.rstrip("\n") + "\n\n" + previous[at:]
+
+
 ASSETS = "bench"
 JSON_NAME = "benchmarks.json"
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
-PACKAGES = ("torch", "onnxruntime", "numpy", "grpcio", "protobuf", "torchserve",
-            "torch-model-archiver", "matplotlib")
-
-# quick: a smoke run for the test (seconds); full: what `make bench` publishes (~15 minutes)
-PROFILES = {
-    "quick": dict(model="tiny", size=64, duration=1.0, warmup=0.2, prime=0.5, rounds=1,
-                  backends="eager,torchscript", dtypes="fp32,bf16", batches="1,8",
-                  min_time=0.1, runtime_rounds=1, load_every=1.0),
-    "full": dict(model="default", size=128, duration=6.0, warmup=1.0, prime=5.0, rounds=4,
-                 backends="eager,torchscript,onnx,pt2", dtypes="fp32,bf16,fp16", batches="1,8",
-                 min_time=1.0, runtime_rounds=3, load_every=5.0),
-}
-TARGETS = {  # ratio key -> (comparison, target, what it compares)
-    "served_v1_vs_in_process": (">=", 0.9, "vqserve v1 / in-process throughput"),
-    "served_oip_vs_in_process": (">=", 0.9, "vqserve OIP / in-process throughput"),
-    "vqserve_vs_torchserve_throughput": (">=", 2.0, "vqserve v1 / TorchServe throughput"),
-    "vqserve_vs_torchserve_p99": ("<=", 0.5, "vqserve v1 / TorchServe p99 latency"),
-    "batching_on_vs_off": (">=", 3.0, "batching on / off throughput (docs/SERVING.md)"),
-}
 LABELS = {"in-process": "in-process runtime", "served-v1": "vqserve, v1",
           "served-oip": "vqserve, OIP v2", "served-v1-no-batching": "vqserve, v1, no batching",
           "torchserve": "TorchServe"}
-
-
-# ---- machine -------------------------------------------------------------------------------
-def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = cpu_info()
-    return model or platform.processor() or "unknown", flags
-
-
-def _meminfo_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
-
-
-def _run_text(cmd: list[str], cwd: Path | None = None) -> str | None:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=cwd)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return ((proc.stdout or "") + (proc.stderr or "")).strip() if proc.returncode == 0 else None
-
-
-def machine() -> dict:
-    """CPU (with the flags probed, not assumed), memory, GPU, OS, versions, source revision."""
-    import torch
-
-    import vqserve
-
-    model, flags = _cpuinfo()
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = None
-    java = _run_text(["java", "-version"]) if shutil.which("java") else None
-    root = Path(__file__).resolve().parents[1]
-    commit = _run_text(["git", "rev-parse", "--short", "HEAD"], root)
-    if commit and _run_text(["git", "status", "--porcelain", "--untracked-files=no"], root):
-        commit += " + uncommitted changes"
-    return {
-        "cpu": model, "logical_cpus": os.cpu_count(),
-        "cpu_flags": {f: f in flags for f in CPU_FLAGS},
-        "memory_gib": _meminfo_gib(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "versions": {"vqserve": vqserve.__version__, **versions},
-        "java": java.splitlines()[0] if java else None,
-        "commit": commit,
-    }
-
-
-class LoadSampler:
-    """The 1-minute load average, sampled in a thread while the benchmarks run: the machine
-    is shared, and a reader needs to know how busy it was."""
-
-    def __init__(self, every: float):
-        self.every, self.samples = every, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while True:
-            self.samples.append(os.getloadavg()[0])
-            if self._stop.wait(self.every):
-                return
-
-    def __enter__(self) -> LoadSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        s = self.samples or [float("nan")]
-        return {"min": min(s), "mean": sum(s) / len(s), "max": max(s), "samples": len(self.samples)}
-
-
-# ---- ratios and targets --------------------------------------------------------------------
-def _pick(rows: list[dict], mode: str, level: int) -> dict | None:
-    return next((r for r in rows if r["mode"] == mode and r["level"] == level), None)
-
-
-def compute_ratios(best: list[dict], memory: dict, top: int) -> dict:
-    """Every headline ratio, from the kept (best-round) rows at ``top`` clients."""
-    get = lambda mode: _pick(best, mode, top)  # noqa: E731
-    ip, v1, oip, off, ts = (get(m) for m in ("in-process", "served-v1", "served-oip",
-                                              "served-v1-no-batching", "torchserve"))
-    ratios: dict[str, float | None] = dict.fromkeys(TARGETS)
-    if ip and v1:
-        ratios["served_v1_vs_in_process"] = v1["throughput"] / ip["throughput"]
-    if ip and oip:
-        ratios["served_oip_vs_in_process"] = oip["throughput"] / ip["throughput"]
-    if v1 and off:
-        ratios["batching_on_vs_off"] = v1["throughput"] / off["throughput"]
-    if v1 and ts and ts["throughput"] > 0:
-        ratios["vqserve_vs_torchserve_throughput"] = v1["throughput"] / ts["throughput"]
-        ratios["vqserve_vs_torchserve_p99"] = v1["p99_ms"] / ts["p99_ms"]
-        ratios["vqserve_vs_torchserve_p50"] = v1["p50_ms"] / ts["p50_ms"]
-    if "vqserve" in memory and "torchserve" in memory:
-        ratios["vqserve_vs_torchserve_peak_rss"] = (memory["vqserve"]["peak_mb"]
-                                                    / memory["torchserve"]["peak_mb"])
-    return ratios
-
-
-def spread(rows: list[dict], key: tuple[str, ...], value: str) -> dict | None:
-    """Round-to-round spread of ``value`` per point ((max - min) / max over the rounds of
-    each ``key``), as median and max over the points: how noisy this machine was."""
-    groups: dict[tuple, list[float]] = {}
-    for r in rows:
-        if value in r:
-            groups.setdefault(tuple(r[k] for k in key), []).append(r[value])
-    spreads = [(max(v) - min(v)) / max(v) for v in groups.values() if len(v) > 1 and max(v) > 0]
-    if not spreads:
-        return None
-    return {"median": float(np.median(spreads)), "max": max(spreads), "points": len(spreads)}
-
-
-def verdict(key: str, value: float | None) -> dict:
-    """Met or missed, and by how much (absolute and relative to the target)."""
-    op, target, what = TARGETS[key]
-    if value is None:
-        return {"key": key, "what": what, "target": f"{op} {target:g}", "value": None,
-                "met": None, "text": "not measured"}
-    met = value >= target if op == ">=" else value <= target
-    if met:
-        text = "met"
-    elif op == ">=":
-        text = f"missed: {_f(target - value, 3)} short ({100 * (1 - value / target):.1f}% below the target)"
-    else:
-        text = f"missed: {_f(value - target, 3)} over ({value / target:.2f}× the target)"
-    return {"key": key, "what": what, "target": f"{op} {target:g}", "value": value, "met": met,
-            "text": text}
 
 
 # ---- plots ---------------------------------------------------------------------------------
@@ -292,10 +115,6 @@ def plot_all(result: dict, assets: Path) -> list[str]:
 
 
 # ---- the document --------------------------------------------------------------------------
-def _f(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None or x != x else f"{x:.{digits}f}"
-
-
 def _machine_lines(result: dict) -> list[str]:
     m, load = result["machine"], result["load"]
     flags = m["cpu_flags"]
@@ -493,8 +312,6 @@ def render(result: dict) -> str:
 
     out += ["", "## 1. Runtimes per backend and dtype", ""]
     if result["runtimes"]:
-        from vqserve.bench.runtimes import markdown_table
-
         out += ["`vqserve bench runtimes` on the same photographs, encode and decode, "
                 "ratios against eager fp32 at the same batch size.", "",
                 markdown_table(result["runtimes"], s["size"]), ""]
@@ -574,121 +391,3 @@ def render(result: dict) -> str:
             + ("CUDA (this machine has no GPU; run the same command on a GPU node)."
                if not result["machine"]["gpu"] else "other GPUs."), ""]
     return "\n".join(out)
-
-
-# ---- the run -------------------------------------------------------------------------------
-def torchserve_unavailable() -> str | None:
-    """Why TorchServe cannot run here, or None."""
-    if shutil.which("java") is None:
-        return "java is not on PATH (TorchServe's frontend is a Java program)"
-    for module in ("ts", "model_archiver", "grpc_tools"):
-        try:
-            __import__(module)
-        except ImportError:
-            return f"{module} is not installed (pip install 'vqserve[bench]')"
-    return None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vqserve bench all", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, 64 px, 1 s windows, one round: a smoke run in seconds")
-    p.add_argument("--out", default="docs", help=f"writes {DOC_NAME} and {ASSETS}/ here (default docs)")
-    p.add_argument("--model", default=None,
-                   help="default | tiny | random | checkpoint dir (default: default; --quick: tiny)")
-    p.add_argument("--size", type=int, default=None, help="image side (default 128; --quick 64)")
-    p.add_argument("--duration", type=float, default=None, help="seconds per point (default 6; --quick 1)")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved serving rounds (default 3; --quick 1)")
-    p.add_argument("--clients", default="1,8,32", help="concurrent clients (default 1,8,32)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads everywhere (default 1)")
-    p.add_argument("--max-batch-size", type=int, default=32, help="both servers (default 32)")
-    p.add_argument("--max-delay-ms", type=float, default=5.0, help="both servers (default 5)")
-    p.add_argument("--torchserve", action=argparse.BooleanOptionalAction, default=None,
-                   help="include TorchServe (default: when java and the packages are present)")
-    p.add_argument("--runtimes", action=argparse.BooleanOptionalAction, default=True,
-                   help="include the runtime table (default on)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    prof = dict(PROFILES["quick" if args.quick else "full"])
-    for key in ("model", "size", "duration", "rounds"):
-        if getattr(args, key) is not None:
-            prof[key] = getattr(args, key)
-    clients = [int(c) for c in args.clients.split(",")]
-    skipped = torchserve_unavailable()
-    use_ts = args.torchserve if args.torchserve is not None else skipped is None
-    if args.torchserve is False:
-        skipped = "left out with --no-torchserve"
-    elif use_ts and skipped:
-        raise ValueError(f"--torchserve: {skipped}")
-    out = Path(args.out)
-    assets = out / ASSETS
-
-    import tempfile
-
-    import torch
-
-    from vqserve.bench import inputs as bench_inputs
-    from vqserve.bench import runtimes as runtime_bench
-    from vqserve.bench import serving as serve_bench
-
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    started = time.monotonic()
-    command = "vqserve bench all " + " ".join(argv if argv is not None else sys.argv[1:])
-    result: dict = {"command": command.strip(), "started_utc": _dt.datetime.now(_dt.timezone.utc)
-                    .isoformat(timespec="seconds"), "machine": machine()}
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="vqserve-bench-all-") as tmp, \
-            LoadSampler(prof["load_every"]) as load:
-        model = bench_inputs.bench_model(prof["model"], Path(tmp))
-        photos = bench_inputs.bench_photos(prof["size"])
-        runtime_rows: list[dict] = []
-        runtime_raw: list[dict] = []
-        if args.runtimes:
-            log("== runtimes per backend and dtype")
-            rargs = SimpleNamespace(model=model, backends=prof["backends"], dtypes=prof["dtypes"],
-                                    batches=prof["batches"], size=prof["size"], device="cpu",
-                                    threads=args.threads, min_time=prof["min_time"], min_repeats=2,
-                                    artifacts=None, rounds=prof["runtime_rounds"])
-            runtime_rows = runtime_bench.run_bench(rargs, log, images=photos, raw=runtime_raw)
-        phases = {"runtimes": time.monotonic() - started}
-        log("== serving: in-process, vqserve v1/OIP, batching off" + (", TorchServe" if use_ts else ""))
-        sargs = serve_bench.build_parser().parse_args([
-            "--model", model, "--device", "cpu", "--size", str(prof["size"]),
-            "--clients", args.clients, "--duration", str(prof["duration"]),
-            "--warmup", str(prof["warmup"]), "--prime", str(prof["prime"]),
-            "--repeats", str(prof["rounds"]), "--max-batch-size", str(args.max_batch_size),
-            "--max-delay-ms", str(args.max_delay_ms), "--threads", str(args.threads),
-            *(["--torchserve"] if use_ts else [])])
-        serving = serve_bench.run(sargs, log)
-        phases["serving"] = time.monotonic() - started - phases["runtimes"]
-    result.update(
-        wall_s=time.monotonic() - started, phases_s=phases, load=load.summary(),
-        runtimes=runtime_rows, runtime_rounds=runtime_raw,
-        noise={"serving": spread(serving["rows"], ("mode", "level"), "throughput"),
-               "runtimes": spread(runtime_raw, ("backend", "dtype", "batch"), "encode_img_s")},
-        serving=serving, torchserve_skipped=None if use_ts else skipped,
-        settings={"model": prof["model"], "size": prof["size"], "clients": clients,
-                  "duration": prof["duration"], "warmup": prof["warmup"], "prime": prof["prime"],
-                  "rounds": prof["rounds"], "threads": args.threads,
-                  "max_batch_size": args.max_batch_size, "max_delay_ms": args.max_delay_ms,
-                  "photos": list(bench_inputs.PHOTOS), "backends": prof["backends"],
-                  "dtypes": prof["dtypes"], "batches": prof["batches"],
-                  "min_time": prof["min_time"], "runtime_rounds": prof["runtime_rounds"]})
-    result["ratios"] = compute_ratios(serving["best"], serving["memory"], max(clients))
-    result["verdicts"] = [verdict(k, result["ratios"][k]) for k in TARGETS]
-    result["plots"] = plot_all(result, assets)
-    (assets / JSON_NAME).write_text(json.dumps(result, indent=2) + "\n")
-    (out / DOC_NAME).write_text(with_kept_sections(render(result), out / DOC_NAME))
-    log(f"wrote {out / DOC_NAME}, {assets}/ ({', '.join(result['plots'])}, {JSON_NAME}) "
-        f"in {result['wall_s'] / 60:.1f} minutes")
-    for v in result["verdicts"]:
-        log(f"  {v['what']}: {_f(v['value'])} (target {v['target']}): {v['text']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,320 @@
+"""A ``vqserve tokenize`` run into one output folder: its plan, resume, commits and manifest.
+
+The pieces every engine (local serial, overlapped, Ray) shares around the tasks:
+
+* **plan** — the inputs are listed (``sources.list_records``) and cut into shards of
+  ``shard_size`` records in input order; shard *i* is always the same records, so its name
+  (``shard-00000i.parquet``) is deterministic and a re-run knows what each file must hold;
+* **resume** — :meth:`Job.prepare` refuses a folder made with other settings or from other
+  inputs, and finds the shards still missing;
+* **commit** — a shard is written atomically with its fingerprint, plan hash and errors; a
+  shard whose file exists is complete and is skipped on resume;
+* **finish** — the manifest and the error log (``__vqserve__/``, :class:`shards.Layout`) are
+  rebuilt from the shard files, so an interrupted-and-resumed run ends byte-identical to an
+  uninterrupted one.
+
+:class:`Settings` decides the tokens and the files; the errors a run can end with
+(``offline/errors.py``) are one line each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vqserve import __version__
+from vqserve.core import images
+from vqserve.core.lifetime import stop_status
+from vqserve.core.machine import machine_record, same_arithmetic
+from vqserve.offline import shards, sources
+from vqserve.offline.errors import Interrupted, TokenizeError
+from vqserve.offline.tasks import EncodedTask, Task
+
+
+def setting_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """``key: was X, now Y`` for each setting that differs, nested settings named by their
+    path (``preprocess.size: was 256, now 128``), so a refusal to mix two configurations
+    names what changed rather than printing both whole."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        was, now = old.get(key), new.get(key)
+        if was == now:
+            continue
+        if isinstance(was, dict) and isinstance(now, dict):
+            lines += setting_differences(was, now, f"{prefix}{key}.")
+        else:
+            lines.append(f"{prefix}{key}: was {json.dumps(was)}, now {json.dumps(now)}")
+    return lines
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that decides the tokens and the files; part of the fingerprint."""
+
+    preprocess: images.Preprocess
+    shard_size: int = 1000
+    batch_size: int = 16
+    shard_format: str = "parquet"
+    image_column: str = "image"
+    key_column: str | None = None
+
+    def __post_init__(self):
+        if self.shard_size < 1:
+            raise ValueError(f"--shard-size must be at least 1, got {self.shard_size}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.shard_format not in shards.FORMATS:
+            raise ValueError(f"--format must be one of {shards.FORMATS}, got {self.shard_format!r}")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    shards.write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def token_identity(info: dict) -> dict:
+    """The part of a run's identity that says which tokens it holds (``RuntimeInfo.to_dict()``)."""
+    device = info["device"].split(":")[0]
+    if info.get("exact"):
+        return {"source_hash": info.get("source_hash") or info["model_hash"], "dtype": "fp32", "exact": True,
+                "device": device}
+    return {"hash": info["model_hash"], "backend": info["backend"], "dtype": info["dtype"], "device": device}
+
+
+def runtime_machine(info: dict) -> dict:
+    """The machine record (``vqserve.core.machine.machine_record``) of this process running the
+    runtime ``info`` describes (``RuntimeInfo.to_dict()``): which torch, CUDA, cuDNN and ONNX
+    Runtime, which GPU, and whether TF32 was allowed - what decides how a latent at a
+    rounding boundary rounds."""
+    import torch
+
+    device = str(info.get("device", "cpu"))
+    versions = {"torch": torch.__version__}
+    gpu, extra = "", {}
+    if device.startswith("cuda") and torch.cuda.is_available():  # a list (cuda:0,cuda:2): the first's
+        gpu = torch.cuda.get_device_name(torch.device(device.split(",")[0]))
+        versions["cuda"] = str(torch.version.cuda)
+        versions["cudnn"] = str(torch.backends.cudnn.version())
+        extra["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+    if info.get("backend") == "onnx":
+        try:
+            import onnxruntime
+
+            versions["onnxruntime"] = onnxruntime.__version__
+        except ImportError:  # the runtime that ran it is gone; the record says what is known
+            pass
+    return machine_record(device, str(info.get("backend", "")), str(info.get("dtype", "")), versions,
+                          gpu=gpu, extra=extra)
+
+
+def _machines(old: list, new: dict) -> list:
+    """The machines that wrote a folder's shards, in order of first appearance."""
+    old = [m for m in old if isinstance(m, dict)]
+    return old if any(same_arithmetic(m, new) for m in old) else [*old, new]
+
+
+# ---- the job ----------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One ``vqserve tokenize`` run into ``out``: the plan and everything engines share."""
+
+    inputs: list[str]
+    out: Path
+    settings: Settings
+    runtime_info: dict                     # RuntimeInfo.to_dict()
+    model_ref: str
+    records: list = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    done_records: int = 0
+    fingerprint: str = ""
+    _layout: shards.Layout | None = None
+    _sha256: dict = field(default_factory=dict)   # shard -> sha256 of the file this run wrote
+
+    @property
+    def layout(self) -> shards.Layout:
+        """The folder's layout, fixed at first use: a folder begun by an older release goes on
+        in its own layout (its manifest names it), a new one gets the current layout."""
+        if self._layout is None:
+            self._layout = shards.layout_of(self.out)
+        return self._layout
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.layout.manifest_path(self.out)
+
+    @property
+    def errors_path(self) -> Path:
+        return self.layout.errors_path(self.out)
+
+    @property
+    def shard_count(self) -> int:
+        return -(-len(self.records) // self.settings.shard_size)
+
+    def shard_records(self, shard: int) -> list:
+        s = self.settings.shard_size
+        return self.records[shard * s:(shard + 1) * s]
+
+    def shard_path(self, shard: int) -> Path:
+        return self.out / shards.shard_name(shard, self.settings.shard_format)
+
+    def tasks(self, shard: int) -> Iterator[Task]:
+        recs, b = self.shard_records(shard), self.settings.batch_size
+        for t, start in enumerate(range(0, len(recs), b)):
+            yield Task(shard, t, tuple(recs[start:start + b]))
+
+    def task_count(self, shard: int) -> int:
+        return -(-len(self.shard_records(shard)) // self.settings.batch_size)
+
+    def identity(self) -> dict:
+        """What must be equal for two runs to share a folder. Exact tokens (the model's fp32
+        eager tokens, whatever backend the plan ran) are named by the checkpoint they are the
+        tokens of, so runs on different backends - or the checkpoint and its exact export,
+        or the local and the Ray engine - resume each other; other tokens by the very files
+        and backend that made them."""
+        return {
+            "layout": self.layout.version,
+            "model": token_identity(self.runtime_info),
+            "index_dtype": self.runtime_info["index_dtype"],
+            "preprocess": self.settings.preprocess.to_dict(),
+            "shard_size": self.settings.shard_size,
+            "batch_size": self.settings.batch_size,
+            "shard_format": self.settings.shard_format,
+            "image_column": self.settings.image_column,
+            "key_column": self.settings.key_column,
+            "inputs": self.inputs,
+        }
+
+    def plan_hash(self, shard: int) -> str:
+        digest = hashlib.sha256()
+        for rec in self.shard_records(shard):
+            digest.update(json.dumps([rec.key, rec.source, rec.error]).encode())
+        return digest.hexdigest()
+
+    # -- start: list, check the folder, find what is left -------------------------------------
+    def prepare(self) -> None:
+        ident = self.identity()
+        self.fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        self._check_out_dir(ident)
+        self.records = sources.list_records(self.inputs, self.settings.image_column,
+                                            self.settings.key_column)
+        if not self.records:
+            raise TokenizeError(f"no images found in {' '.join(self.inputs)}")
+        self.out.mkdir(parents=True, exist_ok=True)
+        for folder in {self.out, self.manifest_path.parent}:
+            for stale in folder.glob(f"{shards.TMP_PREFIX}*"):
+                stale.unlink()  # our own half-written files from a killed run
+        if not self.manifest_path.exists():
+            self._write_manifest(complete=False)
+        self.pending, self.done_records = [], 0
+        for shard in range(self.shard_count):
+            path = self.shard_path(shard)
+            if not path.exists():
+                self.pending.append(shard)
+                continue
+            try:
+                info = shards.read_shard_info(path)
+            except Exception as exc:
+                raise TokenizeError(f"{path} is damaged ({type(exc).__name__}: {exc}); move it away "
+                                    "and re-run to redo that shard") from None
+            if info.fingerprint != self.fingerprint:
+                raise TokenizeError(f"{path} was made with other settings (fingerprint "
+                                    f"{info.fingerprint}, this run {self.fingerprint})")
+            if info.plan != self.plan_hash(shard):
+                raise TokenizeError(f"the inputs changed since {path.name} was written (it holds other "
+                                    "images than the inputs now list); tokenize into a new --out folder")
+            self.done_records += len(self.shard_records(shard))
+        extra = self.shard_path(self.shard_count)
+        if extra.exists():
+            raise TokenizeError(f"{extra} exists but the inputs now make only {self.shard_count} "
+                                "shards: the inputs changed; use a new --out folder")
+
+    def _check_out_dir(self, ident: dict) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise TokenizeError(f"--out {self.out} is a file, not a folder")
+        manifest = self.manifest_path
+        if manifest.exists():
+            try:
+                old = json.loads(manifest.read_text())
+                old_ident = old["identity"]
+            except Exception:
+                raise TokenizeError(f"{self.out} holds a {self.layout.manifest} that is not a vqserve tokenize "
+                                    "manifest; choose an empty or new --out folder") from None
+            if old_ident != ident:
+                detail = "; ".join(setting_differences(old_ident, ident))
+                raise TokenizeError(f"{self.out} holds tokens made with other settings ({detail[:600]}); "
+                                    "refusing to mix two configurations: use a new --out folder")
+        elif self.out.exists() and any(p for p in self.out.iterdir() if not p.name.startswith(".")):
+            raise TokenizeError(f"--out {self.out} is not empty and holds no vqserve {self.layout.manifest}; "
+                                "choose an empty or new folder (nothing there is overwritten)")
+
+    # -- per shard ------------------------------------------------------------------------------
+    def interrupted(self, stop: KeyboardInterrupt, committed: int | None = None) -> Interrupted:
+        """The run stopped by Ctrl-C or SIGTERM (``stop``) with ``committed`` shards complete
+        (default: those complete before it began): how many, and how to resume."""
+        status, what = stop_status(stop)
+        done = self.shard_count - len(self.pending) if committed is None else committed
+        return Interrupted(f"{what}: {done} of {self.shard_count} shards are complete in {self.out}; "
+                           "run the same command again to resume", status)
+
+    def commit(self, shard: int, encoded: list[EncodedTask]) -> None:
+        encoded = sorted(encoded, key=lambda e: e.task.index)
+        rows = [r for e in encoded for r in e.rows]
+        errors = [err for e in encoded for err in e.errors]
+        path = self.shard_path(shard)
+        shards.WRITERS[self.settings.shard_format](
+            path, rows, self.runtime_info["index_dtype"], self.fingerprint,
+            self.plan_hash(shard), errors, self.layout)
+        # hashed now, by whoever commits (the local engine's writer thread, beside the device),
+        # not all at the end; a shard of an earlier run is hashed by finish()
+        self._sha256[shard] = shards.sha256_file(path)
+
+    # -- end ------------------------------------------------------------------------------------
+    def finish(self) -> dict:
+        listed, errors, totals = [], [], {"images": len(self.records), "rows": 0, "errors": 0}
+        for shard in range(self.shard_count):
+            path = self.shard_path(shard)
+            info = shards.read_shard_info(path)
+            listed.append({"name": path.name, "rows": info.rows, "errors": len(info.errors),
+                           "sha256": self._sha256.get(shard) or shards.sha256_file(path)})
+            errors.extend({**e, "shard": path.name} for e in info.errors)
+            totals["rows"] += info.rows
+            totals["errors"] += len(info.errors)
+        totals["shards"] = len(listed)
+        _write_atomic(self.errors_path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors))
+        return self._write_manifest(complete=True, shards_list=listed, totals=totals)
+
+    def _recorded_machines(self) -> list:
+        try:
+            machines = json.loads(self.manifest_path.read_text()).get("machines", [])
+        except (OSError, ValueError, AttributeError):
+            return []
+        return machines if isinstance(machines, list) else []
+
+    def _write_manifest(self, complete: bool, shards_list=None, totals=None) -> dict:
+        info = self.runtime_info
+        manifest = {
+            "vqserve_version": __version__,
+            "complete": complete,
+            "fingerprint": self.fingerprint,
+            "identity": self.identity(),
+            "model": {"ref": self.model_ref, **{k: info[k] for k in (
+                "model_hash", "backend", "dtype", "device", "quantizer", "codebook_size", "factor",
+                "codes_per_position", "levels", "dither")},
+                "source_hash": info.get("source_hash") or info["model_hash"], "exact": bool(info.get("exact")),
+                **({"artifact": info["extra"]["plan_artifact"]}
+                   if not info.get("exact") and info.get("extra", {}).get("plan_artifact") else {})},
+            "index_dtype": info["index_dtype"],
+            "preprocess": self.settings.preprocess.to_dict(),
+            "shards": shards_list or [],
+            "totals": totals or {},
+            # every machine that wrote shards here (a resumed run may add one): what made the
+            # tokens, for `vqserve verify` to show beside its own when they differ
+            "machines": _machines(self._recorded_machines(), runtime_machine(info)),
+        }
+        if shards_list and self.layout is not shards.LAYOUT_1:  # layout 1's stays as it was
+            manifest["shard_pattern"] = shards.shard_pattern(len(shards_list or []),
+                                                             self.settings.shard_format)
+        _write_atomic(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        return manifest
