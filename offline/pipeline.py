@@ -24,6 +24,7 @@ from vqserve.core.machine import available_cores
 from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 from vqserve.offline import shards
 from vqserve.offline.committer import Committer
+from vqserve.offline.engine import Stages, run_overlapped
 from vqserve.offline.errors import TokenizeError
 from vqserve.offline.job import Job
 from vqserve.offline.tasks import DecodedTask, decode_pool, decode_task, encode_task
@@ -130,8 +131,6 @@ def run_serial(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: bo
             write_s += time.perf_counter() - t3
         committer.check_stop()  # a stop at the very end still ends as interrupted
     result = committer.finish()
-    from vqserve.offline.engine import Stages
-
     device = str(job.runtime_info.get("device", ""))
     # inline, decode time is this process's; from workers, only the time spent waiting for them
     stages = Stages(workers=workers, devices=[device], wall_s=time.perf_counter() - t0,
@@ -155,6 +154,4 @@ def run_local(job: Job, runtime, workers: int, prefetch: int = 0, fail_fast: boo
         if len(runtimes) != 1:
             raise ValueError("the serial engine runs one device")
         return run_serial(job, next(iter(runtimes.values())), workers, prefetch, fail_fast, progress)
-    from vqserve.offline.engine import run_overlapped
-
     return run_overlapped(job, runtimes, workers, fail_fast, progress, use_shm=use_shm)

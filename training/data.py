@@ -36,6 +36,7 @@ from vqserve.model.photos import (  # noqa: F401 - re-exported: the data API in 
     tile_grid,
     to_rgb_uint8,
 )
+from vqserve.training.datasets import package_images, pip_heldout_images, role_photos
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 
@@ -111,18 +112,12 @@ PHOTO_SPECS = ("photos:train", "photos:select")
 
 def photos_source(role: str) -> ImageSource:
     """scikit-image's split plus the package photographs of ``role`` ("train" or "select")."""
-    from vqserve.training.datasets import package_images
-
-    sk = builtin_source("train" if role == "train" else "val")
-    images, names = package_images(role)
-    return ImageSource(sk.images + images, sk.names + names,
-                       description=f"scikit-image + Debian package photographs ({role})")
+    images, names = role_photos(role)
+    return ImageSource(images, names, description=f"scikit-image + Debian package photographs ({role})")
 
 
 def heldout_source(spec: str) -> ImageSource:
     """The test photographs: KDE wallpapers (``heldout``) plus matplotlib's and scikit-learn's."""
-    from vqserve.training.datasets import package_images, pip_heldout_images
-
     images, names = pip_heldout_images()
     if spec == "heldout":
         kde, kde_names = package_images("test")

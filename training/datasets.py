@@ -40,7 +40,13 @@ from pathlib import Path
 import numpy as np
 
 from vqserve.core.files import atomic_write_stream
-from vqserve.model.photos import DataError, to_rgb_uint8
+from vqserve.model.photos import (
+    BUILTIN_TRAIN,
+    BUILTIN_VAL,
+    DataError,
+    load_builtin_photo,
+    to_rgb_uint8,
+)
 
 MAX_SIDE = 1280
 # the rendered wallpapers are kept smaller, so their smooth gradients are ~10 % of the
@@ -269,6 +275,15 @@ def pip_heldout_images() -> tuple[list[np.ndarray], list[str]]:
     return images, names
 
 
+def role_photos(role: str) -> tuple[list[np.ndarray], list[str]]:
+    """``photos:<role>`` as training reads it: scikit-image's split of ``role`` ("train": its
+    train split, "select": its val split) followed by the package photographs of ``role``."""
+    names = list(BUILTIN_TRAIN if role == "train" else BUILTIN_VAL)
+    photos = [load_builtin_photo(n) for n in names]
+    images, package_names = package_images(role)
+    return photos + images, names + package_names
+
+
 def export_split(role: str, out: Path) -> tuple[int, int]:
     """Write ``photos:<role>`` as the training code sees it (decoded, reduced, RGB) into
     ``out`` as lossless PNGs, ``000.png`` onwards in the split's order. A folder source of
@@ -276,18 +291,16 @@ def export_split(role: str, out: Path) -> tuple[int, int]:
     Refuses a folder that holds anything: nothing of the user's is overwritten."""
     from PIL import Image
 
-    from vqserve.training.data import open_source
-
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"--out {out}: exists and is not an empty folder; give a new one")
-    source = open_source(f"photos:{role}")
+    images, _ = role_photos(role)
     out.mkdir(parents=True, exist_ok=True)
     size = 0
-    for i, image in enumerate(source.images):
+    for i, image in enumerate(images):
         path = out / f"{i:03d}.png"
         Image.fromarray(image).save(path, optimize=True)
         size += path.stat().st_size
-    return len(source.images), size
+    return len(images), size
 
 
 def main(argv: list[str] | None = None) -> int:
