@@ -272,7 +272,7 @@ def test_detokenize_bad_inputs(dataset, copy, tmp_path, capsys, tiny_checkpoint)
 
 
 def test_keys_never_leave_the_output_folder():
-    from vqserve.commands.detokenize import key_path
+    from vqserve.offline.detokenize import key_path
 
     assert key_path("a/b") == Path("a/b.png")
     assert key_path("./a//b.jpg") == Path("a/b.jpg.png")
