@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vqserve.core.machine import available_cores
-    from vqserve.export.plan.planner import images_per_second
+    from vqserve.export.plan import images_per_second
     from vqserve.export.runtimes.execution import PlannedRuntime, apply_intra_op_threads, plan_for
     from vqserve.export.runtimes.loader import load_runtime
 

@@ -69,7 +69,7 @@ class TokenizerActor:
         local = "cuda" if device.startswith("cuda") else device
         chosen = None
         if plan is not None:  # the driver's plan: the backend and micro-batches the local engine runs
-            from vqserve.export.plan.planner import PlanChoice
+            from vqserve.export.plan import PlanChoice
 
             chosen = PlanChoice.from_dict(plan)
             self.runtime = chosen.load(model, backend, local, expect_hash)

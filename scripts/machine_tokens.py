@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vqserve.core.machine import cpu_info
-    from vqserve.export.plan.planner import calibration_images
+    from vqserve.export.plan import calibration_images
     from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime
     from vqserve.export.runtimes.loader import load_runtime
 

@@ -63,7 +63,7 @@ class ServerConfig:
     plan: str = "default"            # "auto": the cached plan, else serve the safe plan and measure in
     #                                  the background; "default": default_plan(device); else a plan
     #                                  file (`vqserve plan --out`). `vqserve serve` defaults to auto.
-    plan_cache: str | None = None    # where measured plans are kept; None: export.planner.cache_dir()
+    plan_cache: str | None = None    # where measured plans are kept; None: export.plan.cache_dir()
     min_agreement: float = 0.995     # --dtype auto: least token agreement with fp32 for a lower dtype
     plan_budget_s: float = DEFAULT_PLAN_BUDGET_S  # --plan auto: the background measurement stops after this
     frontends: int | None = 0        # gRPC front-end processes (serve/split/frontend.py) before one device

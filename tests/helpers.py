@@ -126,7 +126,7 @@ def export_plan_file(checkpoint: str, folder, fmt: str = "torchscript") -> tuple
     from pathlib import Path
 
     from vqserve.export.exporter import export_model
-    from vqserve.export.plan.planner import PlanChoice, artifact_dir, probe_device
+    from vqserve.export.plan import PlanChoice, artifact_dir, probe_device
     from vqserve.export.runtimes.execution import ExecutionPlan
     from vqserve.export.runtimes.loader import model_hash_of
 

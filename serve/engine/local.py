@@ -71,7 +71,7 @@ class LocalModel:
         """Load the model by its plan and set ``state.engine``; the caller then says SERVING."""
         # imported here, not at the top: the port is bound and health answers NOT_SERVING
         # before torch and the planner load (seconds), and synthetic:N never needs them
-        from vqserve.export.plan.planner import check_reproduces
+        from vqserve.export.plan import check_reproduces
         from vqserve.export.runtimes.loader import check_expected_hash, load_runtime, resolve_device
 
         cfg = self.config

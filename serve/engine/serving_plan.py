@@ -45,15 +45,15 @@ class ServingPlan:
 
     def artifacts(self):
         """Where exports made for a plan go: the plan cache's ``artifacts/``."""
-        from vqserve.export.plan.planner import cache_dir
+        from vqserve.export.plan import cache_dir
 
         return cache_dir(self.config.plan_cache) / "artifacts"
 
     def find(self, device: str):
-        """(plan, measure later?): the plan ``--plan`` names (``export.planner.find_plan``);
+        """(plan, measure later?): the plan ``--plan`` names (``export.plan.find_plan``);
         with ``--plan auto`` and none cached, None and True: the safe plan serves while the
         measurement runs."""
-        from vqserve.export.plan.planner import find_plan
+        from vqserve.export.plan import find_plan
 
         cfg = self.config
         chosen = find_plan(cfg.plan, cfg.model, device, cfg.backend, cfg.dtype, cfg.min_agreement,
@@ -80,7 +80,7 @@ class ServingPlan:
     async def measure(self, device: str, foreground: bool = False):
         """Run ``vqserve plan`` in a child process (lower priority, within --plan-budget-s,
         ended by :meth:`stop`) and return the plan it cached, or None."""
-        from vqserve.export.plan.planner import cache_dir, lookup_plan
+        from vqserve.export.plan import cache_dir, lookup_plan
 
         if self.stopped:  # the server began to drain before the measurement could start
             return None

@@ -34,12 +34,12 @@ def label(row: dict) -> str:
 def test_plan_out_never_replaces_a_file_that_is_not_a_plan(tmp_path, capsys, monkeypatch):
     # before: `--out notes.json` measured for a minute, then replaced the user's file with a
     # plan; `--out FOLDER` measured, then failed on ".FOLDER.tmp123: is a directory"
-    from vqserve.export.plan import planner
+    import vqserve.export.plan as planning
 
     def never(*args, **kwargs):
         raise AssertionError("measured")
 
-    monkeypatch.setattr(planner, "choose_plan", never)
+    monkeypatch.setattr(planning, "choose_plan", never)
     notes = tmp_path / "notes.json"
     for text in ('{"mine": 1}\n', "not json at all", "[1, 2]"):
         notes.write_text(text)
@@ -111,7 +111,8 @@ def test_dtype_auto_also_measures_bf16_and_fp16_and_says_when_tokens_are_not_exa
 @settings(max_examples=200, deadline=None)
 @given(ratios=st.lists(st.tuples(st.floats(0.5, 2.0), st.floats(0.0, 0.3)), min_size=1, max_size=4))
 def test_a_more_complex_plan_wins_only_by_more_than_5_percent_and_the_spread(ratios):
-    from vqserve.export.plan.planner import Candidate, DtypeResult, _best_at
+    from vqserve.export.plan.candidates import Candidate, DtypeResult
+    from vqserve.export.plan.choose import _best_at
 
     res = DtypeResult("fp32", eligible=True)
     rows = [Candidate("fp32", 64, 1, 2, ratio=1.0, spread=0.0)]
@@ -135,7 +136,8 @@ def test_a_more_complex_plan_wins_only_by_more_than_5_percent_and_the_spread(rat
 def test_a_faster_path_asked_for_wins_by_its_relative_spread_not_its_absolute_one():
     """Seen on an H200 with --dtype auto: fp16 scored 6.3x the safe plan against fp32's 3.9x
     and lost, because spreads of ratios near 8 were added as if they were relative."""
-    from vqserve.export.plan.planner import Candidate, DtypeResult, _choose
+    from vqserve.export.plan.candidates import Candidate, DtypeResult
+    from vqserve.export.plan.choose import _choose
 
     fp32, fp16 = DtypeResult("fp32", eligible=True), DtypeResult("fp16", eligible=True)
     rows = [Candidate("fp32", 64, 1, 1, ratio=1.0), Candidate("fp32", 64, 8, 1, ratio=8.2, spread=0.74),
@@ -145,7 +147,7 @@ def test_a_faster_path_asked_for_wins_by_its_relative_spread_not_its_absolute_on
 
 
 def test_a_stopped_measurement_raises_between_calls_and_caches_nothing(tiny_checkpoint, tmp_path):
-    from vqserve.export.plan.planner import PlanCancelled, choose_plan
+    from vqserve.export.plan import PlanCancelled, choose_plan
 
     asked = []
 
@@ -212,7 +214,7 @@ def test_a_second_plan_reads_the_cache_and_refresh_measures_again(tiny_checkpoin
 
 
 def test_the_cache_key_covers_the_model_and_the_constraints(tiny_checkpoint, tmp_path):
-    from vqserve.export.plan.planner import cache_key, choose_plan
+    from vqserve.export.plan import cache_key, choose_plan
     from vqserve.model.checkpoint import load_tokenizer, save_tokenizer
 
     other = tmp_path / "other"
@@ -516,7 +518,7 @@ def onnx_plan(tiny_checkpoint, tmp_path_factory):
     it measured fastest would cache it (written here rather than measured: which backend
     wins on this shared CPU is noise, the serving path is not)."""
     from vqserve.export.exporter import export_model
-    from vqserve.export.plan.planner import artifact_dir, cache_key, write_cached
+    from vqserve.export.plan import artifact_dir, cache_key, write_cached
     from vqserve.export.runtimes.loader import model_hash_of
 
     cache = tmp_path_factory.mktemp("onnx-plans")
@@ -557,7 +559,7 @@ def test_a_plans_export_is_checked_against_the_model_and_remeasured_when_gone(ti
     import shutil
 
     from vqserve.export.formats.manifest import read_manifest, write_manifest
-    from vqserve.export.plan.planner import PlanChoice, cache_key, read_cached
+    from vqserve.export.plan import PlanChoice, cache_key, read_cached
 
     cache, artifact, plan = onnx_plan
     key = cache_key(tiny_checkpoint, "cpu", "auto", None, 0.995)
@@ -582,7 +584,7 @@ def test_a_plan_failing_the_servers_start_up_check_loses_its_lone_calls(tiny_che
     """Was: a pt2 fp32 export failed its own start-up check on every start - decoded pixels
     moved with the batch under the plan it measured (`lone-unpadded=decode`). The planner
     now runs that check on its choice and drops what fails it."""
-    from vqserve.export.plan.planner import _certified
+    from vqserve.export.plan.exactness import _certified
     from vqserve.export.runtimes.loader import load_runtime
 
     inner = load_runtime(tiny_checkpoint)
@@ -621,7 +623,7 @@ def test_buckets_are_granted_only_where_every_calibration_size_agrees(tiny_check
     """A GPU chooses kernels per shape: on an H100, bf16 calls in power-of-two buckets gave
     a full call's tokens at 256x256 and not at 64x64. The planner grants buckets to a method
     only where they agree at its smallest and largest calibration sizes."""
-    from vqserve.export.plan.planner import _exactness
+    from vqserve.export.plan.exactness import _exactness
     from vqserve.export.runtimes.loader import load_runtime
 
     inner = load_runtime(tiny_checkpoint)
@@ -650,7 +652,7 @@ def test_buckets_are_granted_only_where_every_calibration_size_agrees(tiny_check
 def test_a_gpu_plan_tries_micro_batches_to_64_and_a_cpu_plan_to_8():
     """On an H200, --plan auto with candidates to 8 chose 8 for bf16, where calls of 32-64 ran
     4,370 img/s against 2,989: a GPU gains to large calls, a CPU does not."""
-    from vqserve.export.plan.planner import micro_batches_for
+    from vqserve.export.plan import micro_batches_for
 
     assert max(micro_batches_for("cuda")) == 64 and max(micro_batches_for("cuda:1")) == 64
     assert micro_batches_for("cpu") == (1, 2, 4, 8)

@@ -134,7 +134,7 @@ def test_serve_refuses_a_plan_file_for_another_model_or_device_in_one_line(tiny_
 def test_a_plan_this_machine_cannot_reproduce_is_refused(tiny_checkpoint, ts_plan):
     """The start-up check of a plan from elsewhere: its runtime must give eager fp32's tokens
     and pixels here. A runtime one token off is refused, naming what differs."""
-    from vqserve.export.plan.planner import PlanChoice, PlanFileError, check_reproduces
+    from vqserve.export.plan import PlanChoice, PlanFileError, check_reproduces
 
     chosen = PlanChoice.from_file(ts_plan[0], tiny_checkpoint, "cpu")
     runtime = chosen.load(tiny_checkpoint)
@@ -160,7 +160,7 @@ def test_the_readme_sequence_works_when_the_plan_chose_an_export(tiny_checkpoint
                                                                capsys):
     """Was: the manifest said `backend: onnx, model: default`, which verify and detokenize
     could not load (exit 2). Any export the plan chose is the same case."""
-    from vqserve.export.plan.planner import PlanChoice, cache_key, write_cached
+    from vqserve.export.plan import PlanChoice, cache_key, write_cached
 
     cache = tmp_path / "plans"
     chosen = PlanChoice.from_file(ts_plan[0], tiny_checkpoint, "cpu")

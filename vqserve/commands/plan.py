@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = _ints(args.sizes, "--sizes")
     micro = _ints(args.micro_batches, "--micro-batches") if args.micro_batches else None
     check_model_exists(args.model, "VQSERVE_MODEL")
-    from vqserve.export.plan import planner
-    from vqserve.export.plan.planner import EXPORT_BACKENDS, PlanCancelled, check_plan_out
+    import vqserve.export.plan as planning
+    from vqserve.export.plan import EXPORT_BACKENDS, PlanCancelled, check_plan_out
     from vqserve.export.runtimes.loader import load_runtime, resolve_device
 
     if args.out:
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         kw["backends"] = backends
     deadline = t0 + args.budget_s if args.budget_s else None
     try:
-        chosen = planner.choose_plan(args.model, device, args.backend, args.dtype, min_agreement, args.plan_cache,
+        chosen = planning.choose_plan(args.model, device, args.backend, args.dtype, min_agreement, args.plan_cache,
                              log=log, refresh=args.refresh,
                              should_stop=(lambda: time.monotonic() > deadline) if deadline else None, **kw)
     except PlanCancelled:
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(result: dict, source: str) -> None:
-    from vqserve.export.plan.planner import label_of, row_label
+    from vqserve.export.plan import row_label
 
     dev = result["device"]
     flags = ", ".join(f for f, on in dev["cpu_flags"].items() if on) or "none found"
@@ -171,7 +171,7 @@ def _print(result: dict, source: str) -> None:
     if buckets:
         padding = (f"{' and '.join(buckets)}: short calls padded to the next power of two (each measured "
                    "equal to a full micro-batch)" + (f"; {padding}" if set(lone) - set(buckets) else ""))
-    how = label_of(result["backend"], result["dtype"])
+    how = row_label(result)
     artifact = f" (exported to {result['artifact']})" if result.get("artifact") else ""
     exact = "exact: the model's fp32 tokens" if result.get("exact") else "NOT exact: lower precision, asked for"
     print(f"choice: {how}{artifact} ({exact}), micro-batch per side {sizes or plan['micro_batch']} ({padding}), "

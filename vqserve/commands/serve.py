@@ -333,7 +333,7 @@ def check_plan_file(config) -> None:
     before any port is bound; whether this machine reproduces it is checked as it loads."""
     if config.plan in ("auto", "default"):
         return
-    from vqserve.export.plan.planner import PlanChoice
+    from vqserve.export.plan import PlanChoice
     from vqserve.export.runtimes.loader import resolve_device
 
     PlanChoice.from_file(config.plan, config.model, resolve_device(config.device), config.dtype)

@@ -128,14 +128,14 @@ def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
 
 
 def _chosen_plan(args: argparse.Namespace, device: str):
-    """The plan this run uses (``export.planner.find_plan``, as the server decides): a plan
+    """The plan this run uses (``export.plan.find_plan``, as the server decides): a plan
     file, the cached plan for this hardware + model, or None (the safe plan; with a note
     saying how to measure one). ``--dtype auto`` measures now when nothing is cached: the
     dtype it picks decides the tokens, so it is chosen before the first one."""
     import os
 
     from vqserve.commands.common import min_agreement_for
-    from vqserve.export.plan.planner import choose_plan, find_plan
+    from vqserve.export.plan import choose_plan, find_plan
 
     plan = plan_choice(args.plan or os.environ.get("VQSERVE_PLAN") or "auto")
     min_agreement = min_agreement_for(args.dtype, args.min_agreement)
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def load(on: str):
         if chosen is not None:  # the plan's backend: the model as given, or its export in the plan cache
-            from vqserve.export.plan.planner import cache_dir
+            from vqserve.export.plan import cache_dir
 
             return chosen.load(args.model, args.backend, on, args.expect_hash,
                                artifacts=cache_dir(args.plan_cache) / "artifacts",
@@ -208,7 +208,7 @@ def _run(args: argparse.Namespace) -> int:
     # leaves the GPUs to the actors, which run the same plan
     runtime = load("cpu" if args.engine == "ray" else device)
     if chosen is not None and chosen.source == "file" and args.engine != "ray":
-        from vqserve.export.plan.planner import check_reproduces
+        from vqserve.export.plan import check_reproduces
 
         check_reproduces(runtime, args.model, device, chosen)
     runtimes = {device: runtime}
