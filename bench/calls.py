@@ -31,7 +31,7 @@ async def connect(protocol: str, target: str, method: str) -> AsyncIterator[Call
     import grpc
 
     if protocol == "v1":
-        from vqserve.serve.clients.sync import AsyncTokenizerClient
+        from vqserve.serve.clients import AsyncTokenizerClient
 
         async with AsyncTokenizerClient(target, timeout=CALL_TIMEOUT_S) as client:
             if method == "encode":

@@ -161,7 +161,7 @@ class Soak:
 
     async def reference(self) -> None:
         """The answers every later call must give: the server's own, one request each."""
-        from vqserve.serve.clients.sync import AsyncTokenizerClient
+        from vqserve.serve.clients import AsyncTokenizerClient
 
         async with AsyncTokenizerClient(self.target, timeout=self.timeout) as client:
             self.ref_indices = np.concatenate([await client.encode_batch(self.images[i: i + 1])
@@ -204,7 +204,7 @@ class Soak:
         import grpc
 
         from vqserve.bench.calls import connect
-        from vqserve.serve.clients.sync import AsyncTokenizerClient, ServerError
+        from vqserve.serve.clients import AsyncTokenizerClient, ServerError
 
         n = len(self.images)
         async with contextlib.AsyncExitStack() as stack:

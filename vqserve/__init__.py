@@ -36,8 +36,8 @@ _FACE = {
     "ServerThread": "vqserve.serve.launcher",
     "ServerConfig": "vqserve.serve.config",
     "TokenizerClient": "vqserve.serve.clients.sync",
-    "AsyncTokenizerClient": "vqserve.serve.clients.sync",
-    "ServerError": "vqserve.serve.clients.sync",
+    "AsyncTokenizerClient": "vqserve.serve.clients.aio",
+    "ServerError": "vqserve.serve.clients.channel",
     "TokenShards": "vqserve.offline.token_shards",
 }
 

@@ -83,7 +83,7 @@ MOVED: dict[str, str] = {
     "vqserve.serve.executor": "vqserve.serve.split.executor",
     "vqserve.serve.listeners": "vqserve.serve.split.listeners",
     "vqserve.serve.wire": "vqserve.serve.split.wire",
-    "vqserve.serve.client": "vqserve.serve.clients.sync",
+    "vqserve.serve.client": "vqserve.serve.clients",
     "vqserve.serve.client_batches": "vqserve.serve.clients.batches",
     "vqserve.serve.server": "vqserve.serve.launcher",
     "vqserve.data": "vqserve.offline.token_shards",

@@ -1,8 +1,9 @@
-"""How the two clients of :mod:`vqserve.serve.clients.sync` cut their work into calls, and what
-they do when a call fails: the server's limits per call, the items of a job and what became
-of each, buckets of one shape and dtype within those limits, deadlines that grow with the
-pixels moved, a failed multi-item call resent item by item, image files prepared by the one
-shared function (:func:`vqserve.core.images.prepare`) ahead of the network in a thread.
+"""How the two clients (:mod:`vqserve.serve.clients.sync`, :mod:`vqserve.serve.clients.aio`) cut
+their work into calls, and what they do when a call fails: the server's limits per call, the
+items of a job and what became of each, buckets of one shape and dtype within those limits,
+deadlines that grow with the pixels moved, a failed multi-item call resent item by item, image
+files prepared by the one shared function (:func:`vqserve.core.images.prepare`) ahead of the
+network in a thread.
 
 Why apart from the clients: the blocking and the asyncio client share every one of these
 decisions and differ only in how they wait for the network, so the decisions live here

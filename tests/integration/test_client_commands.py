@@ -20,7 +20,7 @@ from vqserve.cli import main
 from vqserve.core import images
 from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.offline import shards
-from vqserve.serve.clients.sync import AsyncTokenizerClient, TokenizerClient
+from vqserve.serve.clients import AsyncTokenizerClient, TokenizerClient
 from vqserve.serve.config import ServerConfig
 from vqserve.serve.launcher import ServerThread
 

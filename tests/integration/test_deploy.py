@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers import ROOT
 from vqserve.serve.api import oip as service_oip
 from vqserve.serve.api import v1 as service_v1
-from vqserve.serve.clients.sync import ServerError, TokenizerClient, check_health
+from vqserve.serve.clients import ServerError, TokenizerClient, check_health
 from vqserve.serve.config import ServerConfig
 from vqserve.serve.grpc_server import TokenizerServer
 from vqserve.serve.launcher import ServerThread

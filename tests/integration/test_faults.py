@@ -34,7 +34,7 @@ from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
 from vqserve.serve.api import codec
-from vqserve.serve.clients.sync import tensor_msg
+from vqserve.serve.clients import tensor_msg
 from vqserve.serve.config import ServerConfig
 from vqserve.serve.launcher import ServerThread
 

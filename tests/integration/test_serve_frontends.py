@@ -220,7 +220,7 @@ def test_overload_across_frontends_gets_resource_exhausted_then_recovers():
         def call(k: int) -> None:
             from vqserve.serve._proto import tokenizer_pb2 as pb
             from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
-            from vqserve.serve.clients.sync import tensor_array, tensor_msg
+            from vqserve.serve.clients import tensor_array, tensor_msg
 
             channel = grpc.insecure_channel(srv.target, options=[("grpc.use_local_subchannel_pool", 1)])
             try:

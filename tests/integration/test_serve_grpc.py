@@ -17,7 +17,7 @@ from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
 from vqserve.serve.api import codec
-from vqserve.serve.clients.sync import (
+from vqserve.serve.clients import (
     AsyncTokenizerClient,
     ServerError,
     TokenizerClient,

@@ -21,7 +21,7 @@ from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
 from vqserve.serve.api import codec
-from vqserve.serve.clients.sync import tensor_msg
+from vqserve.serve.clients import tensor_msg
 from vqserve.serve.config import ServerConfig
 from vqserve.serve.launcher import ServerThread
 

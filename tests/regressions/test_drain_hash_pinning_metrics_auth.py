@@ -43,7 +43,7 @@ from vqserve.export.runtimes.loader import (
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
 from vqserve.serve.api.gates import StreamGate
-from vqserve.serve.clients.sync import TokenizerClient, tensor_msg
+from vqserve.serve.clients import TokenizerClient, tensor_msg
 from vqserve.serve.config import ServerConfig
 from vqserve.serve.launcher import ServerThread
 

@@ -266,7 +266,7 @@ def test_every_model_call_stays_inside_the_pixel_budget(served, photos):
     """Budget 3 tiles of 64x64: 16 concurrent one-image requests and one 8-image request."""
     _, rt, channel = served
     stub = pb_grpc.TokenizerStub(channel)
-    from vqserve.serve.clients.sync import tensor_msg
+    from vqserve.serve.clients import tensor_msg
 
     rt.calls.clear()
     batch = np.resize(photos, (8, 64, 64, 3))

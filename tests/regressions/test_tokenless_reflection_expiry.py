@@ -24,7 +24,7 @@ import pytest
 
 from tests.helpers import ServeProcess
 from vqserve.serve._proto import tokenizer_pb2 as pb
-from vqserve.serve.clients.sync import tensor_msg
+from vqserve.serve.clients import tensor_msg
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from vqserve.commands._client import check_timeout, plaintext_hint
-    from vqserve.serve.clients.sync import check_health
+    from vqserve.serve.clients import check_health
 
     check_timeout(args.timeout)
     try:
