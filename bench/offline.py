@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve.core import images
+from vqserve.core.files import sha256_file
 from vqserve.offline import pipeline, shards
 from vqserve.offline.engine import EXECUTORS_PER_DEVICE, device_kind, parse_devices
 from vqserve.offline.job import Job, Settings
@@ -96,7 +97,7 @@ def replicate_folder(src: Path, dst: Path, rows: int, shard_rows: int = 1000) ->
         path = dst / shards.shard_name(len(listed))
         shards.write_parquet_shard(path, batch, manifest["index_dtype"], manifest["fingerprint"], "", [],
                                    layout)
-        listed.append({"name": path.name, "rows": n, "errors": 0, "sha256": shards.sha256_file(path)})
+        listed.append({"name": path.name, "rows": n, "errors": 0, "sha256": sha256_file(path)})
         total += n
     manifest.update(shards=listed, totals={"images": total, "rows": total, "errors": 0,
                                            "shards": len(listed)})

@@ -1,5 +1,5 @@
 """Files and directories written all at once: a killed process leaves the old one or the
-new one, never half of either. The one home of atomic writes in vqserve.
+new one, never half of either. The one home of atomic writes in vqserve, and of file hashes.
 
 * :func:`atomic_write` / :func:`atomic_write_bytes` / :func:`atomic_write_json`: one file,
   written under a hidden temporary name beside its final place and renamed;
@@ -10,11 +10,17 @@ The durability rule, one for the project: where the data is the user's (token sh
 their manifest, the files the client commands write), the file is fsynced before the rename
 and its folder after it, so a power cut cannot leave a complete name over missing bytes;
 what can be made again (caches, downloads) is renamed without fsync (``durable=False``).
+
+A file's sha256 (:func:`sha256_file`) is what a checkpoint's ``model_hash``, an artifact's
+manifest, an imported checkpoint's record of its source and a token shard folder's manifest
+each record; :func:`files_hash` is the one hash over named files. Here, on the torch-free
+ground floor, so decode workers and the client side hash without loading torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -118,3 +124,22 @@ def atomic_directory(final: str | os.PathLike,
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes, read in blocks of ``chunk`` (1 MiB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def files_hash(digests: dict[str, str]) -> str:
+    """One sha256 over named files, given each file's own sha256: ``name NUL sha256 LF`` per
+    file, sorted by name. Checkpoints and artifacts both use it, so ``model_hash`` changes
+    whenever any file that is loaded changes (not only the weights, or only the encoder)."""
+    digest = hashlib.sha256()
+    for name in sorted(digests):
+        digest.update(f"{name}\0{digests[name]}\n".encode())
+    return digest.hexdigest()

@@ -155,13 +155,8 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
     from vqserve.export.runtimes.artifacts import RUNTIMES
     from vqserve.export.runtimes.determinism import check_invariance
     from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
-    from vqserve.export.runtimes.loader import (
-        EagerRuntime,
-        checkpoint_hash,
-        index_dtype_for,
-        resolve_device,
-    )
-    from vqserve.model.checkpoint import resolve_model_path
+    from vqserve.export.runtimes.loader import EagerRuntime, index_dtype_for, resolve_device
+    from vqserve.model.checkpoint import checkpoint_hash, resolve_model_path
 
     say = log or (lambda msg: None)
     device = resolve_device(device)

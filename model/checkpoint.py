@@ -17,20 +17,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vqserve.core.files import atomic_directory
+from vqserve.core.files import atomic_directory, files_hash, sha256_file
 from vqserve.model.config import TokenizerConfig
 from vqserve.model.devices import resolve_device
 from vqserve.model.families import CONFIG_NAME, FamilyConfig, family_for
-from vqserve.model.families.base import read_json_file, read_safetensors
-from vqserve.model.families.native.family import VQSERVE, WEIGHTS_NAME
+from vqserve.model.families.native.family import VQSERVE, WEIGHTS_NAME, read_native_config
 from vqserve.model.precision import parse_dtype
 from vqserve.model.tokenizer import Tokenizer, TokenizerBase
 
 DEFAULT_NAME = "default"
-# What makes a damaged vqserve checkpoint directory whole: it is written whole (config and
-# weights renamed into place together), so a bad file there was damaged after the write.
-NATIVE_REMEDY = ("the checkpoint directory is damaged: copy it again, or save it again with "
-                 "`vqserve train` (which writes config and weights together)")
 # The tokenizers shipped inside the package, by the name ``--model`` takes: the undithered
 # default (tokens a generative model learns well) and the dithered one (smoother flat colour
 # for reconstruction-only uses; its codes depend on their position modulo 4, docs/TRAINING.md).
@@ -97,13 +92,6 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, extra: dict | 
     return path
 
 
-def read_native_config(path: str | os.PathLike) -> tuple[TokenizerConfig, dict]:
-    """(config, meta) from a vqserve checkpoint directory."""
-    data = read_json_file(Path(path) / CONFIG_NAME, NATIVE_REMEDY)
-    meta = data.pop("meta", {}) or {}
-    return TokenizerConfig.from_dict(data), meta
-
-
 def read_config(path: str | os.PathLike) -> tuple[TokenizerConfig | FamilyConfig, dict]:
     """(config, meta) from a model directory of any family (``vqserve.model.families``);
     a foreign family's config carries the same facts (factor, codebook size, ...)."""
@@ -145,23 +133,12 @@ def model_files(path: str | os.PathLike) -> tuple[str, ...]:
     return family_for(path).model_files(Path(path))
 
 
-def load_native_tokenizer(path: str | os.PathLike, device: str | torch.device = "cpu") -> Tokenizer:
-    """A vqserve checkpoint directory (already resolved) -> its Tokenizer in eval mode."""
-    path = Path(path)
-    config, _ = read_native_config(path)
-    tokenizer = Tokenizer(config)
-    state = read_safetensors(path / WEIGHTS_NAME, NATIVE_REMEDY)
-    try:
-        missing, unexpected = tokenizer.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shape mismatches
-        first = str(exc).splitlines()[1].strip() if "\n" in str(exc) else str(exc)
-        raise ValueError(f"weights in {path / WEIGHTS_NAME} do not match config.json: {first}") from None
-    if missing or unexpected:
-        raise ValueError(
-            f"weights in {path / WEIGHTS_NAME} do not match config.json: "
-            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
-    return tokenizer.to(device).eval()
+def checkpoint_hash(path: str | os.PathLike) -> str:
+    """``model_hash`` of a model directory: every file its family loads (vqserve's own:
+    ``config.json`` and ``model.safetensors``; a diffusers VQModel: ``config.json`` and
+    ``diffusion_pytorch_model.safetensors``). The config decides the architecture and
+    quantizer, so it is part of the model."""
+    return files_hash({name: sha256_file(Path(path) / name) for name in model_files(path)})
 
 
 def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_NAME,

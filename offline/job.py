@@ -27,6 +27,7 @@ from pathlib import Path
 
 from vqserve import __version__
 from vqserve.core import images
+from vqserve.core.files import sha256_file
 from vqserve.core.lifetime import stop_status
 from vqserve.core.machine import machine_record, same_arithmetic
 from vqserve.offline import shards, sources
@@ -268,7 +269,7 @@ class Job:
             self.plan_hash(shard), errors, self.layout)
         # hashed now, by whoever commits (the local engine's writer thread, beside the device),
         # not all at the end; a shard of an earlier run is hashed by finish()
-        self._sha256[shard] = shards.sha256_file(path)
+        self._sha256[shard] = sha256_file(path)
 
     # -- end ------------------------------------------------------------------------------------
     def finish(self) -> dict:
@@ -277,7 +278,7 @@ class Job:
             path = self.shard_path(shard)
             info = shards.read_shard_info(path)
             listed.append({"name": path.name, "rows": info.rows, "errors": len(info.errors),
-                           "sha256": self._sha256.get(shard) or shards.sha256_file(path)})
+                           "sha256": self._sha256.get(shard) or sha256_file(path)})
             errors.extend({**e, "shard": path.name} for e in info.errors)
             totals["rows"] += info.rows
             totals["errors"] += len(info.errors)

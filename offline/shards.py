@@ -23,7 +23,6 @@ Writes are byte-deterministic: the same rows give the same bytes.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import tarfile
@@ -113,17 +112,6 @@ def shard_pattern(count: int, fmt: str = "parquet") -> str:
     form WebDataset and ``braceexpand`` take: a reader needs no glob and no listing."""
     ext = shard_name(0, fmt).rsplit(".", 1)[1]
     return shard_name(0, fmt) if count <= 1 else f"shard-{{{0:06d}..{count - 1:06d}}}.{ext}"
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks (the manifest records one per shard).
-    Here rather than imported from export/runtimes/loader.py: decode workers import this package
-    and must not load torch."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def shard_name(index: int, fmt: str = "parquet") -> str:

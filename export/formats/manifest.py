@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from vqserve.export.runtimes.loader import files_hash, sha256_file
+from vqserve.core.files import files_hash, sha256_file
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "vqserve-export"

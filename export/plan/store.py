@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 import vqserve
+from vqserve.core.identity import check_expected_hash
+from vqserve.export.formats.manifest import read_manifest
 from vqserve.export.plan.candidates import (
     CALIBRATION_SIDES,
     default_backends,
@@ -233,8 +235,6 @@ class PlanChoice:
         # the model as given: eager, an artifact, or the stand-in accelerator (nothing to export)
         if self.backend == "eager" or is_synthetic(model) or (Path(str(model)) / "manifest.json").is_file():
             return load_runtime(model, backend=backend, dtype=self.dtype, device=device, expect_hash=expect_hash)
-        from vqserve.export.formats.manifest import read_manifest
-
         want = self.model_hash or model_hash_of(model)
         artifact = self.artifact
         if not artifact or not (Path(artifact) / "manifest.json").is_file():
@@ -322,8 +322,6 @@ def lookup_plan(model, device: str = "cpu", backend: str = "auto", dtype: str | 
     """The cached plan for ``model`` here, or None; and the cache key (for the measurement
     that would fill it). ``expect_hash``: refuse a model whose hash differs, before anything
     of it runs."""
-    from vqserve.export.runtimes.loader import check_expected_hash
-
     directory = cache_dir(cache)
     key = cache_key(model, device, backend, dtype, min_agreement,
                     tuple(measure_kw.get("sides", CALIBRATION_SIDES)),

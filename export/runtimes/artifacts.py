@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vqserve.core.identity import check_expected_hash
 from vqserve.core.input_rules import check_images, check_indices
+from vqserve.core.runtime_info import RuntimeInfo
 from vqserve.export.formats.manifest import (
     artifact_hash,
     graph_roles,
@@ -24,7 +26,11 @@ from vqserve.export.formats.manifest import (
     read_verified,
     verify_files,
 )
-from vqserve.export.runtimes.loader import RuntimeInfo, check_expected_hash, resolve_device
+from vqserve.export.formats.onnx import BF16_REASON
+from vqserve.export.formats.pt2 import load_pt2, min_sides
+from vqserve.export.formats.torchscript import load_torchscript
+from vqserve.model.devices import resolve_device
+from vqserve.model.precision import fp32_means_fp32
 from vqserve.model.tokenizer import decode_unsupported
 
 
@@ -72,8 +78,6 @@ class ArtifactRuntime:
         self.device = self._resolve_device(device)
         m = self.manifest
         if self.backend != "onnx":  # torch runs it: no TF32 on CUDA (bf16/fp16 keep fp32 layers too)
-            from vqserve.model.precision import fp32_means_fp32
-
             fp32_means_fp32(self.device)
         self._index_dtype = np.dtype(m["index_dtype"])
         self.info = RuntimeInfo(
@@ -139,8 +143,6 @@ class TorchScriptRuntime(_TorchModuleRuntime):
 
     def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True,
                  expect_hash: str | None = None):
-        from vqserve.export.formats.torchscript import load_torchscript
-
         super().__init__(artifact_dir, device, dtype, verify, expect_hash)
         self.encoder = load_torchscript(self._graph("encode"), self.device)
         self.decoder = load_torchscript(self._graph("decode"), self.device) if self.info.decodes else None
@@ -151,8 +153,6 @@ class Pt2Runtime(_TorchModuleRuntime):
 
     def __init__(self, artifact_dir, device: str = "cpu", dtype: str | None = None, verify: bool = True,
                  expect_hash: str | None = None):
-        from vqserve.export.formats.pt2 import load_pt2, min_sides
-
         super().__init__(artifact_dir, device, dtype, verify, expect_hash)
         self.encode_program, self.encoder = load_pt2(self._graph("encode"), self.device)
         self.decode_program = self.decoder = None
@@ -182,8 +182,6 @@ def onnx_providers(device: str, dtype: str) -> list[str]:
     """The onnxruntime providers for ``device``; a clear error naming provider and dtype
     for combinations that cannot run."""
     import onnxruntime as ort
-
-    from vqserve.export.formats.onnx import BF16_REASON
 
     available = ort.get_available_providers()
     if device.startswith("cuda"):

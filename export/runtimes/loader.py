@@ -11,57 +11,30 @@ opens from an artifact directory by its ``manifest.json``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vqserve.core.identity import same_tokens  # noqa: F401 - where runtimes' users look for it
+from vqserve.core.identity import (  # noqa: F401 - ModelHashMismatch: what load_runtime raises
+    ModelHashMismatch,
+    check_expected_hash,
+    same_tokens,  # noqa: F401 - where runtimes' users look for it
+)
 from vqserve.core.runtime_info import Runtime, RuntimeInfo, index_dtype_for  # noqa: F401 - their home before
+from vqserve.export.formats.manifest import artifact_hash, read_manifest, verify_files
+from vqserve.export.runtimes.artifacts import RUNTIMES
+from vqserve.export.runtimes.synthetic import (
+    SYNTHETIC_HASH,
+    SyntheticRuntime,
+    is_synthetic,
+    parse_synthetic,
+)
+from vqserve.model.checkpoint import checkpoint_hash, load_tokenizer, resolve_model_path
 from vqserve.model.devices import resolve_device  # noqa: F401 - where serve/offline/bench look for it
 from vqserve.model.mixed_precision import low_precision_encoder
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def files_hash(digests: dict[str, str]) -> str:
-    """One sha256 over named files, given each file's own sha256: ``name NUL sha256 LF`` per
-    file, sorted by name. Checkpoints and artifacts both use it, so ``model_hash`` changes
-    whenever any file that is loaded changes (not only the weights, or only the encoder)."""
-    digest = hashlib.sha256()
-    for name in sorted(digests):
-        digest.update(f"{name}\0{digests[name]}\n".encode())
-    return digest.hexdigest()
-
-
-def checkpoint_hash(path: str | os.PathLike) -> str:
-    """``model_hash`` of a model directory: every file its family loads (vqserve's own:
-    ``config.json`` and ``model.safetensors``; a diffusers VQModel: ``config.json`` and
-    ``diffusion_pytorch_model.safetensors``). The config decides the architecture and
-    quantizer, so it is part of the model."""
-    from vqserve.model.checkpoint import model_files
-
-    return files_hash({name: sha256_file(Path(path) / name) for name in model_files(path)})
-
-
-class ModelHashMismatch(ValueError):
-    """``--expect-hash`` names another model than the one found; raised before the model's
-    files are loaded (for pt2 and TorchScript, before anything in them can run)."""
-
-
-def check_expected_hash(expected: str | None, actual: str, where: str | os.PathLike) -> None:
-    """Raise :class:`ModelHashMismatch` (one line, both hashes) unless ``actual`` is expected."""
-    if expected and actual != expected.lower():
-        raise ModelHashMismatch(f"{where} has model hash {actual}, not the expected {expected.lower()} "
-                                "(--expect-hash); refusing to load it")
+from vqserve.model.precision import dtype_name, fp32_means_fp32, parse_dtype
 
 
 class EagerRuntime:
@@ -69,10 +42,6 @@ class EagerRuntime:
 
     def __init__(self, model: str | os.PathLike = "default", dtype: str = "fp32", device: str = "cpu",
                  expect_hash: str | None = None):
-        from vqserve.model import load_tokenizer, parse_dtype
-        from vqserve.model.checkpoint import resolve_model_path
-        from vqserve.model.precision import dtype_name, fp32_means_fp32
-
         device = resolve_device(device)
         torch_dtype = parse_dtype(dtype)
         path = resolve_model_path(model)
@@ -149,8 +118,6 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
     """
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
-    from vqserve.export.runtimes.synthetic import SyntheticRuntime, is_synthetic
-
     if is_synthetic(model_or_artifact_dir):  # the stand-in accelerator (export/runtimes/synthetic.py)
         if dtype not in (None, "fp32", "auto"):
             raise ValueError(f"{model_or_artifact_dir} runs in fp32 only (its tokens are exact); drop --dtype {dtype}")
@@ -170,9 +137,6 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
         )
     if backend == "eager":
         raise ValueError(f"{path} is an exported artifact directory; eager needs a checkpoint or 'default'")
-    from vqserve.export.formats.manifest import read_manifest
-    from vqserve.export.runtimes.artifacts import RUNTIMES
-
     fmt = read_manifest(path)["format"]
     if backend not in ("auto", fmt):
         raise ValueError(f"{path} holds a {fmt!r} export; backend {backend!r} cannot open it")
@@ -184,18 +148,12 @@ def load_runtime(model_or_artifact_dir: str | os.PathLike = "default", backend: 
 def model_hash_of(model_or_artifact_dir: str | os.PathLike = "default") -> str:
     """The ``model_hash`` a runtime of this model would report, from its files alone
     (nothing is loaded): for a command to refuse a wrong model before it binds or writes."""
-    from vqserve.export.runtimes.synthetic import SYNTHETIC_HASH, is_synthetic, parse_synthetic
-
     if is_synthetic(model_or_artifact_dir):
         parse_synthetic(model_or_artifact_dir)  # a bad N is refused here as at load
         return SYNTHETIC_HASH
     path = Path(str(model_or_artifact_dir))
     if (path / "manifest.json").is_file():
-        from vqserve.export.formats.manifest import artifact_hash, read_manifest, verify_files
-
         manifest = read_manifest(path)
         verify_files(path, manifest)
         return artifact_hash(manifest)
-    from vqserve.model.checkpoint import resolve_model_path
-
     return checkpoint_hash(resolve_model_path(model_or_artifact_dir))

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vqserve.core.files import atomic_directory
+from vqserve.core.files import atomic_directory, sha256_file
 
 ARCHIVE_NAMES = {"encode": "vqserve-encode", "decode": "vqserve-decode"}
 BACKENDS = ("auto", "eager", "torchscript", "onnx", "pt2")
@@ -200,8 +200,6 @@ def readme(manifest: dict) -> str:
 
 
 def _archive_entry(path: Path) -> dict:
-    from vqserve.export.runtimes.loader import sha256_file
-
     return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 

@@ -9,7 +9,7 @@ imported LlamaGen VQ model, ...). It implements four small methods (two have def
 * ``model_files(path) -> tuple[str, ...]``: the file names (inside ``path``) that make up
   the model: config first, then weights (default: ``config.json`` and ``weights_name``).
   They must all exist; ``model_hash`` is one sha256 over exactly these
-  (``vqserve.export.runtimes.loader.checkpoint_hash``), so editing any of them changes the hash a
+  (``vqserve.model.checkpoint.checkpoint_hash``), so editing any of them changes the hash a
   server reports.
 * ``read_config(path) -> FamilyConfig``: the facts downstream code needs (factor, codebook
   size, ...) from the config alone, without building the networks.

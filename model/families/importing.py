@@ -10,7 +10,6 @@ and ``config.json`` + ``model.safetensors`` written atomically. The messages nam
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -25,15 +24,6 @@ from vqserve.model.families.imported import WEIGHTS_NAME, ImportedConfig, write_
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be imported; the message is one line naming what is wrong."""
-
-
-def sha256_file(path: Path) -> str:
-    """The source checkpoint's sha256, recorded in ``meta`` (which file this directory came from)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_preset(inferred: ImportedConfig, presets: dict, preset: str, where: str) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.offline import shards
+from vqserve.core.files import sha256_file
 from vqserve.offline.verify.folder import ShardTable, _schema_problem, load_table
 from vqserve.offline.verify.report import Report
 
@@ -47,7 +47,7 @@ def _check_files(ctx: _Ctx) -> list[tuple[dict, Path]]:
             continue
         rep.ok("files")
         present.append((entry, path))
-        digest = shards.sha256_file(path)
+        digest = sha256_file(path)
         if digest == entry["sha256"]:
             rep.ok("sha256")
         else:

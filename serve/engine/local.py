@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from vqserve.core.identity import check_expected_hash
 from vqserve.core.machine import available_memory
 from vqserve.export.runtimes.execution import PlannedRuntime
 from vqserve.serve.engine.engine import Engine, build_engine
@@ -72,7 +73,7 @@ class LocalModel:
         # imported here, not at the top: the port is bound and health answers NOT_SERVING
         # before torch and the planner load (seconds), and synthetic:N never needs them
         from vqserve.export.plan import check_reproduces
-        from vqserve.export.runtimes.loader import check_expected_hash, load_runtime, resolve_device
+        from vqserve.export.runtimes.loader import load_runtime, resolve_device
 
         cfg = self.config
         self.started = time.perf_counter()

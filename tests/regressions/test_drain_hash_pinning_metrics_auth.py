@@ -32,14 +32,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vqserve.cli import main as cli_main
-from vqserve.export.runtimes.loader import (
-    EagerRuntime,
-    ModelHashMismatch,
-    checkpoint_hash,
-    load_runtime,
-    model_hash_of,
-    sha256_file,
-)
+from vqserve.core.files import sha256_file
+from vqserve.core.identity import ModelHashMismatch
+from vqserve.export.runtimes.loader import EagerRuntime, load_runtime, model_hash_of
+from vqserve.model.checkpoint import checkpoint_hash
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
 from vqserve.serve.api.gates import StreamGate

@@ -37,6 +37,7 @@ from vqserve.commands.common import (
     resolve_env_fallbacks,
     switch,
 )
+from vqserve.core.identity import check_expected_hash
 from vqserve.serve.engine.planning import (
     DEFAULT_PLAN_BUDGET_S,  # standard library only: cheap for --help
 )
@@ -365,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     check_artifact_dtype(config.model, config.dtype)
     check_plan_file(config)
     if config.expect_hash:  # a one-line refusal before any port is bound; the load checks again
-        from vqserve.export.runtimes.loader import check_expected_hash, model_hash_of
+        from vqserve.export.runtimes.loader import model_hash_of
 
         check_expected_hash(config.expect_hash, model_hash_of(config.model), config.model)
     setup_logging(args.log_level)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from vqserve.core.files import sha256_file
 from vqserve.model.families.cosmos.family import (
     FORMAT,
     PRESETS,
@@ -44,7 +45,7 @@ from vqserve.model.families.cosmos.family import (
     CosmosTokenizer,
     load_weights,
 )
-from vqserve.model.families.importing import CheckpointError, check_out, sha256_file, write_imported
+from vqserve.model.families.importing import CheckpointError, check_out, write_imported
 from vqserve.model.families.importing import check_preset as shared_check_preset
 from vqserve.model.families.llamagen.importer import read_checkpoint
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from vqserve.model.families.importing import CheckpointError, check_out, sha256_file, write_imported
+from vqserve.core.files import sha256_file
+from vqserve.model.families.importing import CheckpointError, check_out, write_imported
 from vqserve.model.families.importing import check_preset as shared_check_preset
 from vqserve.model.families.llamagen.family import (
     FORMAT,

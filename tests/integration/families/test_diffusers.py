@@ -30,14 +30,9 @@ from tests.diffusers_models import (
     save_vqmodel,
 )
 from tests.helpers import count_torch_ops
-from vqserve.export.runtimes.loader import (
-    EagerRuntime,
-    checkpoint_hash,
-    load_runtime,
-    model_hash_of,
-)
+from vqserve.export.runtimes.loader import EagerRuntime, load_runtime, model_hash_of
 from vqserve.model import load_tokenizer
-from vqserve.model.checkpoint import read_config, resolve_model_path
+from vqserve.model.checkpoint import checkpoint_hash, read_config, resolve_model_path
 from vqserve.model.families import family_for
 from vqserve.model.quantizers.cdist import CdistVQ
 

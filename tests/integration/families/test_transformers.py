@@ -148,7 +148,7 @@ def test_pixel_scaling_is_the_processors_for_every_value(model_type):
 
 def test_a_saved_image_processor_decides_the_scaling(saved, oracles, photos, tmp_path):
     """``image_processor.save_pretrained(DIR)``: its mean/std/rescale are read, and hashed."""
-    from vqserve.export.runtimes.loader import checkpoint_hash
+    from vqserve.model.checkpoint import checkpoint_hash
 
     d = tmp_path / "emu3"
     shutil.copytree(saved["emu3_vqgan"], d)

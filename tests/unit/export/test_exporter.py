@@ -11,10 +11,11 @@ import json
 import numpy as np
 import pytest
 
+from vqserve.core.files import sha256_file
 from vqserve.export.exporter import export_model
 from vqserve.export.formats.inspect_graph import check_island
 from vqserve.export.formats.manifest import read_manifest
-from vqserve.export.runtimes.loader import EagerRuntime, load_runtime, sha256_file
+from vqserve.export.runtimes.loader import EagerRuntime, load_runtime
 
 COMBOS = [
     ("torchscript", "fp32"), ("torchscript", "bf16"), ("torchscript", "fp16"),
@@ -128,7 +129,7 @@ def test_manifest_contents_and_sha256(fmt, dtype, export_dir, tiny_checkpoint):
         assert entry["sha256"] == sha256_file(d / name)
         assert entry["bytes"] == (d / name).stat().st_size
     # the source checkpoint's model_hash (config + weights), as its eager runtime reports it
-    from vqserve.export.runtimes.loader import checkpoint_hash
+    from vqserve.model.checkpoint import checkpoint_hash
 
     assert m["source"]["sha256"] == checkpoint_hash(tiny_checkpoint)
     assert m["determinism"]["batch_invariant"] and m["determinism"]["decode_batch_invariant"]

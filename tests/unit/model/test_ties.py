@@ -24,6 +24,7 @@ from PIL import Image
 
 from tests.conftest import make_tokenizer
 from vqserve.cli import main
+from vqserve.core.files import sha256_file
 from vqserve.model import ties
 from vqserve.model.checkpoint import save_tokenizer
 from vqserve.model.quantizers import FSQ, LFQ, VQ
@@ -188,7 +189,7 @@ def _rewrite_token(folder: Path, at: tuple[int, int], change) -> None:
                                     (r["crop_top"], r["crop_left"], r["crop_height"], r["crop_width"]),
                                     r["height"], r["width"], tokens))
     shards.write_parquet_shard(path, rows, manifest["index_dtype"], info.fingerprint, info.plan, info.errors)
-    manifest["shards"][0]["sha256"] = shards.sha256_file(path)
+    manifest["shards"][0]["sha256"] = sha256_file(path)
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
