@@ -28,6 +28,7 @@ from pathlib import Path
 from vqserve import __version__
 from vqserve.core import images
 from vqserve.core.files import sha256_file
+from vqserve.core.identity import run_identity
 from vqserve.core.lifetime import stop_status
 from vqserve.core.machine import machine_record, same_arithmetic
 from vqserve.offline import shards, sources
@@ -73,15 +74,6 @@ class Settings:
 
 def _write_atomic(path: Path, text: str) -> None:
     shards.write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
-def token_identity(info: dict) -> dict:
-    """The part of a run's identity that says which tokens it holds (``RuntimeInfo.to_dict()``)."""
-    device = info["device"].split(":")[0]
-    if info.get("exact"):
-        return {"source_hash": info.get("source_hash") or info["model_hash"], "dtype": "fp32", "exact": True,
-                "device": device}
-    return {"hash": info["model_hash"], "backend": info["backend"], "dtype": info["dtype"], "device": device}
 
 
 def runtime_machine(info: dict) -> dict:
@@ -176,7 +168,7 @@ class Job:
         and backend that made them."""
         return {
             "layout": self.layout.version,
-            "model": token_identity(self.runtime_info),
+            "model": run_identity(self.runtime_info),
             "index_dtype": self.runtime_info["index_dtype"],
             "preprocess": self.settings.preprocess.to_dict(),
             "shard_size": self.settings.shard_size,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.core.identity import folder_identity
 from vqserve.offline import shards
 from vqserve.offline.verify.folder import NotADataset, read_manifest
 
@@ -41,18 +42,6 @@ class TokenFolder:
     @property
     def rows(self) -> int:
         return sum(n for _, n in self.shards)
-
-
-def token_identity(manifest: dict) -> dict:
-    """Which tokens a folder holds, as far as a model trained on them can tell: exact tokens by
-    the checkpoint they are the fp32 tokens of (any backend made them), others by the files,
-    backend and dtype that made them. The device is left out: it is not a token's meaning."""
-    model = manifest["model"]
-    if model.get("exact"):
-        return {"exact": True, "source_hash": model.get("source_hash") or model["model_hash"],
-                "dtype": "fp32"}
-    return {"exact": False, "model_hash": model["model_hash"], "backend": model.get("backend"),
-            "dtype": model.get("dtype")}
 
 
 def open_folder(path: str | Path) -> TokenFolder:
@@ -86,9 +75,9 @@ def open_folders(paths: str | Path | Sequence[str | Path]) -> tuple[list[TokenFo
     if not paths:
         raise ValueError("no token folder given")
     folders = [open_folder(p) for p in paths]
-    identity = token_identity(folders[0].manifest)
+    identity = folder_identity(folders[0].manifest)
     for other in folders[1:]:
-        theirs = token_identity(other.manifest)
+        theirs = folder_identity(other.manifest)
         if theirs != identity:
             raise ValueError(f"refusing to mix two token identities: {folders[0].path} holds "
                              f"{json.dumps(identity, sort_keys=True)}, {other.path} holds "

@@ -19,9 +19,6 @@ from vqserve.commands.common import UsageError  # one exit-2 error for every com
 from vqserve.core.files import atomic_write_json, atomic_write_stream
 
 IDENTITY_FORMAT = "vqserve-tokens/1"
-MODEL_FIELDS = ("model_hash", "source_hash", "exact", "codebook_size", "factor", "index_dtype", "quantizer", "levels",
-                "dither", "codes_per_position", "dtype", "backend", "server_version")
-
 
 @dataclass(frozen=True)
 class Source:
@@ -169,11 +166,6 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
 
 def write_json(path: Path, data: dict) -> None:
     atomic_write_json(path, data, durable=True)
-
-
-def identity(info: dict) -> dict:
-    """The model fields recorded beside tokens (and compared by decode)."""
-    return {k: info[k] for k in MODEL_FIELDS if k in info}
 
 
 # ---- reporting ------------------------------------------------------------------------------

@@ -49,7 +49,6 @@ from vqserve.commands._client import (
     check_out_dir,
     client_from_args,
     finish_run,
-    identity,
     list_sources,
     progress,
     refuse_collisions,
@@ -58,6 +57,7 @@ from vqserve.commands._client import (
     write_atomic,
     write_json,
 )
+from vqserve.core.identity import recorded_identity
 
 __all__ = ["add_client_args", "add_parser", "client_from_args", "run"]
 
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         except ValueError as exc:  # --size not a multiple of this model's factor
             raise UsageError(str(exc)) from None
-        sink.start(identity(info), pre.to_dict())
+        sink.start(recorded_identity(info), pre.to_dict())
         failures, stopped, t0 = _send_all(client, sources, pre, sink, args)
     elapsed = time.perf_counter() - t0
     summary = sink.finish()
