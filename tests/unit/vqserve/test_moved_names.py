@@ -44,3 +44,19 @@ def test_from_import_of_an_old_name_works():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert "vqserve.core.images" in result.stdout
+
+
+def test_the_users_old_homes_still_give_their_public_names():
+    """The four homes users import from (issue: the layout step keeps them for one release)."""
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from vqserve.export.runtime import load_runtime, EagerRuntime\n"
+        "    from vqserve.serve.client import TokenizerClient, AsyncTokenizerClient, ServerError\n"
+        "    from vqserve.serve.server import ServerConfig, ServerThread, serve_until_signal\n"
+        "    from vqserve.data import TokenShards\n"
+        "print(sorted({str(x.message).split()[0] for x in w if x.category is DeprecationWarning}))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == str(sorted(["vqserve.data", "vqserve.export.runtime",
+                                                "vqserve.serve.client", "vqserve.serve.server"]))
