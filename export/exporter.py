@@ -18,13 +18,26 @@ from pathlib import Path
 
 import torch
 
+from vqserve import __version__
 from vqserve.core.files import atomic_directory
+from vqserve.export.formats import wrappers
+from vqserve.export.formats.inspect_graph import assert_island
 from vqserve.export.formats.manifest import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     file_entries,
     write_manifest,
 )
+from vqserve.export.formats.onnx import DEFAULT_OPSET, check_onnx_dtype, check_opset, export_onnx
+from vqserve.export.formats.pt2 import export_pt2
+from vqserve.export.formats.torchscript import export_torchscript
+from vqserve.export.parity import measure_parity, same_dtype_agreement, validation_photos
+from vqserve.export.runtimes.artifacts import RUNTIMES
+from vqserve.export.runtimes.determinism import check_invariance
+from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
+from vqserve.export.runtimes.loader import EagerRuntime, index_dtype_for
+from vqserve.model.checkpoint import checkpoint_hash, resolve_model_path
+from vqserve.model.devices import resolve_device
 
 FORMATS = ("torchscript", "onnx", "pt2")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -47,8 +60,6 @@ def required_agreement(dtype: str, min_agreement: float | None) -> float:
 
 def check_combination(fmt: str, dtype: str, device: str, opset: int | None = None) -> None:
     """Refuse format/dtype/device/opset combinations that cannot work, before any work."""
-    from vqserve.export.formats.onnx import check_onnx_dtype, check_opset
-    from vqserve.model.devices import resolve_device
 
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -148,15 +159,6 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
     The artifact is measured as it will be served (``vqserve.export.runtimes.execution``'s plan),
     and its batch invariance is certified in ``manifest["determinism"]``; an artifact whose
     tokens change with the batch is refused unless ``allow_batch_variance``."""
-    from vqserve import __version__
-    from vqserve.export.formats import wrappers
-    from vqserve.export.formats.inspect_graph import assert_island
-    from vqserve.export.parity import measure_parity, same_dtype_agreement, validation_photos
-    from vqserve.export.runtimes.artifacts import RUNTIMES
-    from vqserve.export.runtimes.determinism import check_invariance
-    from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
-    from vqserve.export.runtimes.loader import EagerRuntime, index_dtype_for, resolve_device
-    from vqserve.model.checkpoint import checkpoint_hash, resolve_model_path
 
     say = log or (lambda msg: None)
     device = resolve_device(device)
@@ -179,13 +181,10 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
         images, indices = wrappers.example_inputs(tok, device=device)
         say(f"exporting {fmt} to {out}")
         if fmt == "torchscript":
-            from vqserve.export.formats.torchscript import export_torchscript
             files = export_torchscript(enc, dec, images, indices, tmp)
         elif fmt == "pt2":
-            from vqserve.export.formats.pt2 import export_pt2
             files = export_pt2(enc, dec, images, indices, tmp, cfg.factor)
         else:
-            from vqserve.export.formats.onnx import DEFAULT_OPSET, export_onnx
             files = export_onnx(enc, dec, images, indices, tmp, cfg.factor, dtype,
                                 DEFAULT_OPSET if opset is None else opset)
         del enc, dec

@@ -22,6 +22,8 @@ import math
 
 import numpy as np
 
+from vqserve.export.runtimes.execution import PlannedRuntime
+from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.model.evaluation import psnr
 from vqserve.model.photos import BUILTIN_VAL, load_builtin_photo, tile_grid
 
@@ -91,8 +93,6 @@ def same_dtype_agreement(served, model_path, dtype: str, device: str, plan, phot
     """Path identity: the fraction of tokens the artifact shares with the eager runtime at
     the same dtype (1.0 where the format runs the same kernels; less where it does not,
     e.g. ONNX Runtime's own convolutions). None where eager cannot run the dtype."""
-    from vqserve.export.runtimes.execution import PlannedRuntime
-    from vqserve.export.runtimes.loader import EagerRuntime
 
     try:
         eager = PlannedRuntime(EagerRuntime(model_path, dtype=dtype, device=device), plan)

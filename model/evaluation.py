@@ -28,6 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from vqserve.core.codebook import codebook_stats as core_codebook_stats
+from vqserve.model import learnability as learn
+from vqserve.model import ties
+from vqserve.model.mixed_precision import low_precision_encoder
+from vqserve.model.precision import policy
+from vqserve.model.ties import DELTA, shares
+from vqserve.model.tokenizer import pixels_to_float
 
 # -- pixel metrics ----------------------------------------------------------------------
 
@@ -184,8 +190,6 @@ def encode_in_precision(tokenizer, images_u8: torch.Tensor, precision: str,
     runs). fp32 with no encoder means plain eager. ``channels_last`` picks the oneDNN
     kernels that are fast for bf16 on CPUs.
     """
-    from vqserve.model.precision import policy
-    from vqserve.model.tokenizer import pixels_to_float
 
     x = pixels_to_float(tokenizer.check_images(images_u8), tokenizer.pixel_range).to(tokenizer.device)
     if channels_last:
@@ -268,7 +272,6 @@ class _TokenFigures:
     ``evaluate_encoder``."""
 
     def __init__(self, tokenizer, precisions: Sequence[str], channels_last: bool, learnability: bool):
-        from vqserve.model.mixed_precision import low_precision_encoder
 
         tokenizer.eval()
         layout = torch.channels_last if channels_last else torch.contiguous_format
@@ -289,7 +292,6 @@ class _TokenFigures:
         The quantizer's input is caught on the way (a pre-hook) for the decision margins:
         how many tokens lie so near a rounding boundary that another correct fp32 machine
         may round them otherwise (``vqserve.model.ties``)."""
-        from vqserve.model import ties
 
         caught = []
         hook = None
@@ -312,7 +314,6 @@ class _TokenFigures:
         """Perplexity, shift equivariance and (with a reconstruction) the crop cost into ``row``."""
         if not self.learnability:
             return
-        from vqserve.model import learnability as learn
 
         tok = self.tokenizer
         self.grids.append(idx[0].numpy())
@@ -355,11 +356,9 @@ class _TokenFigures:
             "per_image": per_image,
         }
         if self.margins is not None:
-            from vqserve.model.ties import DELTA, shares
 
             result["margins"] = {**shares(self.margins), "delta": DELTA}
         if self.learnability:
-            from vqserve.model import learnability as learn
 
             for row, held in zip(per_image, learn.held_out_bits(self.grids, tok.codebook_size) or [],
                                  strict=False):

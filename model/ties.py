@@ -38,6 +38,7 @@ from vqserve.model.quantizers.cdist import CdistVQ
 from vqserve.model.quantizers.l2_nearest import L2NearestCode
 from vqserve.model.quantizers.softmax_max import SoftmaxMaxVQ
 from vqserve.model.quantizers.squared_distance import SquaredDistanceVQ
+from vqserve.model.tokenizer import pixels_to_float
 
 DELTA = 1e-4        # default tie threshold (levels or relative): ~100x the measured fp32 noise
 MIN_DELTA = 1e-5    # a differing token with a margin below this is always a tie: delta >= it
@@ -175,7 +176,6 @@ def shares(counts: dict) -> dict:
 def fp32_latents(tokenizer, images) -> torch.Tensor:
     """Channel-last fp32 latents of uint8 ``[B,H,W,3]`` images, as ``tokenizer.encode``
     computes them before its quantizer (for the margins of the tokens it gives)."""
-    from vqserve.model.tokenizer import pixels_to_float
 
     if isinstance(images, np.ndarray):
         images = np.array(images)
@@ -190,7 +190,6 @@ def fp64_latents(tokenizer, images) -> torch.Tensor:
     """Channel-last pre-quantizer latents of uint8 ``[B,H,W,3]`` images, the encoder run in
     float64 on the CPU (a deep copy): the reference a tie is judged on. The pixels are made
     in fp32 first, exactly as every fp32 path makes them, then widened."""
-    from vqserve.model.tokenizer import pixels_to_float
 
     encoder = copy.deepcopy(tokenizer.encoder).to("cpu").double().eval()
     if isinstance(images, np.ndarray):

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from vqserve.export.formats.manifest import graph_roles
+from vqserve.export.formats.torchscript import load_torchscript
 from vqserve.model.precision import parse_dtype
 
 ISLAND = "island"
@@ -275,7 +277,6 @@ def check_torchscript(module, role: str, dtype: str, quantizer: str, factor: int
     records convolutions in the export dtype and the decisive quantizer ops in float32.
     """
     if isinstance(module, (str, Path)):
-        from vqserve.export.formats.torchscript import load_torchscript
 
         module = load_torchscript(module, device)
     rep = _report("torchscript", role, dtype)
@@ -371,7 +372,6 @@ def check_island(artifact_dir: str | Path, manifest: dict, role: str, loaded=Non
 def assert_island(artifact_dir: str | Path, manifest: dict, loaded: dict | None = None) -> dict:
     """Both graphs (the encode graph alone for an encode-only model); raises IslandError
     listing every problem. Returns {role: report}."""
-    from vqserve.export.formats.manifest import graph_roles
 
     loaded = loaded or {}
     reports = {role: check_island(artifact_dir, manifest, role, loaded.get(role))

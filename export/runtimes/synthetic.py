@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from vqserve.core.runtime_info import RuntimeInfo
+
 PREFIX = "synthetic:"
 CODEBOOK_SIZE = 64_000
 FACTOR = 8
@@ -114,7 +116,6 @@ class SyntheticRuntime:
             device = "synthetic:0"  # the kind alone, auto, cpu or cuda: the first simulated device
         self.device = simulated_device(device)
         self.name = model
-        from vqserve.core.runtime_info import RuntimeInfo
 
         self.info = RuntimeInfo(
             backend="synthetic", dtype="fp32", device=device, quantizer="vq",

@@ -23,7 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vqserve import __version__
 from vqserve.core.files import atomic_directory, sha256_file
+from vqserve.export.exporter import export_model
+from vqserve.export.formats.manifest import read_manifest
+from vqserve.export.runtimes.loader import load_runtime
+from vqserve.export.torchserve.handler import HANDLER_CONFIG, MODEL_SUBDIR, OUTPUTS
+from vqserve.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, resolve_model_path
 
 ARCHIVE_NAMES = {"encode": "vqserve-encode", "decode": "vqserve-decode"}
 BACKENDS = ("auto", "eager", "torchscript", "onnx", "pt2")
@@ -70,8 +76,6 @@ def _prepare_out(out: Path) -> None:
 def model_files(path: Path) -> list[str]:
     """The files the handler needs: a checkpoint's config + weights, or an artifact's
     manifest + every file it lists."""
-    from vqserve.export.formats.manifest import read_manifest
-    from vqserve.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 
     if (path / MANIFEST_NAME).is_file():
         return [MANIFEST_NAME, *sorted(read_manifest(path)["files"])]
@@ -85,7 +89,6 @@ def stage_model(model: str | os.PathLike, backend: str, dtype: str | None, dest:
 
     A checkpoint with an export backend is exported first (with its parity check);
     a checkpoint otherwise runs eager; an artifact directory runs its own format."""
-    from vqserve.model.checkpoint import resolve_model_path
 
     src = Path(str(model))
     if (src / MANIFEST_NAME).is_file():  # an artifact written by `vqserve export`
@@ -97,7 +100,6 @@ def stage_model(model: str | os.PathLike, backend: str, dtype: str | None, dest:
         return backend, dtype, src
     path = resolve_model_path(model)
     if backend in EXPORT_BACKENDS:
-        from vqserve.export.exporter import export_model
 
         log(f"exporting {model} to {backend} {dtype or 'fp32'} for the archives")
         export_model(path, backend, dtype or "fp32", dest, log=log, **(export_options or {}))
@@ -222,9 +224,6 @@ def build_archives(model: str | os.PathLike, out_dir: str | os.PathLike, backend
     The model is opened here with ``load_runtime``, as the worker will open it, before
     anything is archived: a build that succeeds holds a model the worker can open.
     """
-    from vqserve import __version__
-    from vqserve.export.runtimes.loader import load_runtime
-    from vqserve.export.torchserve.handler import HANDLER_CONFIG, MODEL_SUBDIR, OUTPUTS
 
     say = log or (lambda msg: None)
     check_settings(backend, batch_size, max_batch_delay_ms)

@@ -31,6 +31,8 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+from vqserve.core.lifetime import ending_with_this_thread
+
 INFERENCE_SERVICE = "org.pytorch.serve.grpc.inference.InferenceAPIsService"
 PROTO_FILES = ("inference.proto", "google/rpc/status.proto")
 
@@ -191,7 +193,6 @@ def _group_reaper(group: int, tmp: Path) -> subprocess.Popen | None:
     of ours reaches it) and removes its private folder when the process that started it
     ends, kill -9 included: a killed benchmark or test run leaves no Java server holding
     ports and memory. :meth:`TorchServe.stop` kills it first and stops the group itself."""
-    from vqserve.core.lifetime import ending_with_this_thread
 
     arm = ending_with_this_thread()
     if arm is None:  # not Linux: stop() is the only way the group ends

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.mixed_precision import low_precision_encoder
 from vqserve.model.tokenizer import pixels_to_float
 
@@ -87,7 +88,6 @@ def main(argv: list[str] | None, family: str, label: str, description: str | Non
     parser.add_argument("--photos", nargs="+", required=True, help="image files")
     add_measure_args(parser)
     args = parser.parse_args(argv)
-    from vqserve.model.checkpoint import load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(args.model)

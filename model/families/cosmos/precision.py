@@ -37,6 +37,8 @@ import sys
 import numpy as np
 import torch
 
+from vqserve.model.checkpoint import load_tokenizer
+from vqserve.model.families.cosmos.family import PRESETS, CosmosTokenizer, deterministic_weights
 from vqserve.model.families.flip_measure import VqservePath, add_measure_args, write_json
 from vqserve.model.precision import parse_dtype
 from vqserve.model.tokenizer import pixels_to_float
@@ -154,7 +156,6 @@ def load_photos(paths: list[str], size: int) -> np.ndarray:
 
 def random_tokenizer(preset: str, seed: int = 0):
     """A published architecture with ``deterministic_weights`` (no trained weights needed)."""
-    from vqserve.model.families.cosmos.family import PRESETS, CosmosTokenizer, deterministic_weights
 
     tokenizer = CosmosTokenizer(PRESETS[preset])
     tokenizer.load_state_dict(deterministic_weights(PRESETS[preset], seed))
@@ -162,7 +163,6 @@ def random_tokenizer(preset: str, seed: int = 0):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vqserve.model.families.cosmos.family import PRESETS
 
     parser = argparse.ArgumentParser(prog="python -m vqserve.model.families.cosmos.precision",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.model:
-        from vqserve.model.checkpoint import load_tokenizer
 
         tokenizer = load_tokenizer(args.model)
     else:
