@@ -37,8 +37,10 @@ from vqserve.commands.common import (
     resolve_env_fallbacks,
     switch,
 )
-from vqserve.serve.engine.planning import (
-    DEFAULT_PLAN_BUDGET_S,  # standard library only: cheap for --help
+from vqserve.core.machine import available_cores
+from vqserve.serve.engine.planning import (  # standard library only: cheap for --help
+    DEFAULT_PLAN_BUDGET_S,
+    daemon_work_in_flight,
 )
 
 # Every serve setting can come from the environment (the container's entrypoint is plain
@@ -209,7 +211,6 @@ def resolve_frontends(value, model: str, device: str) -> int:
     """``auto``: by the device the model will run on (serve/split/executor.py default_frontends)."""
     if value != "auto":
         return int(value)
-    from vqserve.core.machine import available_cores
     from vqserve.export.runtimes.synthetic import is_synthetic
     from vqserve.serve.split.pool import default_frontends
 
@@ -384,8 +385,6 @@ def exit_now_if_loading(status: int) -> None:
     exception") instead of exiting ``status``."""
     import logging
     import os
-
-    from vqserve.serve.engine.planning import daemon_work_in_flight
 
     if daemon_work_in_flight():
         logging.shutdown()
