@@ -12,6 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
+from vqserve.export.torchserve.archives import ARCHIVE_NAMES
+from vqserve.export.torchserve.server import INFERENCE_SERVICE, predictions_messages
+from vqserve.serve.api import codec
+
 PROTOCOLS = ("v1", "oip", "torchserve")
 CALL_TIMEOUT_S = 300.0
 
@@ -57,7 +61,6 @@ async def _first(result: Awaitable[np.ndarray]) -> np.ndarray:
 def oip_request(method: str, x: np.ndarray):
     """A ModelInfer request of ``x`` (a whole batch) to ``vqserve-encode`` or ``-decode``."""
     from vqserve.serve._proto import grpc_predict_v2_pb2 as pb
-    from vqserve.serve.api import codec
 
     model, name = ("vqserve-encode", "images") if method == "encode" else ("vqserve-decode", "indices")
     x = np.ascontiguousarray(x)
@@ -68,8 +71,6 @@ def oip_request(method: str, x: np.ndarray):
 
 def oip_array(reply) -> np.ndarray:
     """The first output of a ModelInfer response as an array."""
-    from vqserve.serve.api import codec
-
     out = reply.outputs[0]
     dtype = np.dtype(codec.OIP_TO_NUMPY[out.datatype]).newbyteorder("<")
     return np.frombuffer(reply.raw_output_contents[0], dtype).reshape(tuple(out.shape))
@@ -91,9 +92,6 @@ _TS_MESSAGES: tuple | None = None
 
 
 def _torchserve_call(channel, method: str) -> Call:
-    from vqserve.export.torchserve.archives import ARCHIVE_NAMES
-    from vqserve.export.torchserve.server import INFERENCE_SERVICE, predictions_messages
-
     global _TS_MESSAGES
     if _TS_MESSAGES is None:
         _TS_MESSAGES = predictions_messages()

@@ -29,6 +29,7 @@ import numpy as np
 
 from vqserve.bench.calls import CALL_TIMEOUT_S, connect
 from vqserve.core.lifetime import die_with_parent
+from vqserve.export.plan import choose_plan
 from vqserve.export.runtimes.execution import PlannedRuntime, warm_allocator
 
 CAPACITY = "in-process-capacity"
@@ -243,7 +244,6 @@ def _closed_loop_row(mode: str, clients: int, results: list[tuple[int, float, np
 def planned_in_process(model: str, args):
     """The runtime as ``vqserve serve --plan auto`` runs it here: the cached plan's dtype and
     plan (measured now if the server did not), wrapped in ``PlannedRuntime``."""
-    from vqserve.export.plan import choose_plan
     from vqserve.export.runtimes.loader import resolve_device
 
     device = resolve_device(args.device)

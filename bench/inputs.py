@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.model.photos import load_builtin_photo
+
 # whole colour photographs that ship inside scikit-image (never matplotlib's or sklearn's)
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field",
           "immunohistochemistry", "retina", "stereo_motorcycle_left")
@@ -21,8 +23,6 @@ def bench_photos(size: int) -> np.ndarray:
     """The benchmark images: each whole photograph centre-cropped to a square and resized
     (bicubic) to ``size`` x ``size``; uint8 ``[N,size,size,3]``."""
     from PIL import Image
-
-    from vqserve.model.photos import load_builtin_photo
 
     out = []
     for name in PHOTOS:

@@ -28,11 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vqserve.bench.calls import oip_array, oip_request
 from vqserve.bench.executor_load import run_executor_load
 from vqserve.bench.processes import gather_reports, process_tree, spawn_reporters
 from vqserve.bench.profiling import ProfileRequest, TreeSampler, describe
-from vqserve.bench.servers import fetch_metrics
+from vqserve.bench.servers import fetch_metrics, start_server
 from vqserve.core.lifetime import die_with_parent
+from vqserve.export.runtimes.synthetic import capacity, is_synthetic, parse_synthetic
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -85,8 +87,6 @@ def request_bytes(case: LoadCase, images: np.ndarray) -> tuple[str, bytes]:
         return "/vqserve.v1.Tokenizer/Encode", msg.SerializeToString()
     if case.payload != "raw":
         raise ValueError(f"{case.label}: OIP takes raw UINT8 tensors only (JPEG goes through v1)")
-    from vqserve.bench.calls import oip_request
-
     return "/inference.GRPCInferenceService/ModelInfer", oip_request("encode", batch).SerializeToString()
 
 
@@ -360,7 +360,6 @@ def reply_tokens(case: LoadCase, reply: bytes) -> np.ndarray | None:
         from vqserve.serve.api.v1 import tensor_array
 
         return tensor_array(pb.EncodeResponse.FromString(reply).indices, "indices")
-    from vqserve.bench.calls import oip_array
     from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
 
     return oip_array(oip.ModelInferResponse.FromString(reply))
@@ -383,8 +382,6 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
     the rounds, one more window of that case on each layout it names, its servers sampled
     by py-spy (bench/profiling.py); its summary is the ``profile`` of that case's row."""
     import argparse
-
-    from vqserve.bench.servers import start_server
 
     for kind in kinds:
         check_kind(kind)
@@ -478,8 +475,6 @@ def profiled_window(profile: ProfileRequest, name: str, case: LoadCase, target: 
 
 def capacity_of(model: str) -> float | None:
     """Images/s at 256x256 a ``synthetic:N`` device can do; None for a real model (or N = 0)."""
-    from vqserve.export.runtimes.synthetic import capacity, is_synthetic, parse_synthetic
-
     if not is_synthetic(model):
         return None
     rate = capacity(parse_synthetic(model))

@@ -22,10 +22,13 @@ import json
 
 import numpy as np
 
+from vqserve.core.machine import available_cores
+from vqserve.export.plan import images_per_second
+from vqserve.export.runtimes.execution import PlannedRuntime, apply_intra_op_threads, plan_for
+from vqserve.model.photos import BUILTIN_TRAIN, BUILTIN_VAL, load_builtin_photo
+
 
 def _photos(size: int, count: int) -> np.ndarray:
-    from vqserve.model.photos import BUILTIN_TRAIN, BUILTIN_VAL, load_builtin_photo
-
     out = []
     for name in (*BUILTIN_VAL, *BUILTIN_TRAIN):
         img = load_builtin_photo(name)
@@ -52,9 +55,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from vqserve.core.machine import available_cores
-    from vqserve.export.plan import images_per_second
-    from vqserve.export.runtimes.execution import PlannedRuntime, apply_intra_op_threads, plan_for
     from vqserve.export.runtimes.loader import load_runtime
 
     cores = available_cores()

@@ -16,6 +16,14 @@ from collections.abc import Callable
 
 import torch
 
+from vqserve.model import (
+    FSQ,
+    LFQ,
+    Tokenizer,
+    TokenizerConfig,
+    default_tokenizer_available,
+    load_tokenizer,
+)
 from vqserve.model.precision import cast_to
 
 
@@ -40,7 +48,6 @@ def bench_quantizers(tokens: int, repeats: int) -> list[dict]:
     except ImportError as exc:  # a test extra, not a runtime dependency
         raise SystemExit("vqserve bench quantizers needs vector-quantize-pytorch: "
                          "pip install 'vqserve[test]'") from exc
-    from vqserve.model import FSQ, LFQ
 
     rows = []
     cases = [
@@ -63,13 +70,6 @@ def bench_quantizers(tokens: int, repeats: int) -> list[dict]:
 
 def bench_island(size: int, batch: int, repeats: int) -> dict:
     """Share of a bf16 encode spent in the fp32 quantizer (the island's whole cost)."""
-    from vqserve.model import (
-        Tokenizer,
-        TokenizerConfig,
-        default_tokenizer_available,
-        load_tokenizer,
-    )
-
     tok = load_tokenizer("default") if default_tokenizer_available() else Tokenizer(TokenizerConfig()).eval()
     tok = tok.to(torch.bfloat16).to(memory_format=torch.channels_last)
     images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8)

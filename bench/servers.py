@@ -19,6 +19,8 @@ from pathlib import Path
 
 from vqserve.core.lifetime import ending_with_this_thread
 from vqserve.core.machine import available_cores
+from vqserve.export.torchserve.archives import ARCHIVE_NAMES, build_archives
+from vqserve.export.torchserve.server import TorchServe
 
 TORCHSERVE_PORTS = (19000, 19099)
 PLAN_WAIT_S = 600.0  # the server's plan budget (120 s by default) plus loading and the switch
@@ -169,9 +171,6 @@ def start_torchserve(model: str, args, workdir: Path, log=print, workers: int = 
     archive for ``args.method`` with ``workers`` workers (``initial_workers``; each on
     ``args.threads`` threads). ``name``: its run directory under ``workdir``, so two
     TorchServes can run from one store. Returns the running ``TorchServe``."""
-    from vqserve.export.torchserve.archives import ARCHIVE_NAMES, build_archives
-    from vqserve.export.torchserve.server import TorchServe
-
     delay = int(round(args.max_delay_ms))
     batch = batch_size or args.max_batch_size
     store = workdir / "store"

@@ -36,6 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
+from vqserve.bench.calls import connect
+from vqserve.bench.inputs import bench_model, bench_photos
+from vqserve.bench.processes import tree_memory
+from vqserve.bench.servers import start_server
+
 OPS = ("v1-encode", "v1-decode", "oip-encode", "oip-decode", "v1-encode-stream",
        "v1-decode-stream")
 STREAM_MESSAGES = 4   # messages per stream call
@@ -46,8 +51,6 @@ DECODE_TOLERANCE = 1  # grey levels: CPU kernels may round differently by batch 
 def rss_bytes(pid: int) -> tuple[int, int]:
     """Resident memory of the server ``pid`` now, all its processes together (``/proc``, as
     the benchmark reads it), and how many processes that is."""
-    from vqserve.bench.processes import tree_memory
-
     tree = tree_memory(pid)
     return int(tree["rss_mb"] * 2**20), len(tree["processes"])
 
@@ -203,7 +206,6 @@ class Soak:
         once); v1 unary requests carry one or two images, streams one per message, OIP one."""
         import grpc
 
-        from vqserve.bench.calls import connect
         from vqserve.serve.clients import AsyncTokenizerClient, ServerError
 
         n = len(self.images)
@@ -319,9 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("duration", "clients", "window", "size", "images"):
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive")
-
-    from vqserve.bench.inputs import bench_model, bench_photos
-    from vqserve.bench.servers import start_server
 
     tmp = tempfile.TemporaryDirectory(prefix="vqserve-soak-")
     model = bench_model(args.model, Path(tmp.name))

@@ -30,6 +30,8 @@ import numpy as np
 from vqserve.core import images
 from vqserve.core.lifetime import StopSignals
 from vqserve.core.machine import available_cores
+from vqserve.export.plan import PlanChoice
+from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 from vqserve.offline import shards, sources
 from vqserve.offline.committer import Committer
 from vqserve.offline.errors import TokenizeError
@@ -69,13 +71,10 @@ class TokenizerActor:
         local = "cuda" if device.startswith("cuda") else device
         chosen = None
         if plan is not None:  # the driver's plan: the backend and micro-batches the local engine runs
-            from vqserve.export.plan import PlanChoice
-
             chosen = PlanChoice.from_dict(plan)
             self.runtime = chosen.load(model, backend, local, expect_hash)
         else:
             self.runtime = load_runtime(model, backend=backend, dtype=dtype, device=local, expect_hash=expect_hash)
-        from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 
         # the same arithmetic as the server and the local engine; on a CPU the actors are
         # the parallelism, so each runs one model call at a time

@@ -37,6 +37,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from vqserve.core.machine import cpu_flags as all_flags
+from vqserve.model import load_tokenizer
+from vqserve.model.evaluation import _centre_crop_multiple
+from vqserve.model.mixed_precision import branch_convolutions, mixed_encoder
+from vqserve.model.photos import BUILTIN_VAL, load_builtin_photo
+from vqserve.model.tokenizer import pixels_to_float
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -47,20 +54,14 @@ class Candidate:
 
 
 def _branch(which: tuple[str, ...]) -> Callable[[nn.Module], list[str]]:
-    from vqserve.model.mixed_precision import branch_convolutions
-
     return lambda enc: branch_convolutions(enc, which)
 
 
 def _branch_but_last_block(enc: nn.Module) -> list[str]:
-    from vqserve.model.mixed_precision import branch_convolutions
-
     return branch_convolutions(enc)[:-2]
 
 
 def _branch_of_last_block(enc: nn.Module) -> list[str]:
-    from vqserve.model.mixed_precision import branch_convolutions
-
     return branch_convolutions(enc)[-2:]
 
 
@@ -85,8 +86,6 @@ def candidates() -> dict[str, Candidate]:
 
 
 def build_encoder(tokenizer, cand: Candidate) -> nn.Module:
-    from vqserve.model.mixed_precision import mixed_encoder
-
     if cand.dtype == "fp32":
         return tokenizer.encoder.eval()
     return mixed_encoder(tokenizer.encoder, cand.dtype, cand.layers(tokenizer.encoder))[0]
@@ -94,8 +93,6 @@ def build_encoder(tokenizer, cand: Candidate) -> nn.Module:
 
 def encode_with(tokenizer, encoder: nn.Module, images_u8: np.ndarray) -> torch.Tensor:
     """uint8 ``[B,H,W,3]`` -> indices, exactly as ``Tokenizer.encode`` (NCHW, quantizer fp32)."""
-    from vqserve.model.tokenizer import pixels_to_float
-
     x = pixels_to_float(torch.from_numpy(np.ascontiguousarray(images_u8)), tokenizer.pixel_range)
     with torch.no_grad():
         return tokenizer.quantize(encoder(x))[1]
@@ -120,16 +117,11 @@ def low_precision_mac_share(encoder: nn.Module, size: int = 64) -> float:
 
 
 def selection_photos(factor: int) -> list[tuple[str, np.ndarray]]:
-    from vqserve.model.evaluation import _centre_crop_multiple
-    from vqserve.model.photos import BUILTIN_VAL, load_builtin_photo
-
     return [(name, _centre_crop_multiple(load_builtin_photo(name), factor)) for name in BUILTIN_VAL]
 
 
 def report_photos(paths: list[str], factor: int, max_side: int) -> list[tuple[str, np.ndarray]]:
     from PIL import Image
-
-    from vqserve.model.evaluation import _centre_crop_multiple
 
     files: list[Path] = []
     for p in map(Path, paths):
@@ -186,14 +178,10 @@ def interleaved_speed(fns: dict[str, Callable[[], object]], rounds: int, repeats
 
 def cpu_flags() -> list[str]:
     """The flags that decide low-precision speed, as reported in the frontier's JSON."""
-    from vqserve.core.machine import cpu_flags as all_flags
-
     return sorted(f for f in all_flags() if f.startswith(("avx512_bf16", "avx512_fp16", "amx", "avx512f", "avx_vnni")))
 
 
 def run(args: argparse.Namespace, log=print) -> dict:
-    from vqserve.model import load_tokenizer
-
     torch.set_num_threads(1)  # the execution plan: one intra-op thread per model call, batch 1
     tok = load_tokenizer(args.model).eval()
     f = tok.factor

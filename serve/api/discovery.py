@@ -15,6 +15,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from vqserve.serve._proto import grpc_predict_v2_pb2, tokenizer_pb2
 from vqserve.serve.api.errors import BadMessage, safe_deserializer
 
 
@@ -140,8 +141,6 @@ def _reflection_pool():
     """One pool holding every served service's file (the OIP stubs live in a private pool),
     both reflection versions included."""
     from google.protobuf import descriptor_pool
-
-    from vqserve.serve._proto import grpc_predict_v2_pb2, tokenizer_pb2
 
     pool = descriptor_pool.DescriptorPool()
     for module in (tokenizer_pb2, grpc_predict_v2_pb2, health_pb2, reflection_pb2):

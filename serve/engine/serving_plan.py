@@ -53,6 +53,7 @@ class ServingPlan:
         """(plan, measure later?): the plan ``--plan`` names (``export.plan.find_plan``);
         with ``--plan auto`` and none cached, None and True: the safe plan serves while the
         measurement runs."""
+        # here, not at the top: the planner (~12 ms of imports) would delay binding the port
         from vqserve.export.plan import find_plan
 
         cfg = self.config

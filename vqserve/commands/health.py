@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from vqserve.commands._client import check_timeout, plaintext_hint
+
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=os.environ.get("VQSERVE_HEALTH_SERVER", "localhost:50051"),
@@ -29,7 +31,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from vqserve.commands._client import check_timeout, plaintext_hint
     from vqserve.serve.clients import check_health
 
     check_timeout(args.timeout)

@@ -28,7 +28,15 @@ import platform
 import time
 from collections.abc import Callable
 
-from vqserve.core.machine import cpu_flags  # noqa: F401 - re-exported: `vqserve info` reports it
+from vqserve import __version__
+from vqserve.core.machine import (
+    affinity_cores,
+    available_cores,
+    available_memory,
+    cpu_flags,  # noqa: F401 - re-exported: `vqserve info` reports it
+    cpu_quota_cores,
+    memory_limit_bytes,
+)
 
 LOW_PRECISION = ("bf16", "fp16")
 # CPU flags for native arithmetic in each dtype: x86 lists them under "flags", Arm under
@@ -158,24 +166,18 @@ def low_precision_facts(probe: bool = True) -> dict:
 def cores_facts() -> dict:
     """The cores serve and tokenize size themselves by (``usable``), and where that number
     comes from: the affinity mask, capped by the CPU quota (a container's CPU limit)."""
-    from vqserve.core.machine import affinity_cores, available_cores, cpu_quota_cores
-
     return {"usable": available_cores(), "affinity_mask": affinity_cores(), "cpu_quota": cpu_quota_cores()}
 
 
 def memory_facts() -> dict:
     """The memory the server sizes its CPU model calls by (``usable``, bytes): the RAM,
     capped by a memory limit (a container's)."""
-    from vqserve.core.machine import available_memory, memory_limit_bytes
-
     return {"usable": available_memory(), "limit": memory_limit_bytes()}
 
 
 def collect(probe: bool = True) -> dict:
     """Gather facts cheaply: import only what is needed to report it."""
     import torch
-
-    from vqserve import __version__
 
     facts: dict = {
         "vqserve": __version__,

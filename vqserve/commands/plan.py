@@ -29,10 +29,15 @@ import json
 import sys
 import time
 
+from vqserve.commands.common import (
+    UsageError,
+    add_model_args,
+    check_model_exists,
+    min_agreement_for,
+)
+
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
-    from vqserve.commands.common import UsageError
-
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
@@ -43,8 +48,6 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    from vqserve.commands.common import add_model_args
-
     add_model_args(parser, dtype_auto=True)
     parser.add_argument("--out", default=None, metavar="FILE",
                         help="also write the decision as a plan file, for `vqserve serve --plan FILE` and "
@@ -74,8 +77,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vqserve.commands.common import UsageError, check_model_exists, min_agreement_for
-
     if args.background:  # measuring for a server: below its priority, never outliving it
         import signal
 

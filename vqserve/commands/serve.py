@@ -38,8 +38,10 @@ from vqserve.commands.common import (
     switch,
 )
 from vqserve.core.identity import check_expected_hash
-from vqserve.serve.engine.planning import (
-    DEFAULT_PLAN_BUDGET_S,  # standard library only: cheap for --help
+from vqserve.core.machine import available_cores
+from vqserve.serve.engine.planning import (  # standard library only: cheap for --help
+    DEFAULT_PLAN_BUDGET_S,
+    daemon_work_in_flight,
 )
 
 # Every serve setting can come from the environment (the container's entrypoint is plain
@@ -210,7 +212,6 @@ def resolve_frontends(value, model: str, device: str) -> int:
     """``auto``: by the device the model will run on (serve/split/executor.py default_frontends)."""
     if value != "auto":
         return int(value)
-    from vqserve.core.machine import available_cores
     from vqserve.export.runtimes.synthetic import is_synthetic
     from vqserve.serve.split.pool import default_frontends
 
@@ -385,8 +386,6 @@ def exit_now_if_loading(status: int) -> None:
     exception") instead of exiting ``status``."""
     import logging
     import os
-
-    from vqserve.serve.engine.planning import daemon_work_in_flight
 
     if daemon_work_in_flight():
         logging.shutdown()

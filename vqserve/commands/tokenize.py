@@ -47,6 +47,7 @@ from vqserve.commands.common import (
     UsageError,
     add_expect_hash,
     add_model_args,
+    min_agreement_for,
     model_ref,
     plan_choice,
 )
@@ -134,7 +135,6 @@ def _chosen_plan(args: argparse.Namespace, device: str):
     dtype it picks decides the tokens, so it is chosen before the first one."""
     import os
 
-    from vqserve.commands.common import min_agreement_for
     from vqserve.export.plan import choose_plan, find_plan
 
     plan = plan_choice(args.plan or os.environ.get("VQSERVE_PLAN") or "auto")
