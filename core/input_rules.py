@@ -19,12 +19,17 @@ from __future__ import annotations
 import numpy as np
 
 
-def check_spatial(h: int, w: int, factor: int) -> None:
+def spatial_rule(h: int, w: int, factor: int) -> str | None:
+    """The size rule of an image, in its one wording (the model, every runtime, the server)."""
     if h == 0 or w == 0 or h % factor or w % factor:
-        raise ValueError(
-            f"image height and width must be positive multiples of the downsampling factor {factor}, "
-            f"got {h}x{w}"
-        )
+        return f"H and W must be positive multiples of the downsampling factor {factor}, got {h}x{w}"
+    return None
+
+
+def check_spatial(h: int, w: int, factor: int) -> None:
+    rule = spatial_rule(h, w, factor)
+    if rule:
+        raise ValueError(f"images: {rule}")
 
 
 def check_image_batch(shape: tuple, is_uint8: bool, dtype_name: str, factor: int, hint: str = "") -> None:
@@ -77,11 +82,9 @@ def check_indices(indices, codebook_size: int, codes_per_position: int = 1) -> n
     if indices.dtype.kind not in "iu":
         raise ValueError(f"indices must be an integer array, got {indices.dtype}")
     check_index_shape(tuple(indices.shape), codes_per_position)
-    lo, hi = int(indices.min()), int(indices.max())
-    if lo < 0 or hi >= codebook_size:
-        raise ValueError(
-            f"indices must lie in [0, {codebook_size - 1}], got values in [{lo}, {hi}]"
-        )
+    rule = index_range_rule(indices, codebook_size)
+    if rule:
+        raise ValueError(f"indices: {rule}")
     return np.ascontiguousarray(indices, dtype=np.int64)
 
 
@@ -90,8 +93,9 @@ def check_indices(indices, codebook_size: int, codes_per_position: int = 1) -> n
 # reach a runtime, with the per-image limit a server sets (--max-pixels). Each returns the
 # broken rule as text, or None; the caller names the field in its own protocol's way.
 def image_size_rule(h: int, w: int, factor: int, max_pixels: int) -> str | None:
-    if h == 0 or w == 0 or h % factor or w % factor:
-        return f"H and W must be positive multiples of the downsampling factor {factor}, got {h}x{w}"
+    rule = spatial_rule(h, w, factor)
+    if rule:
+        return rule
     if h * w > max_pixels:
         return f"{h}x{w} = {h * w} pixels per image exceeds the limit {max_pixels}"
     return None
@@ -107,9 +111,14 @@ def index_grid_rule(h: int, w: int, factor: int, max_pixels: int) -> str | None:
     return None
 
 
-def index_range_rule(indices: np.ndarray, codebook_size: int) -> str | None:
-    lo, hi = int(indices.min()), int(indices.max())
+def index_range_text(lo: int, hi: int, codebook_size: int) -> str | None:
+    """The range rule of token indices, in its one wording, from their least and greatest value
+    (the eager model's torch check, every runtime's numpy check and the server's)."""
     if lo < 0 or hi >= codebook_size:
         return (f"every index must lie in [0, {codebook_size - 1}] (codebook size {codebook_size}), "
                 f"got values in [{lo}, {hi}]")
     return None
+
+
+def index_range_rule(indices: np.ndarray, codebook_size: int) -> str | None:
+    return index_range_text(int(indices.min()), int(indices.max()), codebook_size)

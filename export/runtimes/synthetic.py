@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from vqserve.core.input_rules import index_range_text
 from vqserve.core.runtime_info import RuntimeInfo
 
 PREFIX = "synthetic:"
@@ -145,8 +146,9 @@ class SyntheticRuntime:
         indices = np.asarray(indices)
         if indices.dtype.kind not in "iu" or indices.ndim != 3:
             raise ValueError(f"indices must be an integer [B,h,w] array, got {indices.dtype} {list(indices.shape)}")
-        if indices.size and (indices.min() < 0 or indices.max() >= CODEBOOK_SIZE):
-            raise ValueError(f"indices must lie in [0, {CODEBOOK_SIZE})")
+        rule = index_range_text(int(indices.min()), int(indices.max()), CODEBOOK_SIZE) if indices.size else None
+        if rule:
+            raise ValueError(f"indices: {rule}")
         b, h, w = indices.shape
         grey = (indices % 256).astype(np.uint8)
         pixels = np.repeat(np.repeat(grey, FACTOR, axis=1), FACTOR, axis=2)

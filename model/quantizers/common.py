@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from vqserve.core.input_rules import index_range_text
 from vqserve.model.precision import QUANTIZER_DTYPE
 
 
@@ -39,8 +40,6 @@ def check_indices(indices: torch.Tensor, codebook_size: int, who: str) -> None:
     if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
         raise ValueError(f"{who}: indices must be an integer tensor, got {indices.dtype}")
     if indices.numel() and not torch.jit.is_tracing() and not torch.compiler.is_compiling():
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0 or hi >= codebook_size:
-            raise ValueError(
-                f"{who}: indices must lie in [0, {codebook_size - 1}], got values in [{lo}, {hi}]"
-            )
+        rule = index_range_text(int(indices.min()), int(indices.max()), codebook_size)
+        if rule:
+            raise ValueError(f"{who}: {rule}")

@@ -167,7 +167,7 @@ def test_published_architectures(tmp_path):
 
 def test_bad_indices_and_inputs_are_clear_errors(toks):
     tok = toks["f8"]
-    with pytest.raises(ValueError, match=r"indices must lie in \[0, 63999\]"):
+    with pytest.raises(ValueError, match=r"every index must lie in \[0, 63999\]"):
         tok.decode(torch.full((1, 2, 2), 64000))
     with pytest.raises(ValueError, match="multiples of the downsampling factor 8"):
         tok.encode(torch.zeros(1, 12, 16, 3, dtype=torch.uint8))

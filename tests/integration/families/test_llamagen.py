@@ -160,7 +160,7 @@ def test_low_precision_latents_are_searched_in_fp32(autocast):
 
 
 def test_bad_indices_and_inputs_are_clear_errors(tok):
-    with pytest.raises(ValueError, match=r"indices must lie in \[0, 511\]"):
+    with pytest.raises(ValueError, match=r"every index must lie in \[0, 511\]"):
         tok.decode(torch.full((1, 2, 2), 512))
     with pytest.raises(ValueError, match="multiples of the downsampling factor 4"):
         tok.encode(torch.zeros(1, 6, 8, 3, dtype=torch.uint8))

@@ -162,7 +162,7 @@ def test_quantizer_keeps_fp32_state_and_rejects_bad_indices(tok):
     assert q.mask.dtype == torch.int64 and q.codebook_size == 2 ** 18
     idx = torch.randint(0, 2 ** 18, (3, 5), generator=torch.Generator().manual_seed(0))
     assert torch.equal(q(q.indices_to_codes(idx))[1], idx)
-    with pytest.raises(ValueError, match=r"indices must lie in \[0, 1023\]"):
+    with pytest.raises(ValueError, match=r"every index must lie in \[0, 1023\]"):
         tok.decode(torch.full((1, 2, 2), 1024))
     with pytest.raises(ValueError, match="multiples of the downsampling factor 4"):
         tok.encode(torch.zeros(1, 6, 8, 3, dtype=torch.uint8))

@@ -87,7 +87,7 @@ def test_decode_validates_indices_before_running(ts_fp32):
     rt = load_runtime(ts_fp32)
     good = np.zeros((1, 2, 2), np.uint16)
     assert rt.decode(good).shape == (1, 16, 16, 3)
-    with pytest.raises(ValueError, match=r"indices must lie in \[0, 999\], got values in \[1000, 1000\]"):
+    with pytest.raises(ValueError, match=r"indices: every index must lie in \[0, 999\] \(codebook size 1000\), got values in \[1000, 1000\]"):
         rt.decode(np.full((1, 2, 2), 1000, np.uint16))
     with pytest.raises(ValueError, match=r"\[0, 999\]"):
         rt.decode(np.full((1, 2, 2), -1, np.int64))
