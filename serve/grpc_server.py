@@ -39,7 +39,7 @@ from vqserve.serve.api.gates import BearerTokenAuth, StreamGate
 from vqserve.serve.config import ServerConfig
 from vqserve.serve.logs import event as _event
 from vqserve.serve.metrics import Metrics, start_metrics_endpoint, stop_metrics_endpoint
-from vqserve.serve.preflight import PortInUseError, check_port_free, check_tls_pair
+from vqserve.serve.preflight import PortInUseError, check_before_start
 from vqserve.serve.split.listeners import Listeners
 from vqserve.serve.state import ServerState
 
@@ -80,12 +80,7 @@ class TokenizerServer:
 
         A port in use raises :class:`PortInUseError` and leaves nothing running, so the
         event loop can close without a half-started gRPC server to clean up after."""
-        cfg = self.config
-        if not self.share_port:  # a front-end's executor checked the pair and reserved the port
-            check_tls_pair(cfg.tls_cert, cfg.tls_key)  # one line, before any port or process
-            check_port_free("gRPC", cfg.host, cfg.port)
-        if cfg.metrics_port > 0:
-            check_port_free("metrics", cfg.metrics_host, cfg.metrics_port)
+        check_before_start(self.config, port_reserved=self.share_port)
         try:
             return await self._start()
         except BaseException:

@@ -87,3 +87,14 @@ def check_tls_pair(cert: str | None, key: str | None) -> None:
         return
     raise ValueError(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate chain and its "
                      f"private key ({why})")
+
+
+def check_before_start(cfg, port_reserved: bool = False) -> None:
+    """What every serving process checks before it binds or starts anything, each mistake one
+    line: the TLS pair and the gRPC port (unless ``port_reserved``: a front-end's executor
+    checked the pair and reserved the port it shares), and an explicit metrics port."""
+    if not port_reserved:
+        check_tls_pair(cfg.tls_cert, cfg.tls_key)  # one line, before any port or process
+        check_port_free("gRPC", cfg.host, cfg.port)
+    if cfg.metrics_port > 0:
+        check_port_free("metrics", cfg.metrics_host, cfg.metrics_port)

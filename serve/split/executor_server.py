@@ -23,7 +23,7 @@ from vqserve.serve.engine.local import LocalModel
 from vqserve.serve.grpc_server import log_listening
 from vqserve.serve.logs import event as _event
 from vqserve.serve.metrics import Metrics, start_metrics_endpoint, stop_metrics_endpoint
-from vqserve.serve.preflight import check_port_free, check_tls_pair
+from vqserve.serve.preflight import check_before_start
 from vqserve.serve.split.executor import ExecutorService
 from vqserve.serve.split.pool import FrontendPool, reserve_port
 from vqserve.serve.state import ServerState
@@ -55,11 +55,7 @@ class ExecutorServer:
     async def start(self) -> int:
         """Reserve the port, listen for the front-ends, start them and ``/metrics``; the model
         loads in the background. Nothing is left running when a step fails."""
-        cfg = self.config
-        check_tls_pair(cfg.tls_cert, cfg.tls_key)  # one line, before any port or process
-        check_port_free("gRPC", cfg.host, cfg.port)
-        if cfg.metrics_port > 0:
-            check_port_free("metrics", cfg.metrics_host, cfg.metrics_port)
+        check_before_start(self.config)
         try:
             return await self._start()
         except BaseException:

@@ -102,9 +102,9 @@ def test_metrics_port_taken_after_grpc_started_leaves_nothing_behind(monkeypatch
     """The race the pre-check cannot see: gRPC is up when the metrics bind fails. The server
     must be stopped before the loop closes (no "Event loop is closed", no un-awaited
     AioServer.shutdown)."""
-    from vqserve.serve import grpc_server as server
+    from vqserve.serve import preflight
 
-    monkeypatch.setattr(server, "check_port_free", lambda *a: None)
+    monkeypatch.setattr(preflight, "check_port_free", lambda *a: None)
     with listening(RACE_BUSY), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rc = main(["serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(RACE_BUSY)])
@@ -118,9 +118,9 @@ def test_metrics_port_taken_after_grpc_started_leaves_nothing_behind(monkeypatch
 
 
 def test_grpc_bind_failure_after_the_check_is_still_one_error(monkeypatch, capsys, unraisable):
-    from vqserve.serve import grpc_server as server
+    from vqserve.serve import preflight
 
-    monkeypatch.setattr(server, "check_port_free", lambda *a: None)
+    monkeypatch.setattr(preflight, "check_port_free", lambda *a: None)
     with listening(RACE_BUSY):
         rc = main(["serve", "--host", "0.0.0.0", "--port", str(RACE_BUSY), "--metrics-port", "-1"])
         gc.collect()
