@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve.core import images
-from vqserve.core.files import sha256_file
+from vqserve.core.files import atomic_write, sha256_file
 from vqserve.offline import pipeline, shards
 from vqserve.offline.engine import EXECUTORS_PER_DEVICE, device_kind, parse_devices
 from vqserve.offline.job import Job, Settings
@@ -101,7 +101,7 @@ def replicate_folder(src: Path, dst: Path, rows: int, shard_rows: int = 1000) ->
         total += n
     manifest.update(shards=listed, totals={"images": total, "rows": total, "errors": 0,
                                            "shards": len(listed)})
-    shards.write_atomically(layout.manifest_path(dst),
+    atomic_write(layout.manifest_path(dst),
                             lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True)))
     return total
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from vqserve import __version__
 from vqserve.core import images
-from vqserve.core.files import sha256_file
+from vqserve.core.files import TMP_PREFIX, atomic_write_bytes, sha256_file
 from vqserve.core.identity import run_identity
 from vqserve.core.lifetime import stop_status
 from vqserve.core.machine import machine_record, same_arithmetic
@@ -73,7 +73,7 @@ class Settings:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    shards.write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    atomic_write_bytes(path, text.encode("utf-8"))  # the user's data: durable
 
 
 def runtime_machine(info: dict) -> dict:
@@ -196,7 +196,7 @@ class Job:
             raise TokenizeError(f"no images found in {' '.join(self.inputs)}")
         self.out.mkdir(parents=True, exist_ok=True)
         for folder in {self.out, self.manifest_path.parent}:
-            for stale in folder.glob(f"{shards.TMP_PREFIX}*"):
+            for stale in folder.glob(f"{TMP_PREFIX}*"):
                 stale.unlink()  # our own half-written files from a killed run
         if not self.manifest_path.exists():
             self._write_manifest(complete=False)

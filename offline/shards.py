@@ -32,10 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vqserve.core import files
 from vqserve.core.files import atomic_write
 
-TMP_PREFIX = files.TMP_PREFIX
 META_FINGERPRINT = b"vqserve.fingerprint"
 META_PLAN = b"vqserve.plan"
 META_ERRORS = b"vqserve.errors"
@@ -129,12 +127,6 @@ def schema(index_dtype: str):
     return pa.schema(fields)
 
 
-def write_atomically(final: Path, write) -> None:
-    """Write through ``write(tmp_path)``, fsync, rename to ``final``, fsync the folder: a
-    file with a final name is always complete (shards, the manifest, the error log)."""
-    atomic_write(final, write, durable=True)
-
-
 def write_parquet_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str, fingerprint: str,
                         plan: str, errors: list[dict], layout: Layout = CURRENT_LAYOUT) -> None:
     """One Parquet file (zstd, one row group; none for a shard whose images all failed,
@@ -162,7 +154,7 @@ def write_parquet_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str,
             pq.write_table(table, tmp, compression="zstd", row_group_size=max(1, len(rows)))
         else:  # no row group at all: an empty one makes `datasets` ask pyarrow for batches of 0
             pq.ParquetWriter(tmp, sch, compression="zstd").close()
-    write_atomically(final, write)
+    atomic_write(final, write)
 
 
 def _tar_add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -193,7 +185,7 @@ def write_webdataset_shard(final: Path, rows: Sequence[TokenRow], index_dtype: s
                 _tar_add(tar, f"{base}.json", json.dumps(r.meta(), sort_keys=True).encode())
             meta = {"fingerprint": fingerprint, "plan": plan, "errors": errors}
             _tar_add(tar, layout.wds_meta, json.dumps(meta, sort_keys=True).encode())
-    write_atomically(final, write)
+    atomic_write(final, write)
 
 
 WRITERS = {"parquet": write_parquet_shard, "webdataset": write_webdataset_shard}

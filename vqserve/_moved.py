@@ -62,7 +62,6 @@ MOVED: dict[str, str] = {
     "vqserve.export.manifest": "vqserve.export.formats.manifest",
     "vqserve.export.inspect_graph": "vqserve.export.formats.inspect_graph",
     "vqserve.export.planner": "vqserve.export.plan",
-    "vqserve.export.plan.planner": "vqserve.export.plan",
     "vqserve.export.torchserve_handler": "vqserve.export.torchserve.handler",
     "vqserve.export.torchserve_server": "vqserve.export.torchserve.server",
     "vqserve.export.bench": "vqserve.bench.runtimes",

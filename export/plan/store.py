@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import vqserve
+from vqserve.core.files import atomic_write_json
 from vqserve.core.identity import check_expected_hash
 from vqserve.export.formats.manifest import read_manifest
 from vqserve.export.plan.candidates import (
@@ -94,13 +95,10 @@ def read_cached(directory: Path, key: dict) -> dict | None:
     return data
 
 
-def _write_json(path: Path, data: dict) -> Path:
-    """Write ``data`` beside ``path`` and rename it into place: readers see the old file or
-    the whole new one, never half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+def _write_json(path: Path, data: dict, durable: bool) -> Path:
+    """``data`` written atomically (core/files.py): readers see the old file or the whole new
+    one. A plan file the user asked for is durable; a cache entry can be measured again."""
+    atomic_write_json(path, data, durable=durable, indent=2)
     return path
 
 
@@ -128,7 +126,7 @@ def write_cached(directory: Path, key: dict, result: dict) -> Path | None:
     """Store atomically; a cache that cannot be written is skipped: the plan still serves,
     the next start measures again."""
     try:
-        return _write_json(_key_file(directory, key), {**result, "key": key})
+        return _write_json(_key_file(directory, key), {**result, "key": key}, durable=False)
     except OSError:
         return None
 
@@ -189,7 +187,7 @@ class PlanChoice:
 
     def to_file(self, path: str | os.PathLike) -> Path:
         """Write the decision as a plan file (``vqserve plan --out``), atomically."""
-        return _write_json(Path(path), {**self.to_dict(), "source": "file"})
+        return _write_json(Path(path), {**self.to_dict(), "source": "file"}, durable=True)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, model, device: str, dtype: str | None = None) -> PlanChoice:

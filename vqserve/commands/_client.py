@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
 
 from vqserve.commands.common import UsageError  # one exit-2 error for every command
-from vqserve.core.files import atomic_write_json, atomic_write_stream
 
 IDENTITY_FORMAT = "vqserve-tokens/1"
 
@@ -156,16 +154,6 @@ def refuse_existing(paths: Sequence[Path], overwrite: bool) -> None:
 def check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a folder")
-
-
-def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Write through a hidden temporary file and rename (durably: the user's data), so an
-    interrupted run never leaves a half-written result that looks complete."""
-    atomic_write_stream(path, write, durable=True)
-
-
-def write_json(path: Path, data: dict) -> None:
-    atomic_write_json(path, data, durable=True)
 
 
 # ---- reporting ------------------------------------------------------------------------------

@@ -45,8 +45,8 @@ from vqserve.commands._client import (
     refuse_collisions,
     refuse_existing,
     rpc_failure,
-    write_atomic,
 )
+from vqserve.core.files import atomic_write_stream
 from vqserve.core.identity import same_tokens
 
 NOT_TOKENS = "not a token array"
@@ -300,7 +300,7 @@ def _send_all(
                 tf = files[n]
                 if o.ok:
                     name = tf.names[i]
-                    write_atomic(out / name, lambda fh, px=o.result: _save_png(fh, px))
+                    atomic_write_stream(out / name, lambda fh, px=o.result: _save_png(fh, px))
                     written += 1
                 else:
                     where = f"image {i}: " if len(tf.names) > 1 and i >= 0 else ""

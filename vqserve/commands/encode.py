@@ -54,9 +54,8 @@ from vqserve.commands._client import (
     refuse_collisions,
     refuse_existing,
     rpc_failure,
-    write_atomic,
-    write_json,
 )
+from vqserve.core.files import atomic_write_json, atomic_write_stream
 from vqserve.core.identity import recorded_identity
 
 __all__ = ["add_client_args", "add_parser", "client_from_args", "run"]
@@ -121,8 +120,8 @@ class _FolderSink(_Sink):
     def add(self, src: Source, outcome) -> None:
         import numpy as np
 
-        write_atomic(self.out / f"{src.key}.npy", lambda fh: np.save(fh, outcome.result))
-        write_json(self.out / f"{src.key}.json", {**self.header, **_entry(src, outcome)})
+        atomic_write_stream(self.out / f"{src.key}.npy", lambda fh: np.save(fh, outcome.result))
+        atomic_write_json(self.out / f"{src.key}.json", {**self.header, **_entry(src, outcome)})
         self.count += 1
 
     def finish(self) -> str:
@@ -152,8 +151,8 @@ class _StackSink(_Sink):
             )
         if rows:
             stack = np.stack([o.result for _, o in rows])
-            write_atomic(self.out, lambda fh: np.save(fh, stack))
-            write_json(
+            atomic_write_stream(self.out, lambda fh: np.save(fh, stack))
+            atomic_write_json(
                 self.out.with_suffix(".json"),
                 {**self.header, "items": [_entry(s, o) for s, o in rows]},
             )
