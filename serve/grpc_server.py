@@ -13,9 +13,9 @@ the port and TLS checks made before anything starts in ``serve/preflight.py``, t
 
 Lifecycle: the port is bound and health answers NOT_SERVING while the model side loads (in
 the background); then SERVING, except while the model side says it makes no progress
-(``why_stalled()``, ``serve/liveness.py``: a wedged device, a stopped executor). On SIGTERM/SIGINT health goes NOT_SERVING, the server stops
-accepting RPCs, lets in-flight ones finish within ``grace_s``, closes the model side and
-exits 0.
+(``why_stalled()``, ``serve/liveness.py``: a wedged device, a stopped executor). On
+SIGTERM/SIGINT health goes NOT_SERVING, the server stops accepting RPCs, lets in-flight ones
+finish within ``grace_s``, closes the model side and exits 0.
 """
 
 from __future__ import annotations

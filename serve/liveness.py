@@ -54,8 +54,8 @@ def batcher_stall(batcher, timeout_s: float, now: float | None = None) -> str | 
     bound = stall_bound(timeout_s, batcher.slowest_call_s)
     if waited <= bound:
         return None
-    return (f"no model call has finished for {waited:.1f} s while work waits ({batcher.queued} items "
-            f"queued, {batcher.running_calls} calls running; "
+    return (f"no model call has finished for {waited:.1f} s while work waits (queued items: {batcher.queued}, "
+            f"model calls running: {batcher.running_calls}; "
             f"bound {bound:g} s: --stall-timeout {timeout_s:g} s or {STALL_CALLS} x the slowest call "
             f"so far, {batcher.slowest_call_s:.2f} s)")
 

@@ -56,9 +56,12 @@ def _text(exc: BaseException) -> str:
 
 
 def is_poisoned(exc: BaseException) -> bool:
-    """Whether ``exc`` says the CUDA context can run nothing more (module docstring)."""
+    """Whether ``exc`` says the CUDA context can run nothing more (module docstring): one of
+    those errors, named as coming from CUDA or a GPU (a CPU runtime's own "misaligned
+    address" is not the device's)."""
     text = _text(exc)
-    return any(phrase in text for phrase in _POISONED)
+    from_device = "cuda" in text or "gpu" in text or type(exc).__name__ == "AcceleratorError"
+    return from_device and any(phrase in text for phrase in _POISONED)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

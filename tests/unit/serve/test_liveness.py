@@ -45,7 +45,8 @@ OUT_OF_MEMORY = [
     RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2: out of memory ; GPU=0"),
 ]
 NEITHER = [ValueError("indices: 64000 is outside the codebook"), MemoryError(), RuntimeError("shape mismatch"),
-           RuntimeError("CUDA error: operation not permitted when stream is capturing")]
+           RuntimeError("CUDA error: operation not permitted when stream is capturing"),
+           RuntimeError("misaligned address in a CPU kernel")]  # not the device's
 
 
 @pytest.mark.parametrize("exc", POISONED, ids=str)
@@ -145,7 +146,7 @@ def test_a_wedged_call_is_a_stall_until_it_returns():
             while batcher_stall(b, 0.05) is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             why = batcher_stall(b, 0.05)
-            assert why is not None and "1 calls running" in why
+            assert why is not None and "model calls running: 1" in why
             runtime.release.set()
             np.testing.assert_array_equal(await answer, block_tokens(images))
             while b.running_calls and time.monotonic() < deadline:  # its slot frees after the answer
