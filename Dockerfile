@@ -72,7 +72,8 @@ ENV PATH=/opt/vqserve/bin:$PATH \
     VQSERVE_METRICS_PORT=50052
 USER 10001
 EXPOSE 50051 50052
-# asks grpc.health.v1: NOT_SERVING while the model loads and while draining
+# asks grpc.health.v1: NOT_SERVING while the model loads, while draining and while the model
+# makes no progress (--stall-timeout); a poisoned CUDA context exits 70 instead
 # start period: model load plus the first start's plan measurement (--plan auto, ~3 min on
 # 2 CPU cores with its in-process ONNX export; cached in ~/.cache/vqserve/plans with the
 # exports it measured, mount a volume there to keep it)

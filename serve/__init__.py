@@ -6,7 +6,8 @@
 * ``split/``: the GPU-node layout (front-end processes, device executor, their pool and wire);
 * ``clients/``: the Python clients;
 * ``grpc_server``, ``launcher``, ``running``, ``config``, ``state``, ``metrics``, ``logs``,
-  ``preflight``: one gRPC server, how processes are composed and run, and what they share.
+  ``preflight``: one gRPC server, how processes are composed and run, and what they share;
+  ``liveness``: when health says the model makes no progress.
 
 The package itself is callable: ``vqserve.serve("default", port=0)`` starts the server in a
 background thread of this process and returns it (:func:`vqserve.serve.launcher.serve_in_thread`),

@@ -4,7 +4,7 @@ One flat dataclass is what the CLI builds and what a Python user passes to ``Ser
 (``ServerConfig(model=path, port=0)``). Each process of a server reads only its sections:
 
 * ``grpc``: the port and what guards it (TLS, auth, message and stream limits, listeners,
-  drain, ``/metrics``): every process that answers gRPC;
+  drain, ``/metrics``, when health calls the model stalled): every process that answers gRPC;
 * ``engine``: the request checks and batching (batch and pixel limits, queue, decoding);
 * ``model``: what runs the model (model, backend, dtype, device, plan, expected hash);
 * ``split``: the GPU-node layout (front-end processes, the executor's socket, shared memory).
@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vqserve.serve.engine.planning import DEFAULT_PLAN_BUDGET_S
+from vqserve.serve.liveness import DEFAULT_STALL_TIMEOUT_S
 
 GRPC_FIELDS = ("host", "port", "metrics_port", "metrics_host", "max_message_mb", "tls_cert", "tls_key",
-               "auth_token", "grace_s", "max_streams", "metrics_auth", "metrics_tls", "listeners")
+               "auth_token", "grace_s", "max_streams", "metrics_auth", "metrics_tls", "listeners", "stall_timeout_s")
 ENGINE_FIELDS = ("max_batch_size", "max_delay_ms", "max_queue", "max_pixels", "max_batch_pixels",
                  "max_decoded_mb", "decode_threads")
 MODEL_FIELDS = ("model", "backend", "dtype", "device", "expect_hash", "micro_batch", "model_workers",
@@ -47,6 +48,8 @@ class ServerConfig:
     tls_key: str | None = None
     auth_token: str | None = None
     grace_s: float = 30.0            # drain time on SIGTERM
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # health NOT_SERVING after this long with work waiting and
+    #                                  no model call finishing (or the larger serve/liveness.stall_bound)
     max_streams: int = 256           # open streaming calls per service (EncodeStream+DecodeStream, ...)
     expect_hash: str | None = None   # refuse a model whose model_hash differs, before loading it
     metrics_auth: bool = False       # /metrics requires the gRPC bearer token (auth_token)

@@ -12,9 +12,10 @@ the port and TLS checks made before anything starts in ``serve/preflight.py``, t
 ``/metrics`` endpoint in ``serve/metrics.py``; this module wires them and runs the lifecycle.
 
 Lifecycle: the port is bound and health answers NOT_SERVING while the model side loads (in
-the background); then SERVING. On SIGTERM/SIGINT health goes NOT_SERVING, the server stops
-accepting RPCs, lets in-flight ones finish within ``grace_s``, closes the model side and
-exits 0.
+the background); then SERVING, except while the model side says it makes no progress
+(``why_stalled()``, ``serve/liveness.py``: a wedged device, a stopped executor). On
+SIGTERM/SIGINT health goes NOT_SERVING, the server stops accepting RPCs, lets in-flight ones
+finish within ``grace_s``, closes the model side and exits 0.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from vqserve.serve.api.discovery import (
 )
 from vqserve.serve.api.gates import BearerTokenAuth, StreamGate
 from vqserve.serve.config import ServerConfig
+from vqserve.serve.liveness import HealthWatch, check_interval
 from vqserve.serve.logs import event as _event
 from vqserve.serve.metrics import Metrics, start_metrics_endpoint, stop_metrics_endpoint
 from vqserve.serve.preflight import PortInUseError, check_before_start
@@ -51,7 +53,8 @@ SERVICES = (service_v1.SERVICE_NAME, service_oip.SERVICE_NAME)
 class TokenizerServer:
     """gRPC on one port over a model side: ``model_for(state)`` builds it once the server's
     state exists (``load()`` fills ``state.engine``, ``announce(port, metrics_port)`` after
-    SERVING, ``stop()``/``cancel()``/``close()`` on the drain).
+    SERVING, ``why_stalled()`` asked every moment after that, ``stop()``/``cancel()``/``close()``
+    on the drain).
 
     ``share_port``: the port was reserved by the executor and is shared with the other
     front-ends (``SO_REUSEPORT``), so it is not checked free and gets ``config.listeners``
@@ -73,6 +76,7 @@ class TokenizerServer:
         self.metrics_port: int | None = None
         self._metrics_http = None
         self._load_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self._stopped = False
 
     async def start(self) -> int:
@@ -133,9 +137,16 @@ class TokenizerServer:
     async def _load(self) -> None:
         """The model side loads; then every service says SERVING and the model side announces."""
         await self.model.load()
-        for name in ("", *self.SERVICES):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_serving(True)
         self.model.announce(self.port, self.metrics_port)
+        watch = HealthWatch(self.model.why_stalled, self._set_serving, check_interval(self.config.stall_timeout_s))
+        self._watch_task = asyncio.get_running_loop().create_task(watch.run())
+
+    async def _set_serving(self, serving: bool) -> None:
+        """Every service SERVING, or every one NOT_SERVING (the model side stalled)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.SERVICES):
+            await self.health.set(name, status)
 
     async def wait_loaded(self) -> None:
         """Wait for the model; re-raises a load failure."""
@@ -153,6 +164,8 @@ class TokenizerServer:
         grace = self.config.grace_s if grace is None else grace
         _event("draining", f"draining (grace {grace}s)", grace_s=grace)
         self.state.ready = False
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         await self.health.enter_graceful_shutdown()  # also ends every health Watch
         self.gate.drain()  # client streams: answer what was read, then UNAVAILABLE
         if self._load_task is not None and not self._load_task.done():

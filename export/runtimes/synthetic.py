@@ -20,13 +20,33 @@ like a real runtime's upload, not device time. Decode paints each block the grey
 
 Parsing a ``synthetic:N`` name imports no torch (the CLI checks ``--model`` with it before
 anything heavy loads).
+
+**Simulated device faults**, for testing how a server meets a failing GPU on a machine
+without one: ``synthetic:N?OPTION=VALUE&...`` (quote it in a shell). Each fault fires on the
+model calls of one image height (pixels: encode's input, decode's output), a height the
+start-up check (64) never uses:
+
+- ``oom_at=H``: the call raises ``RuntimeError("CUDA out of memory. ...")``, the text of
+  torch's ``torch.cuda.OutOfMemoryError``;
+- ``poison_at=H``: the call raises ``RuntimeError("CUDA error: an illegal memory access was
+  encountered")``, an error after which a real CUDA context is unusable;
+- ``hang_at=H``: the call holds the whole device (every other call waits behind it) for
+  ``hang_s`` seconds (default 30), or until the file ``release=PATH`` exists, as a wedged
+  kernel holds a GPU.
+
+A fault is a property of how the model was started, never of a request: a server started
+with ``synthetic:N`` (or any real model) has none, whatever a client sends; the served
+identity lists the faults (``GetModelInfo`` ``simulated_faults``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
+import urllib.parse
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,8 +64,10 @@ def is_synthetic(model) -> bool:
 
 
 def parse_synthetic(model: str) -> float:
-    """``synthetic:N`` -> N (µs per 256x256 image); a one-line ValueError otherwise."""
-    text = model[len(PREFIX):]
+    """``synthetic:N`` -> N (µs per 256x256 image); a one-line ValueError otherwise (the
+    fault options after ``?`` are checked too: :func:`parse_faults`)."""
+    parse_faults(model)
+    text = model[len(PREFIX):].partition("?")[0]
     try:
         micros = float(text)
     except ValueError:
@@ -54,6 +76,55 @@ def parse_synthetic(model: str) -> float:
         raise ValueError(f"--model {model!r}: synthetic:N needs N, the simulated device microseconds per "
                          "256x256 image, a number from 0 to 1000000 (e.g. synthetic:200 = 5,000 img/s)")
     return micros
+
+
+@dataclass(frozen=True)
+class SimulatedFaults:
+    """The faults a ``synthetic:N?...`` model was started with (module docstring)."""
+
+    oom_at: int | None = None
+    poison_at: int | None = None
+    hang_at: int | None = None
+    hang_s: float = 30.0
+    release: str | None = None
+
+    def __bool__(self) -> bool:
+        return any(h is not None for h in (self.oom_at, self.poison_at, self.hang_at))
+
+    def describe(self) -> str:
+        return ",".join(f"{name}={getattr(self, name)}" for name in ("oom_at", "poison_at", "hang_at")
+                        if getattr(self, name) is not None)
+
+
+_HEIGHT = (int, lambda h: h > 0 and h % FACTOR == 0, f"an image height in pixels, a positive multiple of {FACTOR}")
+_CHECKS = {"oom_at": _HEIGHT, "poison_at": _HEIGHT, "hang_at": _HEIGHT,
+           "hang_s": (float, lambda s: 0 < s <= 86400, "seconds, more than 0 and at most 86400"),
+           "release": (str, bool, "a file path")}
+
+
+def parse_faults(model: str) -> SimulatedFaults:
+    """The options after ``?`` in ``synthetic:N?oom_at=40&...``; a one-line ValueError for
+    an unknown one or a bad value."""
+    query = model[len(PREFIX):].partition("?")[2]
+    if not query:
+        return SimulatedFaults()
+    fields: dict = {}
+    for name, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        if name not in _CHECKS:
+            raise ValueError(f"--model {model!r}: unknown simulated fault {name!r}; use "
+                             "oom_at=H, poison_at=H, hang_at=H, hang_s=S, release=PATH")
+        kind, valid, needs = _CHECKS[name]
+        try:
+            fields[name] = kind(value)
+        except ValueError:
+            fields[name] = None
+        if fields[name] is None or not valid(fields[name]):
+            raise ValueError(f"--model {model!r}: {name}={value!r} needs {needs}")
+    return SimulatedFaults(**fields)
+
+
+class SimulatedDeviceError(RuntimeError):
+    """A simulated CUDA failure (``synthetic:N?oom_at=...`` or ``poison_at=...``)."""
 
 
 def capacity(micros: float) -> float:
@@ -85,6 +156,15 @@ class SimulatedDevice:
         while (left := done - time.perf_counter()) > 0:
             time.sleep(left)
 
+    def hang(self, seconds: float, release: str | None = None) -> None:
+        """Hold the device (no other call may start) for ``seconds``, or until the file
+        ``release`` exists: a wedged kernel."""
+        end = time.perf_counter() + seconds
+        with self._lock:
+            while time.perf_counter() < end and not (release and os.path.exists(release)):
+                time.sleep(0.05)
+            self._free_at = max(self._free_at, time.perf_counter())
+
 
 _DEVICES: dict[str, SimulatedDevice] = {}
 _DEVICES_LOCK = threading.Lock()
@@ -113,6 +193,7 @@ class SyntheticRuntime:
 
     def __init__(self, model: str = "synthetic:200", device: str = "synthetic:0"):
         self.micros = parse_synthetic(model)
+        self.faults = parse_faults(model)
         if device in ("synthetic", "synthetic:") or not device.startswith("synthetic"):
             device = "synthetic:0"  # the kind alone, auto, cpu or cuda: the first simulated device
         self.device = simulated_device(device)
@@ -122,13 +203,23 @@ class SyntheticRuntime:
             backend="synthetic", dtype="fp32", device=device, quantizer="vq",
             codebook_size=CODEBOOK_SIZE, factor=FACTOR, index_dtype="uint16",
             model_hash=SYNTHETIC_HASH, source_hash=SYNTHETIC_HASH, exact=True,
-            extra={"family": "synthetic", "device_us_per_256": self.micros})
+            extra={"family": "synthetic", "device_us_per_256": self.micros,
+                   **({"simulated_faults": self.faults.describe()} if self.faults else {})})
 
     @property
     def capacity(self) -> float:
         return capacity(self.micros)
 
-    def _spend(self, pixels: int) -> None:
+    def _spend(self, pixels: int, height: int) -> None:
+        faults = self.faults
+        if height == faults.oom_at:
+            raise SimulatedDeviceError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated by "
+                                       f"{self.name})")
+        if height == faults.poison_at:
+            raise SimulatedDeviceError("CUDA error: an illegal memory access was encountered (simulated by "
+                                       f"{self.name})")
+        if height == faults.hang_at:
+            self.device.hang(faults.hang_s, faults.release)
         self.device.run(self.micros * 1e-6 * pixels / REFERENCE_PIXELS)
 
     def encode(self, images: np.ndarray) -> np.ndarray:
@@ -139,7 +230,7 @@ class SyntheticRuntime:
         if h % FACTOR or w % FACTOR:
             raise ValueError(f"H and W must be multiples of {FACTOR}, got {h}x{w}")
         tokens = block_tokens(images)
-        self._spend(b * h * w)
+        self._spend(b * h * w, h)
         return tokens
 
     def decode(self, indices: np.ndarray) -> np.ndarray:
@@ -152,5 +243,5 @@ class SyntheticRuntime:
         b, h, w = indices.shape
         grey = (indices % 256).astype(np.uint8)
         pixels = np.repeat(np.repeat(grey, FACTOR, axis=1), FACTOR, axis=2)
-        self._spend(b * h * w * FACTOR * FACTOR)
+        self._spend(b * h * w * FACTOR * FACTOR, h * FACTOR)
         return np.ascontiguousarray(np.broadcast_to(pixels[..., None], (b, h * FACTOR, w * FACTOR, 3)))

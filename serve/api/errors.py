@@ -1,7 +1,7 @@
 """Map failures to gRPC status codes, and record each request in the metrics.
 
 One table for both protocol adapters: bad input (unparseable protobuf bytes included) ->
-INVALID_ARGUMENT, full queue or an answer too big for the message limit ->
+INVALID_ARGUMENT, full queue, device out of memory or an answer too big for the message limit ->
 RESOURCE_EXHAUSTED, passed deadline -> DEADLINE_EXCEEDED, loading or draining ->
 UNAVAILABLE, anything else -> INTERNAL (logged with its traceback, never sent).
 """
@@ -17,6 +17,7 @@ import grpc
 
 from vqserve.serve.api.codec import BadInput
 from vqserve.serve.engine.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from vqserve.serve.engine.device_faults import DeviceOutOfMemory
 
 log = logging.getLogger("vqserve.serve")
 
@@ -77,7 +78,7 @@ def reject_unparsed(request) -> None:
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, BadInput | ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, QueueFull | ReplyTooLarge):
+    if isinstance(exc, QueueFull | ReplyTooLarge | DeviceOutOfMemory):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, DeadlineExpired):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)

@@ -42,7 +42,13 @@ got calls of 32-42 images, 0.46-0.57 of the device; waiting for them, calls of 6
   ran; its rows stop counting against ``max_queue`` at once. Only a call already running
   finishes (a model call cannot be interrupted), and its answer is dropped;
 - a failing call holding several requests is retried one request at a time, so only the
-  request that breaks the model fails.
+  request that breaks the model fails; except on the device's two failures that are no
+  request's fault (``serve/engine/device_faults.py``): out of memory fails the call's
+  requests with RESOURCE_EXHAUSTED, and a poisoned CUDA context ends the process.
+
+**Progress**, for health (``serve/liveness.py``): :meth:`Batcher.stalled_for` is how long
+work has waited (requests queued or a call running) with no model call finishing, and
+:attr:`Batcher.slowest_call_s` the longest call so far, which stretches the bound.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vqserve.serve.engine import device_faults
 from vqserve.serve.engine.model_threads import ModelThreads
 
 _MAX_KEYS_REMEMBERED = 256  # (method, shape, dtype) queues whose call time and last call are kept
@@ -133,10 +140,13 @@ class Batcher:
     def __init__(self, runtime, max_batch_size: int = 32, max_delay_s: float = 0.005,
                  max_queue: int = 1024, observer: Callable[[BatchStats], None] | None = None,
                  methods: tuple[str, ...] = ("encode", "decode"), max_batch_pixels: int | None = None,
-                 pixels_per_item: Callable[[str, tuple[int, ...]], int] | None = None):
+                 pixels_per_item: Callable[[str, tuple[int, ...]], int] | None = None,
+                 on_poisoned: Callable[[BaseException], None] = device_faults.exit_poisoned):
         """``max_batch_pixels``: the most pixels one model call may hold (None: no limit);
         ``pixels_per_item(method, item_shape)``: what one item costs (default: the product
-        of its first two dimensions, i.e. H*W of an image)."""
+        of its first two dimensions, i.e. H*W of an image). ``on_poisoned(exc)``: a call
+        failed with an error after which the device runs nothing more (default: log one
+        line and exit, ``serve/engine/device_faults.py``)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_s < 0:
@@ -152,6 +162,7 @@ class Batcher:
         self.max_delay_s = max_delay_s
         self.max_queue = max_queue
         self.observer = observer
+        self.on_poisoned = on_poisoned
         self._fns = {m: getattr(runtime, m) for m in methods}
         plan = getattr(runtime, "plan", None)
         self._micro_batch_for = getattr(runtime, "micro_batch_for", None) if plan is not None else None
@@ -171,6 +182,8 @@ class Batcher:
         self._last_event = 0.0  # last arrival or finished call (monotonic)
         self._idle_since = 0.0  # when the last running call finished
         self._expected: dict[tuple, int] = {}  # rows a queue's next padded call waits for (its last call's + queued)
+        self._progress_at = time.monotonic()  # the last call that finished, or work arriving at an idle batcher
+        self.slowest_call_s = 0.0  # the longest model call so far (ok or failed)
 
     # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -191,6 +204,17 @@ class Batcher:
     @property
     def queued(self) -> int:
         return self._queued_rows
+
+    @property
+    def running_calls(self) -> int:
+        return len(self._running)
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds that work has waited (rows queued or a call running) while no model call
+        finished; 0 when there is no work."""
+        if not self._queued_rows and not self._running:
+            return 0.0
+        return (time.monotonic() if now is None else now) - self._progress_at
 
     def fills_calls(self, method: str) -> bool:
         """Whether a short call of ``method`` waits for more requests to fill it (the
@@ -231,6 +255,8 @@ class Batcher:
             raise DeadlineExpired("the deadline passed before the request was queued")
         key = (method, tuple(array.shape[1:]), array.dtype.str)
         loop = asyncio.get_running_loop()
+        if not self._queued_rows and not self._running:  # work arrives at an idle batcher: its wait starts
+            self._progress_at = time.monotonic()
         item = _Item(array, loop.create_future(), time.monotonic(), deadline, key, queued=True)
         self._queues.setdefault(key, collections.deque()).append(item)
         self._queued_rows += rows
@@ -355,7 +381,7 @@ class Batcher:
     def _slot_freed(self, task: asyncio.Task) -> None:
         self._running.discard(task)
         self._free += 1
-        self._last_event = time.monotonic()
+        self._last_event = self._progress_at = time.monotonic()
         if self._free == self.slots:
             self._idle_since = self._last_event
         self._wakeup.set()
@@ -377,7 +403,16 @@ class Batcher:
         try:
             out, infer_s = await self._threads.run(call)
         except Exception as exc:  # noqa: BLE001 - the runtime's error goes to its requests
-            self._observe(BatchStats(method, rows, requests, waits, time.monotonic() - start, ok=False))
+            elapsed = time.monotonic() - start
+            self.slowest_call_s = max(self.slowest_call_s, elapsed)
+            self._observe(BatchStats(method, rows, requests, waits, elapsed, ok=False))
+            if device_faults.is_poisoned(exc):
+                self.on_poisoned(exc)  # by default the process ends here
+                self._fail_call(segments, exc)
+                return
+            if device_faults.is_out_of_memory(exc):  # the device, not a request: each of them alone would fail too
+                self._fail_call(segments, device_faults.out_of_memory(exc, rows))
+                return
             if requests == 1:
                 item = segments[0][0]
                 if not item.future.done():
@@ -388,6 +423,7 @@ class Batcher:
                 if not seg[0].future.done():
                     await self._execute(method, [seg])
             return
+        self.slowest_call_s = max(self.slowest_call_s, time.monotonic() - start)
         self._observe(BatchStats(method, rows, requests, waits, infer_s))
         offset = 0
         for item, a, b in segments:
@@ -395,6 +431,12 @@ class Batcher:
             offset += b - a
         if self.fills_calls(method):
             self._remember_call(segments, infer_s)
+
+    @staticmethod
+    def _fail_call(segments: list[Segment], error: BaseException) -> None:
+        for item, _, _ in segments:
+            if not item.future.done():
+                item.future.set_exception(error)
 
     def _remember_call(self, segments: list[Segment], infer_s: float) -> None:
         """What the next padded call of this queue waits for: its call time, and the clients

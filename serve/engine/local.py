@@ -24,6 +24,7 @@ from vqserve.export.runtimes.execution import PlannedRuntime
 from vqserve.serve.engine.engine import Engine, build_engine
 from vqserve.serve.engine.planning import run_in_daemon
 from vqserve.serve.engine.serving_plan import ServingPlan
+from vqserve.serve.liveness import batcher_stall
 from vqserve.serve.logs import event as _event
 
 BYTES_PER_PIXEL = 300
@@ -132,6 +133,11 @@ class LocalModel:
                determinism=certificate.summary() if certificate else "not checked (--no-self-check)")
         if self.measure_later and not self.plans.stopped:
             self._plan_task = asyncio.get_running_loop().create_task(self.plans.switch_to_measured(self.device))
+
+    def why_stalled(self) -> str | None:
+        """Why the model makes no progress while work waits, or None (serve/liveness.py)."""
+        engine = self.state.engine
+        return None if engine is None else batcher_stall(engine.batcher, self.config.stall_timeout_s)
 
     def _publish(self, runtime: PlannedRuntime, certificate) -> None:
         """The identity, plan and start-up check of what serves now, in the metrics and logs

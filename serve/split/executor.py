@@ -28,6 +28,7 @@ import threading
 
 from vqserve.core.shm import Arena
 from vqserve.serve.engine.batcher import BatcherClosed
+from vqserve.serve.liveness import DEFAULT_STALL_TIMEOUT_S, batcher_stall
 from vqserve.serve.split import wire
 
 log = logging.getLogger("vqserve.serve")
@@ -62,10 +63,13 @@ class _Link:
 
 
 class ExecutorService:
-    """Answers front-ends on a Unix socket in a private directory (mode 0700)."""
+    """Answers front-ends on a Unix socket in a private directory (mode 0700); a front-end's
+    heartbeat (``wire.PING``) gets why the model is stalled, or an empty answer
+    (``serve/liveness.py``, with ``stall_timeout_s``)."""
 
-    def __init__(self, state):
+    def __init__(self, state, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
         self.state = state  # the server's ServerState: engine is None until loaded
+        self.stall_timeout_s = stall_timeout_s
         self.directory = tempfile.mkdtemp(prefix="vqserve-executor-")
         os.chmod(self.directory, 0o700)
         self.path = os.path.join(self.directory, "executor.sock")
@@ -135,7 +139,9 @@ class ExecutorService:
                 for at in range(0, whole, size):
                     request = wire.unpack_request(bytes(pending[at:at + size]))
                     kind = request["kind"]
-                    if kind == wire.CANCEL:
+                    if kind == wire.PING:
+                        link.send(wire.pack_reply(0, wire.PONG, message=self.why_stalled() or ""))
+                    elif kind == wire.CANCEL:
                         future = link.inflight.get(request["id"])
                         if future is not None:
                             future.cancel()
@@ -155,6 +161,11 @@ class ExecutorService:
             link.out.closed = True
             writer.close()
             arena.close()
+
+    def why_stalled(self) -> str | None:
+        """Why the model makes no progress while work waits, or None."""
+        engine = self.state.engine
+        return None if engine is None else batcher_stall(engine.batcher, self.stall_timeout_s)
 
     def _start(self, request: dict, link: _Link) -> None:
         """Queue one request on the engine's batcher (no task: a done-callback replies)."""

@@ -65,7 +65,7 @@ class ExecutorServer:
     async def _start(self) -> int:
         cfg = self.config
         self._reservation, self.port = reserve_port(cfg.host, cfg.port)
-        self.executor = ExecutorService(self.state)
+        self.executor = ExecutorService(self.state, cfg.stall_timeout_s)
         await self.executor.start()
         self._metrics_http, self.metrics_port = start_metrics_endpoint(cfg, self.metrics)
         self.pool = FrontendPool(cfg, cfg.frontends, self.port, self.executor.path, self._metrics_dir)

@@ -31,6 +31,7 @@ from vqserve.core.runtime_info import RuntimeInfo
 from vqserve.serve.config import config_from_sections
 from vqserve.serve.engine.engine import build_engine, default_decoded_bytes
 from vqserve.serve.grpc_server import TokenizerServer
+from vqserve.serve.liveness import check_interval
 from vqserve.serve.logs import event as _event
 from vqserve.serve.logs import setup_logging
 from vqserve.serve.metrics import Metrics
@@ -63,7 +64,8 @@ async def connect_engine(config, metrics):
     max_pixels_hint = config.max_pixels or 1024 * 1024
     remote = RemoteBatcher(config.executor_socket,
                            (config.arena_mb << 20) or default_arena_bytes(config.max_batch_size, max_pixels_hint),
-                           max_group_rows=config.max_batch_size, on_group=metrics.observe_group)
+                           max_group_rows=config.max_batch_size, on_group=metrics.observe_group,
+                           heartbeat_s=check_interval(config.stall_timeout_s))
     payload = await remote.connect()
     info = _runtime_info(payload)
     max_pixels = config.max_pixels or info.max_pixels
@@ -102,6 +104,10 @@ class RemoteModel:
         self.state.engine.batcher.ready()
         _event("frontend_serving", f"front-end {os.getpid()} serving on port {port}", port=port,
                pid=os.getpid())
+
+    def why_stalled(self) -> str | None:
+        """The executor stalled, or silent for longer than ``--stall-timeout`` (serve/liveness.py)."""
+        return self.state.engine.batcher.why_stalled(self.config.stall_timeout_s)
 
     def stop(self) -> None:
         """Nothing is measured here: the executor owns the plan."""

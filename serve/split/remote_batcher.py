@@ -10,7 +10,10 @@ same code in either layout. Underneath:
 - requests of one (method, item shape, dtype) leave together as one group, so the executor
   sees few large requests rather than many small ones;
 - the executor batches across every front-end, runs the model by its plan and writes the
-  answer into the same block; this process copies it out, frees the block and replies.
+  answer into the same block; this process copies it out, frees the block and replies;
+- a heartbeat (``wire.PING`` every ``heartbeat_s``) asks the executor whether it is there and
+  its model progresses: :meth:`RemoteBatcher.why_stalled` is what this front-end's health
+  reports (``serve/liveness.py``).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class RemoteBatcher:
     the group's rows not yet run when no caller of it waits any more."""
 
     def __init__(self, socket_path: str, arena_bytes: int, on_info=None, max_group_rows: int = 32,
-                 window: int = 2, on_group=None):
+                 window: int = 2, on_group=None, heartbeat_s: float = 1.0):
         self.socket_path = socket_path
         self.arena = Arena(arena_bytes, name="vqserve-frontend")
         self.on_info = on_info or (lambda payload: None)
@@ -115,6 +118,10 @@ class RemoteBatcher:
         self._info_ready: asyncio.Event | None = None
         self.groups_sent = 0     # requests to the executor ...
         self.requests_sent = 0   # ... and the callers' requests they carried
+        self.heartbeat_s = heartbeat_s
+        self._heard_at = time.monotonic()  # the executor's last message of any kind
+        self._executor_stall: str | None = None  # why the executor's model is stalled (its last PONG)
+        self._heartbeat: asyncio.Task | None = None
 
     @property
     def queued(self) -> int:
@@ -142,7 +149,24 @@ class RemoteBatcher:
         await self._info_ready.wait()
         if self.info is None:
             raise ConnectionError("the executor closed the connection before the model was loaded")
+        self._heard_at = time.monotonic()
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
         return self.info
+
+    async def _beat(self) -> None:
+        """Ask the executor every ``heartbeat_s`` whether it is there and progressing."""
+        while not self._closed:
+            self._out.send(wire.pack_request(0, wire.PING, "uint8", (), None, 0, 0, 0))
+            await asyncio.sleep(self.heartbeat_s)
+
+    def why_stalled(self, timeout_s: float) -> str | None:
+        """Why this front-end cannot serve: the executor has not answered for longer than
+        ``timeout_s``, or says its model makes no progress; None when it serves."""
+        silent = time.monotonic() - self._heard_at
+        if silent > timeout_s:
+            return (f"the device executor has not answered for {silent:.1f} s (--stall-timeout {timeout_s:g} s): "
+                    "stopped, deadlocked or gone")
+        return self._executor_stall
 
     def start(self) -> None:  # the Batcher interface: nothing to start, the executor runs
         pass
@@ -275,6 +299,7 @@ class RemoteBatcher:
                 data = await reader.read(1 << 16)  # every reply that has arrived: one wake-up
                 if not data:
                     break
+                self._heard_at = time.monotonic()
                 pending += data
                 for reply in wire.split_replies(pending):
                     self._settle(*reply)
@@ -287,6 +312,9 @@ class RemoteBatcher:
     def _settle(self, req_id: int, status: int, dtype: str, shape: tuple[int, ...], message: str) -> None:
         """One reply: the identity pushed by the executor, or a request's answer or error
         (its block is freed in every case: the executor is done with it)."""
+        if status == wire.PONG:
+            self._executor_stall = message or None
+            return
         if status == wire.INFO:
             self.info = json.loads(message)
             self._never_held = frozenset(self.info.get("fill_methods") or ())
@@ -331,6 +359,8 @@ class RemoteBatcher:
         self._closed = True
         while (self._pending or self._open) and self._task is not None and not self._task.done():
             await asyncio.sleep(0.01)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._writer is not None:
             self._writer.close()
         if self._task is not None:

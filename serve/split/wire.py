@@ -22,6 +22,7 @@ import numpy as np
 from vqserve.serve.api.codec import BadInput
 from vqserve.serve.api.errors import ReplyTooLarge
 from vqserve.serve.engine.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from vqserve.serve.engine.device_faults import DeviceOutOfMemory
 
 # request: id, kind, dtype, ndim, deadline (monotonic; 0 = none), block offset, answer offset,
 # answer capacity (bytes), shape
@@ -29,12 +30,13 @@ REQUEST = struct.Struct("<QBBBxd3Q4Q")
 # reply: id, status, dtype, ndim, answer shape, message length (bytes that follow)
 REPLY = struct.Struct("<QBBBx4QI")
 
-ENCODE, DECODE, CANCEL, READY = 1, 2, 3, 4  # READY: a front-end now serves
+ENCODE, DECODE, CANCEL, READY, PING = 1, 2, 3, 4, 5  # READY: a front-end now serves; PING: are you there?
 KINDS = {"encode": ENCODE, "decode": DECODE}
 METHODS = {v: k for k, v in KINDS.items()}
 
-OK, BAD_INPUT, QUEUE_FULL, DEADLINE, CLOSED, TOO_LARGE, CANCELLED, FAILED, VALUE_ERROR = range(9)
+OK, BAD_INPUT, QUEUE_FULL, DEADLINE, CLOSED, TOO_LARGE, CANCELLED, FAILED, VALUE_ERROR, OUT_OF_MEMORY = range(10)
 INFO = 255  # executor -> front-end, unsolicited: the served model's identity (JSON follows)
+PONG = 254  # executor -> front-end, the answer to PING: why its model is stalled, or nothing (serve/liveness.py)
 
 DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")
 DTYPE_CODE = {np.dtype(n): i for i, n in enumerate(DTYPES)}
@@ -86,7 +88,7 @@ def status_of(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, BadInput):
         return BAD_INPUT, json.dumps([exc.field, exc.rule])
     for kind, status in ((QueueFull, QUEUE_FULL), (DeadlineExpired, DEADLINE), (BatcherClosed, CLOSED),
-                         (ReplyTooLarge, TOO_LARGE), (ValueError, VALUE_ERROR)):
+                         (ReplyTooLarge, TOO_LARGE), (DeviceOutOfMemory, OUT_OF_MEMORY), (ValueError, VALUE_ERROR)):
         if isinstance(exc, kind):
             return status, str(exc)
     return FAILED, f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
@@ -98,7 +100,7 @@ def error_of(status: int, message: str) -> BaseException:
         field, rule = json.loads(message)
         return BadInput(field, rule)
     kinds = {QUEUE_FULL: QueueFull, DEADLINE: DeadlineExpired, CLOSED: BatcherClosed,
-             TOO_LARGE: ReplyTooLarge, VALUE_ERROR: ValueError}
+             TOO_LARGE: ReplyTooLarge, OUT_OF_MEMORY: DeviceOutOfMemory, VALUE_ERROR: ValueError}
     if status in kinds:
         return kinds[status](message)
     return RuntimeError(f"the executor failed: {message}")

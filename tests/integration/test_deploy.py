@@ -147,6 +147,24 @@ def test_probes_use_the_grpc_port_and_registered_health_services():
     assert c["readinessProbe"]["grpc"]["service"] == service_v1.SERVICE_NAME
 
 
+def test_a_stalled_pod_leaves_the_service_before_liveness_restarts_it():
+    """Health turns NOT_SERVING once the model makes no progress for VQSERVE_STALL_TIMEOUT
+    (serve/liveness.py): readiness takes the pod out of the Service first, and liveness
+    restarts it only when the stall outlasts a minute more (never during one slow call)."""
+    from vqserve.serve.liveness import DEFAULT_STALL_TIMEOUT_S
+
+    c = container()
+    stall_s = float(env(c)["VQSERVE_STALL_TIMEOUT"])
+    assert stall_s == cli_default("stall_timeout") == DEFAULT_STALL_TIMEOUT_S
+
+    def window(kind: str) -> float:
+        return c[kind]["periodSeconds"] * c[kind]["failureThreshold"]
+
+    assert c["livenessProbe"]["grpc"].get("service", "") == ""  # turns NOT_SERVING on a stall too
+    assert window("readinessProbe") < window("livenessProbe")
+    assert window("livenessProbe") >= 60
+
+
 def test_ports_and_scrape_annotations_match_the_server():
     dep, c = deployment(), container()
     assert ports(c)["metrics"] == DEFAULTS["metrics_port"]

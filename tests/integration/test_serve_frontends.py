@@ -306,6 +306,39 @@ def test_kill_9_of_the_server_ends_its_frontends():
     assert wait_until(lambda: not any(alive(p) for p in children)), "orphaned front-ends"
 
 
+def _health_everywhere(target: str, asks: int = 6) -> set[str]:
+    """What health says over ``asks`` fresh connections (the kernel spreads them over the
+    front-ends, each of which answers for itself)."""
+    from vqserve.serve.clients import check_health
+
+    return {check_health(target, "", 30) for _ in range(asks)}
+
+
+def test_a_stopped_executor_turns_health_not_serving_until_it_continues():
+    """Regression: with the device executor stopped (SIGSTOP, as a wedged GPU or a deadlocked
+    executor looks) every call ended in DEADLINE_EXCEEDED while health answered SERVING for
+    as long as it was stopped, so probes kept sending traffic into it. Now every front-end
+    says NOT_SERVING once the executor has not answered for --stall-timeout, `vqserve
+    health` exits 1, and all say SERVING again once it continues."""
+    with ServeProcess(["--model", "synthetic:200", "--frontends", "2", "--stall-timeout", "1"]) as srv:
+        assert _health_everywhere(srv.target) == {"SERVING"}
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: _health_everywhere(srv.target) == {"NOT_SERVING"}, 120), \
+                "health still says SERVING with the executor stopped"
+            cli = subprocess.run([sys.executable, "-m", "vqserve", "health", "--server", srv.target, "--timeout", "30"],
+                                 capture_output=True, text=True, timeout=120)
+            assert cli.returncode == 1 and "NOT_SERVING" in cli.stdout, (cli.stdout, cli.stderr)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert wait_until(lambda: _health_everywhere(srv.target) == {"SERVING"}, 120), \
+            "health did not come back after SIGCONT"
+        images = _images(2, seed=12)
+        np.testing.assert_array_equal(TokenizerClient(srv.target).encode(images), block_tokens(images))
+        assert any('"event": "stalled"' in line and "has not answered" in line for line in srv.log)
+        assert any('"event": "progressing"' in line for line in srv.log)
+
+
 def test_a_dead_frontend_is_replaced():
     with ServeProcess(["--model", "synthetic:0", "--frontends", "2"]) as srv:
         os.kill(_frontend_pids(srv)[0], signal.SIGKILL)

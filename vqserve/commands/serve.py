@@ -43,6 +43,7 @@ from vqserve.serve.engine.planning import (  # standard library only: cheap for 
     DEFAULT_PLAN_BUDGET_S,
     daemon_work_in_flight,
 )
+from vqserve.serve.liveness import DEFAULT_STALL_TIMEOUT_S
 
 # Every serve setting can come from the environment (the container's entrypoint is plain
 # `vqserve serve`); docs/DEPLOY.md lists them and a test keeps the three in step.
@@ -63,7 +64,7 @@ ENV_VARS = {
     "no_self_check": "VQSERVE_NO_SELF_CHECK", "plan": "VQSERVE_PLAN", "plan_cache": "VQSERVE_PLAN_CACHE",
     "min_agreement": "VQSERVE_MIN_AGREEMENT", "threads": "VQSERVE_THREADS",
     "plan_budget_s": "VQSERVE_PLAN_BUDGET_S", "frontends": "VQSERVE_FRONTENDS", "listeners": "VQSERVE_LISTENERS",
-    "no_cuda_graphs": "VQSERVE_NO_CUDA_GRAPHS",
+    "no_cuda_graphs": "VQSERVE_NO_CUDA_GRAPHS", "stall_timeout": "VQSERVE_STALL_TIMEOUT",
 }
 # The flag that moves each port, for the one-line "port in use" error.
 PORT_FLAGS = {"gRPC": "port", "metrics": "metrics_port"}
@@ -190,6 +191,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--max-queue", type=int, default=1024,
                    help="queued images before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    parser.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
+                        help="health says NOT_SERVING once work has waited this long with no model call "
+                             "finishing (or 4 x the slowest call so far, if longer), and in --frontends "
+                             "processes once the device executor has not answered for this long; SERVING "
+                             "again when calls finish (default 10)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="log threshold (JSON lines on stderr)")
     add_env_fallbacks(parser, ENV_VARS)
@@ -261,7 +267,7 @@ def config_from_args(args: argparse.Namespace):
         threads=args.threads or None, plan=args.plan, plan_cache=args.plan_cache,
         min_agreement=min_agreement_for(args.dtype, args.min_agreement), plan_budget_s=args.plan_budget_s,
         frontends=resolve_frontends(args.frontends, args.model, args.device), listeners=args.listeners,
-        cuda_graphs=not args.no_cuda_graphs,
+        cuda_graphs=not args.no_cuda_graphs, stall_timeout_s=args.stall_timeout,
     )
 
 
@@ -273,6 +279,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "port": (0, 65535, "0 picks a free port"),
     "metrics_port": (-1, 65535, "0 picks a free port, -1 turns /metrics off"),
     "grace": (0, 86400, "seconds"),
+    "stall_timeout": (1, 86400, "seconds"),
     "max_delay_ms": (0, 60000, "milliseconds"),
     "max_batch_size": (1, 65536, "images per model call"),
     "max_queue": (1, 10_000_000, "queued images"),
