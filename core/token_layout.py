@@ -142,6 +142,17 @@ class TokenLayout:
             return (schedule_length(self.schedule_for_latent(h // f, w // f)),)
         return (h // f, w // f) if self.codes_per_position == 1 else (h // f, w // f, self.codes_per_position)
 
+    def square_size_near(self, target: int) -> int:
+        """An image side this layout accepts, near ``target`` (for check images): a grid's
+        next multiple of the factor; a pyramid's accepted square size nearest ``target``."""
+        f = self.factor
+        if self.kind == GRID:
+            return f * max(1, -(-target // f))
+        sides = [s[-1][0] * f for s in self.schedules if s[-1][0] == s[-1][1]]
+        if not sides:
+            raise ValueError(f"this pyramid has no square image size ({self.describe()})")
+        return min(sides, key=lambda side: (abs(side - target), side))
+
     def item_rank(self) -> int:
         """The rank of one image's tokens."""
         if self.kind == PYRAMID:
