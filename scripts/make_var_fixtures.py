@@ -25,6 +25,14 @@ It writes into tests/fixtures/var/:
 
 The codebook is rescaled to the spread of the random encoder's latents, so every scale's
 search is a real choice among many codes (not one code nearest everything).
+
+``full-size --photo P --out F.pth`` writes the released architecture with random weights
+(not committed), for the per-scale bf16/fp16 agreement of docs/MODELS.md::
+
+    python scripts/make_var_fixtures.py full-size --reference /tmp/ref-var --photo chelsea.png
+    vqserve import var /tmp/var-full-size.pth --out /tmp/var-full
+    python scripts/make_var_fixtures.py compare --reference /tmp/ref-var --model /tmp/var-full PHOTO...
+    vqserve eval --model /tmp/var-full --images PHOTOS --no-learnability
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -126,11 +135,70 @@ def fixtures(reference: Path) -> None:
     print(f"wrote {OUT}: {len(state)} tensors small, {len(keys)} in the released layout")
 
 
+def full_size(reference: Path, out: Path, photo: Path) -> None:
+    """The released architecture (``vae_ch160v4096z32``'s layout) with random weights, saved as
+    VAR saves it, for ``vqserve import var`` + ``vqserve eval`` (not committed: 436 MB). The
+    codebook is scaled to the latents of ``photo`` (256x256 centre crop) as in the fixtures."""
+    from PIL import Image
+
+    torch.manual_seed(SEED)
+    model = reference_vqvae(reference, (1, 2, 3, 4, 5, 6, 8, 10, 13, 16), ch_mult=(1, 1, 2, 2, 4),
+                            vocab_size=4096, z_channels=32, ch=160, share_quant_resi=4)
+    img = Image.open(photo).convert("RGB")
+    side = min(img.size)
+    img = img.crop(((img.width - side) // 2, (img.height - side) // 2,
+                    (img.width - side) // 2 + side, (img.height - side) // 2 + side)).resize((256, 256))
+    x = torch.from_numpy(np.asarray(img)).permute(2, 0, 1)[None].float().div(255)
+    randomise(model, x.add(x).add_(-1))
+    torch.save(model.state_dict(), out)
+    print(f"wrote {out}: {sum(v.numel() for v in model.state_dict().values()) / 1e6:.1f}M values")
+
+
+def compare(reference: Path, pth: Path, model_dir: Path, photos: list[Path]) -> None:
+    """VAR's own ``img_to_idxBl`` / ``idxBl_to_img`` on ``pth`` (the full-size layout) against
+    ``vqserve import var``'s directory ``model_dir`` on whole photographs (VAR's validation
+    transform to 256x256): prints whether indices and decoded pixels are identical."""
+    from PIL import Image
+
+    from vqserve.model import load_tokenizer
+    from vqserve.model.evaluation import model_sized
+    from vqserve.model.tokenizer import float_to_pixels
+
+    model = reference_vqvae(reference, (1, 2, 3, 4, 5, 6, 8, 10, 13, 16), ch_mult=(1, 1, 2, 2, 4),
+                            vocab_size=4096, z_channels=32, ch=160, share_quant_resi=4)
+    model.load_state_dict(torch.load(pth, weights_only=True))
+    model.eval()
+    tok = load_tokenizer(model_dir)
+    for photo in photos:
+        u = torch.from_numpy(model_sized(tok, np.asarray(Image.open(photo).convert("RGB"))).copy())[None]
+        x = u.permute(0, 3, 1, 2).float().div(255)
+        x = x.add(x).add_(-1)
+        with torch.no_grad():
+            ref_idx = torch.cat(model.img_to_idxBl(x), 1)
+            ref_img = model.idxBl_to_img(model.img_to_idxBl(x), same_shape=True, last_one=True)
+        ours = tok.encode(u)
+        print(f"{photo.name}: {tuple(ours.shape)} indices equal {bool(torch.equal(ours, ref_idx))}, decoded "
+              f"pixels equal {bool(torch.equal(tok.decode(ours), float_to_pixels(ref_img)))}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", nargs="?", choices=["fixtures", "full-size", "compare"], default="fixtures")
     parser.add_argument("--reference", type=Path, required=True, help="a checkout of FoundationVision/VAR")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/var-full-size.pth"), help="full-size: the .pth")
+    parser.add_argument("--photo", type=Path, help="full-size: the photograph the codebook is scaled to")
+    parser.add_argument("--model", type=Path, help="compare: the `vqserve import var` directory of --out")
+    parser.add_argument("photos", nargs="*", type=Path, help="compare: whole photographs")
     args = parser.parse_args(argv)
-    fixtures(args.reference)
+    if args.what == "compare":
+        compare(args.reference, args.out, args.model, args.photos)
+        return 0
+    if args.what == "full-size":
+        if args.photo is None:
+            parser.error("full-size needs --photo")
+        full_size(args.reference, args.out, args.photo)
+    else:
+        fixtures(args.reference)
     return 0
 
 

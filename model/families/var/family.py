@@ -192,5 +192,15 @@ class VARFamily(ImportedFamily):
     tokenizer_class = VARTokenizer
     label = "VAR"
 
+    def export_refusal(self, fmt: str) -> str | None:
+        """VAR's residual loop does not fit an artifact with dynamic height and width yet."""
+        if fmt == "onnx":
+            return ("VAR cannot export to ONNX: its area downsampling of a 16x16 latent to 3x3, 5x5, 6x6, 10x10 "
+                    "and 13x13 is adaptive_avg_pool2d with output sizes that do not divide the input, which "
+                    "torch.onnx refuses; serve it eager (exact, the default)")
+        return (f"VAR cannot export to {fmt} yet: its scale schedule (how many scales, and their sizes) is chosen "
+                "per image size in Python, so a traced graph would hold one size's loop, and exported artifacts "
+                "take any height and width; serve it eager (exact, the default)")
+
 
 VAR = VARFamily()

@@ -23,7 +23,6 @@ from vqserve.cli import main as cli_main
 from vqserve.core.token_layout import schedule_length
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
-from vqserve.model.families.importing import CheckpointError
 from vqserve.model.families.var.family import VAR, VARConfig, VARTokenizer
 from vqserve.model.families.var.importer import import_var, parse_scales, to_vqserve_names
 from vqserve.model.quantizers.multiscale import phi_index
@@ -174,7 +173,7 @@ def test_cli_import_and_scales_parsing(tmp_path, capsys):
 
 
 # ---- a real server (v1 + OIP) ---------------------------------------------------------------
-def test_grpc_server_v1_and_oip_carry_the_pyramid(imported, cases):
+def test_grpc_server_v1_and_oip_carry_the_pyramid(imported, cases, tmp_path):
     import grpc
 
     from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
@@ -215,6 +214,24 @@ def test_grpc_server_v1_and_oip_carry_the_pyramid(imported, cases):
             assert json.loads(reply.parameters["token_layout"].string_param)["kind"] == "pyramid"
             got = np.frombuffer(reply.raw_output_contents[0], np.uint8).reshape(2, 85)
             np.testing.assert_array_equal(got, cases["s16.indices"].numpy())
+        # the client commands: encode -> .npy [L] + identity (with the scales) -> decode
+        from PIL import Image
+
+        (tmp_path / "in").mkdir()
+        Image.fromarray(cases["s32.images_uint8"][0].numpy()).save(tmp_path / "in" / "a.png")
+        assert cli_main(["encode", str(tmp_path / "in"), "--server", server.target, "--out",
+                         str(tmp_path / "tok"), "--no-progress"]) == 0
+        tokens = np.load(tmp_path / "tok" / "a.npy")
+        np.testing.assert_array_equal(tokens, cases["s32.indices"][0].numpy())
+        identity = json.loads((tmp_path / "tok" / "a.json").read_text())["model"]
+        assert identity["token_layout"]["kind"] == "pyramid"
+        assert cli_main(["decode", str(tmp_path / "tok"), "--server", server.target, "--out",
+                         str(tmp_path / "img"), "--no-progress"]) == 0
+        decoded = np.asarray(Image.open(tmp_path / "img" / "a.png"))
+        np.testing.assert_array_equal(decoded, float_to_pixels(cases["s32.decoded"][:1]).numpy()[0])
+        np.save(tmp_path / "bad.npy", tokens[:-1])
+        assert cli_main(["decode", str(tmp_path / "bad.npy"), "--server", server.target, "--out",
+                         str(tmp_path / "img2"), "--no-progress"]) != 0
 
 
 # ---- tokenize -> verify -> detokenize -> TokenShards ----------------------------------------
@@ -231,8 +248,10 @@ def test_tokenize_verify_detokenize_and_token_shards(imported, cases, tmp_path):
         Image.fromarray(image).save(photos / f"p{i}.png")
         expected[f"p{i}"] = cases["s32.indices"][i].numpy()
     out = tmp_path / "tokens"
+    assert cli_main(["tokenize", str(photos), "--out", str(tmp_path / "refused"), "--model", imported,
+                     "--workers", "0", "--no-progress"]) == 2  # a pyramid takes fixed sizes: --size
     assert cli_main(["tokenize", str(photos), "--out", str(out), "--model", imported, "--workers", "0",
-                     "--no-progress"]) == 0
+                     "--no-progress", "--size", "32"]) == 0
     manifest = json.loads((out / "__vqserve__" / "manifest.json").read_text())
     assert manifest["model"]["token_layout"]["kind"] == "pyramid"
     rows = [r for s in manifest["shards"] for r in shards.read_rows(out / s["name"])]
@@ -250,3 +269,13 @@ def test_tokenize_verify_detokenize_and_token_shards(imported, cases, tmp_path):
     assert row["scales"].tolist() == [[s, s] for s in SCALES[32]]
     with pytest.raises(ValueError, match="pyramid"):
         TokenShards(out, crop=(4, 4))
+
+
+# ---- exports: refused in one line, before anything is written -------------------------------
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx", "pt2"])
+def test_export_is_refused_in_one_line(imported, tmp_path, capsys, fmt):
+    assert cli_main(["export", "--model", imported, "--format", fmt, "--out", str(tmp_path / fmt)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "VAR cannot export" in err and "\n" not in err and not (tmp_path / fmt).exists()
+    if fmt == "onnx":
+        assert "adaptive_avg_pool2d" in err
