@@ -279,3 +279,23 @@ def test_export_is_refused_in_one_line(imported, tmp_path, capsys, fmt):
     assert "VAR cannot export" in err and "\n" not in err and not (tmp_path / fmt).exists()
     if fmt == "onnx":
         assert "adaptive_avg_pool2d" in err
+
+
+# ---- eval: agreement per scale --------------------------------------------------------------
+def test_eval_reports_low_precision_agreement_per_scale(imported, cases, tmp_path, capsys):
+    from PIL import Image
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i, image in enumerate(cases["s32.images_uint8"].numpy()):  # 32x32: resized to 36, centre 32
+        Image.fromarray(np.kron(image, np.ones((3, 2, 1), np.uint8))).save(photos / f"p{i}.png")
+    assert cli_main(["eval", "--model", imported, "--images", str(photos), "--no-learnability", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("bf16", "fp16", "bf16_autocast", "fp16_autocast"):
+        shares = result["agreement_per_scale"][key]
+        assert len(shares) == len(SCALES[32]) and all(0.0 <= a <= 1.0 for a in shares)
+        tokens = [s * s for s in SCALES[32]]
+        overall = sum(a * n for a, n in zip(shares, tokens, strict=True)) / sum(tokens)
+        assert overall == pytest.approx(result["agreement"].get(key, result["agreement_autocast"].get(
+            key.removesuffix("_autocast"))))
+    assert all(row["height"] == row["width"] == 32 for row in result["per_image"])
