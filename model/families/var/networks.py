@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vqserve.model.families.cosmos.networks import Middle as CosmosMiddle
+from vqserve.model.families.llamagen.networks import NearestThenConv, PadThenStrideConv
 from vqserve.model.precision import cast_to, module_dtype
 
 GROUPS = 32
@@ -80,24 +82,6 @@ class AttnBlock(nn.Module):
         return x + self.proj_out(h)
 
 
-class Downsample2x(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.conv = conv(channels, channels, stride=2, padding=0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, pad=(0, 1, 0, 1), mode="constant", value=0))
-
-
-class Upsample2x(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.conv = conv(channels, channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.interpolate(x, scale_factor=2, mode="nearest"))
-
-
 class Level(nn.Module):
     """One resolution level under VAR's names: ``block.J``, ``attn.J`` (lowest resolution
     only), and ``downsample`` / ``upsample`` where the level changes resolution."""
@@ -115,15 +99,14 @@ class Level(nn.Module):
         return h
 
 
-class Middle(nn.Module):
+class Middle(CosmosMiddle):
+    """``block_1``, ``attn_1``, ``block_2`` (Cosmos's middle, under VAR's blocks)."""
+
     def __init__(self, channels: int):
-        super().__init__()
+        nn.Module.__init__(self)
         self.block_1 = ResnetBlock(channels, channels)
         self.attn_1 = AttnBlock(channels)
         self.block_2 = ResnetBlock(channels, channels)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.block_2(self.attn_1(self.block_1(h)))
 
 
 class VAREncoder(nn.Module):
@@ -144,7 +127,7 @@ class VAREncoder(nn.Module):
                           attention=i == last)
             block_in = block_out
             if i != last:
-                level.downsample = Downsample2x(block_in)
+                level.downsample = PadThenStrideConv(block_in)  # VAR's Downsample2x, the same ops
             self.down.append(level)
         self.mid = Middle(block_in)
         self.norm_out = group_norm(block_in)
@@ -179,7 +162,7 @@ class VARDecoder(nn.Module):
                           attention=i == last)
             block_in = block_out
             if i != 0:
-                level.upsample = Upsample2x(block_in)
+                level.upsample = NearestThenConv(block_in)  # VAR's Upsample2x, the same ops
             levels[i] = level
         self.up = nn.ModuleList(levels)
         self.norm_out = group_norm(block_in)
