@@ -299,3 +299,13 @@ def test_eval_reports_low_precision_agreement_per_scale(imported, cases, tmp_pat
         assert overall == pytest.approx(result["agreement"].get(key, result["agreement_autocast"].get(
             key.removesuffix("_autocast"))))
     assert all(row["height"] == row["width"] == 32 for row in result["per_image"])
+
+
+def test_naive_path_is_vars_loop_and_per_scale_flips_are_counted(tok, cases):
+    from vqserve.model.families.var.precision import NaivePath, flip_rates_per_scale
+
+    # in fp32 the naive path (VAR's loop, no island) is VAR's own: the fixture's tokens
+    assert torch.equal(NaivePath(tok, "fp32")(cases["s32.images_uint8"]), cases["s32.indices"])
+    rates = flip_rates_per_scale(tok, cases["s32.images_uint8"], "bf16")
+    assert set(rates) == {"naive", "vqserve_island_only", "vqserve"}
+    assert all(len(r) == len(SCALES[32]) and all(0.0 <= x <= 1.0 for x in r) for r in rates.values())
