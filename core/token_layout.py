@@ -166,11 +166,7 @@ class TokenLayout:
             if schedule_length(s) == length:
                 return s
         accepted = ", ".join(f"{schedule_length(s)} (scales {scales_text(s)})" for s in self.schedules)
-        return self._refuse(f"must be [B,L] with L one of {accepted}, got per-image shape {list(item_shape)}")
-
-    @staticmethod
-    def _refuse(text: str):
-        raise ValueError(text)
+        raise ValueError(f"must be [B,L] with L one of {accepted}, got per-image shape {list(item_shape)}")
 
     def shape_rule(self, shape: tuple[int, ...]) -> str | None:
         """Why a batch of tokens of ``shape`` (batch first) cannot be decoded, or None."""
