@@ -309,3 +309,17 @@ def test_naive_path_is_vars_loop_and_per_scale_flips_are_counted(tok, cases):
     rates = flip_rates_per_scale(tok, cases["s32.images_uint8"], "bf16")
     assert set(rates) == {"naive", "vqserve_island_only", "vqserve"}
     assert all(len(r) == len(SCALES[32]) and all(0.0 <= x <= 1.0 for x in r) for r in rates.values())
+
+
+def test_pyramid_through_two_frontend_processes(imported, cases):
+    """The split layout: front-ends check the pyramid with the same engine code and the
+    remote batcher shapes the executor's answers [B, L] from the layout it was sent."""
+    from tests.helpers import ServeProcess
+    from vqserve.serve.clients.sync import TokenizerClient
+
+    with ServeProcess(["--model", imported, "--frontends", "2", "--metrics-port", "0"]) as srv, \
+            TokenizerClient(srv.target, timeout=60) as client:
+        assert client.model_info()["token_layout"]["kind"] == "pyramid"
+        indices = client.encode(cases["s32.images_uint8"].numpy())
+        np.testing.assert_array_equal(indices, cases["s32.indices"].numpy())
+        assert client.decode(indices).shape == (3, 32, 32, 3)
