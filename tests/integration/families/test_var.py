@@ -323,3 +323,20 @@ def test_pyramid_through_two_frontend_processes(imported, cases):
         indices = client.encode(cases["s32.images_uint8"].numpy())
         np.testing.assert_array_equal(indices, cases["s32.indices"].numpy())
         assert client.decode(indices).shape == (3, 32, 32, 3)
+
+
+def test_torchserve_handler_checks_the_pyramid(imported, cases):
+    """The TorchServe handler (an eager archive of a checkpoint) words the same rules."""
+    from vqserve.export.runtimes.loader import load_runtime
+    from vqserve.export.torchserve import handler as th
+
+    runtime = load_runtime(imported)
+    enc, dec = th.TokenizerService(runtime, "encode"), th.TokenizerService(runtime, "decode")
+    assert enc.check_image(cases["s32.images_uint8"][0].numpy()).shape == (32, 32, 3)
+    with pytest.raises(th.BadRequest, match="scale schedules for 16x16, 32x32 images only"):
+        enc.check_image(np.zeros((24, 24, 3), np.uint8))
+    assert dec.check_indices(cases["s16.indices"][0].numpy()).shape == (85,)
+    with pytest.raises(th.BadRequest, match=r"L one of 85 \(scales 1,2,4,8\)"):
+        dec.check_indices(np.zeros(84, np.uint16))
+    with pytest.raises(th.BadRequest, match=r"\[0, 63\]"):
+        dec.check_indices(np.full(85, 64, np.uint16))
