@@ -60,7 +60,8 @@ def check_expected_hash(expected: str | None, actual: str, where: str | os.PathL
 
 # the fields of GetModelInfo recorded beside the tokens the client commands write
 RECORDED_FIELDS = ("model_hash", "source_hash", "exact", "codebook_size", "factor", "index_dtype", "quantizer",
-                   "levels", "dither", "codes_per_position", "dtype", "backend", "server_version")
+                   "levels", "dither", "codes_per_position", "dtype", "backend", "server_version",
+                   "token_layout")  # token_layout: only for non-grid layouts (absent for a grid)
 
 
 def recorded_identity(info: dict) -> dict:

@@ -11,6 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from vqserve.core.token_layout import TokenLayout
+
 
 def index_dtype_for(codebook_size: int) -> np.dtype:
     """The narrowest unsigned dtype that holds every index (uint16 up to 65,536 codes)."""
@@ -50,15 +52,26 @@ class RuntimeInfo:
     # False for an encode-only model (a family whose original has no decoder): decode refuses
     # in one line (vqserve.model.tokenizer.DecodeUnsupported), checks and exports skip it
     decodes: bool = True
+    # the token shape when it is not a grid (``TokenLayout.to_dict()``: a pyramid's scale
+    # schedules); {} for a grid [B,h,w] / [B,h,w,Q], so grid identities stay as they were
+    token_layout: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def layout(self) -> TokenLayout:
+        """The per-image token shape rule (:mod:`vqserve.core.token_layout`)."""
+        return TokenLayout.from_dict(self.token_layout, self.factor, self.codes_per_position)
+
     def identity(self) -> dict:
         """The fields that say which tokens a client gets (GetModelInfo, OIP metadata, the
         tokenize manifest, encode's identity files)."""
-        return {"model_hash": self.model_hash, "source_hash": self.source_hash or self.model_hash,
-                "dtype": self.dtype, "backend": self.backend, "exact": bool(self.exact)}
+        ident = {"model_hash": self.model_hash, "source_hash": self.source_hash or self.model_hash,
+                 "dtype": self.dtype, "backend": self.backend, "exact": bool(self.exact)}
+        if self.token_layout:  # only non-grid layouts: grid identities keep their bytes
+            ident["token_layout"] = self.token_layout
+        return ident
 
 
 @runtime_checkable
@@ -69,7 +82,8 @@ class Runtime(Protocol):
     info: RuntimeInfo
 
     def encode(self, images: np.ndarray) -> np.ndarray:
-        """uint8 ``[B,H,W,3]`` -> indices ``[B,H/f,W/f]`` in ``info.index_dtype``."""
+        """uint8 ``[B,H,W,3]`` -> indices ``[B,H/f,W/f]`` in ``info.index_dtype`` (``[B,L]`` for a
+        pyramid: ``info.layout.token_shape``)."""
         ...
 
     def decode(self, indices: np.ndarray) -> np.ndarray:

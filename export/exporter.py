@@ -38,6 +38,7 @@ from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 from vqserve.export.runtimes.loader import EagerRuntime, index_dtype_for
 from vqserve.model.checkpoint import checkpoint_hash, resolve_model_path
 from vqserve.model.devices import resolve_device
+from vqserve.model.families import family_for
 
 FORMATS = ("torchscript", "onnx", "pt2")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -165,8 +166,11 @@ def export_model(model: str | os.PathLike, fmt: str, dtype: str, out: str | os.P
     check_combination(fmt, dtype, device, opset)
     required = required_agreement(dtype, min_agreement)
     out = Path(out)
-    _prepare_out(out)
     path = resolve_model_path(model)
+    family = family_for(path) if Path(path).is_dir() else None
+    if family is not None and (refusal := family.export_refusal(fmt)):  # before anything is built
+        raise ValueError(f"{path}: {refusal}")
+    _prepare_out(out)
     reference = EagerRuntime(path, dtype="fp32", device=device)
     tok = reference.tokenizer
     cfg = tok.config

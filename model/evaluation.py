@@ -286,6 +286,12 @@ class _TokenFigures:
         self.counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
         self.grids: list[np.ndarray] = []
         self.margins: dict | None = None  # vqserve.model.ties.low_margin_counts, summed
+        # a pyramid (VAR): agreement per scale too, since an early-scale flip changes every later
+        # scale; the grid learnability figures (shifts, crops) do not apply to it
+        self.layout = tokenizer.token_layout
+        if not self.layout.is_grid:
+            self.learnability = False
+        self.scale_agree: dict[str, list[list[int]]] = {}
 
     def encode(self, batch: torch.Tensor) -> torch.Tensor:
         """The reference: plain fp32 eager, default memory format - exactly ``tok.encode``.
@@ -335,6 +341,20 @@ class _TokenFigures:
                 self.agree[key][0] += same
                 self.agree[key][1] += idx.numel()
                 row[f"agreement_{key}"] = same / idx.numel()
+                if not self.layout.is_grid:
+                    row[f"agreement_{key}_per_scale"] = self._per_scale(key, low, idx)
+
+    def _per_scale(self, key: str, low: torch.Tensor, idx: torch.Tensor) -> list[float]:
+        """Each scale's share of tokens equal to fp32 (coarse to fine), summed over the set."""
+        bounds = self.layout.scale_bounds(idx.shape[-1])
+        sums = self.scale_agree.setdefault(key, [[0, 0] for _ in bounds])
+        shares = []
+        for (start, end), total in zip(bounds, sums, strict=True):
+            same = int((low[..., start:end] == idx[..., start:end]).sum())
+            total[0] += same
+            total[1] += idx[..., start:end].numel()
+            shares.append(same / idx[..., start:end].numel())
+        return shares
 
     def result(self, per_image: list[dict], **pixel_figures) -> dict:
         """The set's result: the token figures, ``pixel_figures`` (none for an encode-only
@@ -355,6 +375,9 @@ class _TokenFigures:
             "encode_seconds": self.timings,
             "per_image": per_image,
         }
+        if self.scale_agree:  # a pyramid: agreement per scale, coarse to fine
+            result["agreement_per_scale"] = {key: [same / max(n, 1) for same, n in sums]
+                                             for key, sums in self.scale_agree.items()}
         if self.margins is not None:
 
             result["margins"] = {**shares(self.margins), "delta": DELTA}
@@ -399,12 +422,14 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
         return evaluate_encoder(tokenizer, images, names, precisions, channels_last, learnability)
     figures = _TokenFigures(tokenizer, precisions, channels_last, learnability)
     f = tokenizer.factor
+    if not figures.layout.is_grid:
+        tile = 0  # a pyramid's image sizes are fixed: no smaller tiles
     names = list(names) if names is not None else [f"image{i}" for i in range(len(images))]
     per_image = []
     sq_err, n_px = 0.0, 0
     base_sq_err, tiled_sq_err = 0.0, 0.0
     for name, img in zip(names, images, strict=True):
-        img = _centre_crop_multiple(np.asarray(img), f)
+        img = model_sized(tokenizer, np.asarray(img))
         batch = torch.from_numpy(np.array(img))[None]
         idx = figures.encode(batch)
         recon = tokenizer.decode(idx).cpu()
@@ -455,7 +480,7 @@ def evaluate_encoder(tokenizer, images: Sequence[np.ndarray], names: Sequence[st
     names = list(names) if names is not None else [f"image{i}" for i in range(len(images))]
     per_image = []
     for name, img in zip(names, images, strict=True):
-        img = _centre_crop_multiple(np.asarray(img), tokenizer.factor)
+        img = model_sized(tokenizer, np.asarray(img))
         batch = torch.from_numpy(np.array(img))[None]
         idx = figures.encode(batch)
         row = {"name": name, "height": img.shape[0], "width": img.shape[1]}
@@ -467,6 +492,27 @@ def evaluate_encoder(tokenizer, images: Sequence[np.ndarray], names: Sequence[st
 
 def _psnr_from(sq_err: float, n: int) -> float:
     return 10 * math.log10(255.0**2 / (sq_err / n)) if sq_err > 0 else float("inf")
+
+
+PYRAMID_EVAL_SIDE = 256  # the image size a pyramid model is evaluated at (VAR's own 256 schedule)
+
+
+def model_sized(tokenizer, img: np.ndarray) -> np.ndarray:
+    """An image the tokenizer takes: a grid model's centre crop to a multiple of its factor;
+    for a pyramid (VAR), VAR's own validation transform to its accepted size nearest 256
+    (shorter side LANCZOS-resized to 1.125 x that size, then centre-cropped)."""
+    layout = tokenizer.token_layout
+    if layout.is_grid:
+        return _centre_crop_multiple(img, tokenizer.factor)
+    from PIL import Image
+
+    side = layout.square_size_near(PYRAMID_EVAL_SIDE)
+    h, w = img.shape[:2]
+    mid = round(1.125 * side)
+    size = (mid, int(mid * h / w)) if w <= h else (int(mid * w / h), mid)  # torchvision Resize(mid)
+    resized = np.asarray(Image.fromarray(img).resize(size, Image.LANCZOS))
+    top, left = int(round((resized.shape[0] - side) / 2.0)), int(round((resized.shape[1] - side) / 2.0))
+    return np.ascontiguousarray(resized[top:top + side, left:left + side])
 
 
 def _centre_crop_multiple(img: np.ndarray, factor: int) -> np.ndarray:

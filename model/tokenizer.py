@@ -20,6 +20,7 @@ from vqserve.core.input_rules import (  # noqa: F401 - re-exported: the model's 
     check_spatial,
     decode_unsupported,
 )
+from vqserve.core.token_layout import TokenLayout
 from vqserve.model.config import TokenizerConfig
 from vqserve.model.networks import Decoder, Encoder
 from vqserve.model.precision import cast_to, module_dtype
@@ -103,6 +104,12 @@ class TokenizerBase(nn.Module):
     @property
     def codebook_size(self) -> int:
         return self.quantizer.codebook_size
+
+    @property
+    def token_layout(self) -> TokenLayout:
+        """The per-image token shape (``vqserve.core.token_layout``): a grid ``[h, w(, Q)]``
+        here; a multi-scale family (VAR) returns its pyramid."""
+        return TokenLayout(factor=self.factor, codes_per_position=self.config.codes_per_position)
 
     @property
     def decodes(self) -> bool:

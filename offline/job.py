@@ -31,6 +31,7 @@ from vqserve.core.files import TMP_PREFIX, atomic_write_bytes, sha256_file
 from vqserve.core.identity import run_identity
 from vqserve.core.lifetime import stop_status
 from vqserve.core.machine import machine_record, same_arithmetic
+from vqserve.core.token_layout import TokenLayout
 from vqserve.offline import shards, sources
 from vqserve.offline.errors import Interrupted, TokenizeError
 from vqserve.offline.tasks import EncodedTask, Task
@@ -258,7 +259,7 @@ class Job:
         path = self.shard_path(shard)
         shards.WRITERS[self.settings.shard_format](
             path, rows, self.runtime_info["index_dtype"], self.fingerprint,
-            self.plan_hash(shard), errors, self.layout)
+            self.plan_hash(shard), errors, self.layout, TokenLayout.from_info(self.runtime_info))
         # hashed now, by whoever commits (the local engine's writer thread, beside the device),
         # not all at the end; a shard of an earlier run is hashed by finish()
         self._sha256[shard] = sha256_file(path)
@@ -297,7 +298,9 @@ class Job:
                 "codes_per_position", "levels", "dither")},
                 "source_hash": info.get("source_hash") or info["model_hash"], "exact": bool(info.get("exact")),
                 **({"artifact": info["extra"]["plan_artifact"]}
-                   if not info.get("exact") and info.get("extra", {}).get("plan_artifact") else {})},
+                   if not info.get("exact") and info.get("extra", {}).get("plan_artifact") else {}),
+                # only a non-grid layout (a pyramid's scales): grid manifests keep their bytes
+                **({"token_layout": info["token_layout"]} if info.get("token_layout") else {})},
             "index_dtype": info["index_dtype"],
             "preprocess": self.settings.preprocess.to_dict(),
             "shards": shards_list or [],

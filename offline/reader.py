@@ -142,9 +142,10 @@ def buffer_shuffle(items: Iterator, size: int, rng: np.random.Generator) -> Iter
 
 
 # ---- reading rows -----------------------------------------------------------------------------
-def read_rows(path: Path, first: int, stop: int, columns: Sequence[str] = ()) -> list[dict]:
+def read_rows(path: Path, first: int, stop: int, columns: Sequence[str] = (), pyramid: bool = False) -> list[dict]:
     """Rows ``[first, stop)`` of one shard: ``key``, ``tokens`` (the grid, in the stored index
-    dtype), ``grid_height``, ``grid_width`` and any other ``columns`` asked for."""
+    dtype; with ``pyramid``, the flat ``[L]`` as stored), ``grid_height``, ``grid_width`` and any
+    other ``columns`` asked for."""
     if path.suffix != ".parquet":
         rows = shards.read_rows(path)[first:stop]
         keep = {"key", "tokens", "grid_height", "grid_width", *columns}
@@ -162,6 +163,7 @@ def read_rows(path: Path, first: int, stop: int, columns: Sequence[str] = ()) ->
         h, w = other["grid_height"][i], other["grid_width"][i]
         grid = flat[offsets[i]:offsets[i + 1]]
         depth = grid.size // max(1, h * w)
-        rows.append({**{c: v[i] for c, v in other.items()},
-                     "tokens": grid.reshape(h, w) if depth == 1 else grid.reshape(h, w, depth)})
+        if not pyramid:
+            grid = grid.reshape(h, w) if depth == 1 else grid.reshape(h, w, depth)
+        rows.append({**{c: v[i] for c, v in other.items()}, "tokens": grid})
     return rows

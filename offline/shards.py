@@ -7,8 +7,9 @@ One row per image. Readable with pyarrow / pandas / ``datasets`` alone::
     crop_top, crop_left,
     crop_height, crop_width          int32   the region used, in original pixels
     height, width                    int32   the pixels the model saw
-    grid_height, grid_width          int32   the token grid
-    tokens                           list<uint8|uint16|uint32>  row-major [grid_h, grid_w(, Q)]
+    grid_height, grid_width          int32   the token grid (a pyramid's: its finest scale)
+    tokens                           list<uint8|uint16|uint32>  row-major [grid_h, grid_w(, Q)];
+                                     a pyramid's flat [L], coarse to fine, row-major within a scale
 
 An output folder holds the shards and, in ``__vqserve__/``, the manifest and the error log
 (:class:`Layout`): readers of a folder of Parquet files (pandas, ``pyarrow.dataset``,
@@ -16,7 +17,9 @@ Hugging Face ``datasets``) skip that folder, so the output folder itself is the 
 
 Each shard also carries key-value metadata: ``vqserve.fingerprint`` (the settings it was
 made with), ``vqserve.plan`` (sha256 of its input records, so a resume notices changed
-inputs) and ``vqserve.errors`` (the images of this shard that failed). Shards are written
+inputs) and ``vqserve.errors`` (the images of this shard that failed); a shard of pyramid tokens
+(VAR) also ``vqserve.token_layout`` (``TokenLayout.to_dict()``: the scale schedules, so a reader
+of the file alone can split each row; grid shards carry no such key and keep their bytes). Shards are written
 to a temporary name, fsynced and renamed: a file with the final name is always complete.
 Writes are byte-deterministic: the same rows give the same bytes.
 """
@@ -33,10 +36,12 @@ from pathlib import Path
 import numpy as np
 
 from vqserve.core.files import atomic_write
+from vqserve.core.token_layout import TokenLayout
 
 META_FINGERPRINT = b"vqserve.fingerprint"
 META_PLAN = b"vqserve.plan"
 META_ERRORS = b"vqserve.errors"
+META_TOKEN_LAYOUT = b"vqserve.token_layout"
 INT_COLUMNS = ("orig_height", "orig_width", "crop_top", "crop_left", "crop_height", "crop_width",
                "height", "width", "grid_height", "grid_width")
 FORMATS = ("parquet", "webdataset")
@@ -97,12 +102,23 @@ class TokenRow:
     width: int
     tokens: np.ndarray                # [grid_h, grid_w(, Q)] in the index dtype
 
-    def meta(self) -> dict:
+    def meta(self, layout: TokenLayout | None = None) -> dict:
         t, left, h, w = self.crop
+        if layout is None or layout.is_grid:
+            grid = int(self.tokens.shape[0]), int(self.tokens.shape[1])
+        else:  # a pyramid's finest scale: the latent of the image the model saw
+            grid = self.height // layout.factor, self.width // layout.factor
         return {"key": self.key, "source": self.source, "orig_height": self.orig_height,
                 "orig_width": self.orig_width, "crop_top": t, "crop_left": left, "crop_height": h,
                 "crop_width": w, "height": self.height, "width": self.width,
-                "grid_height": int(self.tokens.shape[0]), "grid_width": int(self.tokens.shape[1])}
+                "grid_height": grid[0], "grid_width": grid[1]}
+
+
+def layout_meta(layout: TokenLayout | None) -> dict:
+    """The shard metadata of a non-grid layout (nothing for a grid: its bytes stay as they were)."""
+    if layout is None or layout.is_grid:
+        return {}
+    return {"token_layout": layout.to_dict()}
 
 
 def shard_pattern(count: int, fmt: str = "parquet") -> str:
@@ -128,17 +144,20 @@ def schema(index_dtype: str):
 
 
 def write_parquet_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str, fingerprint: str,
-                        plan: str, errors: list[dict], layout: Layout = CURRENT_LAYOUT) -> None:
+                        plan: str, errors: list[dict], layout: Layout = CURRENT_LAYOUT,
+                        tokens: TokenLayout | None = None) -> None:
     """One Parquet file (zstd, one row group; none for a shard whose images all failed,
-    except in layout 1, which stays as that release wrote it)."""
+    except in layout 1, which stays as that release wrote it). ``tokens``: the token layout
+    (None or a grid: rows are grids and nothing more is recorded)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    sch = schema(index_dtype).with_metadata({
-        META_FINGERPRINT: fingerprint.encode(), META_PLAN: plan.encode(),
-        META_ERRORS: json.dumps(errors, sort_keys=True).encode(),
-    })
-    metas = [r.meta() for r in rows]
+    kv = {META_FINGERPRINT: fingerprint.encode(), META_PLAN: plan.encode(),
+          META_ERRORS: json.dumps(errors, sort_keys=True).encode()}
+    if extra := layout_meta(tokens):
+        kv[META_TOKEN_LAYOUT] = json.dumps(extra["token_layout"], sort_keys=True).encode()
+    sch = schema(index_dtype).with_metadata(kv)
+    metas = [r.meta(tokens) for r in rows]
     columns = [pa.array([m["key"] for m in metas], pa.string()),
                pa.array([m["source"] for m in metas], pa.string())]
     columns += [pa.array([m[c] for m in metas], pa.int32()) for c in INT_COLUMNS]
@@ -173,7 +192,8 @@ def wds_member_base(key: str) -> str:
 
 
 def write_webdataset_shard(final: Path, rows: Sequence[TokenRow], index_dtype: str, fingerprint: str,
-                           plan: str, errors: list[dict], layout: Layout = CURRENT_LAYOUT) -> None:
+                           plan: str, errors: list[dict], layout: Layout = CURRENT_LAYOUT,
+                           tokens: TokenLayout | None = None) -> None:
     """A tar of ``KEY.tokens.npy`` + ``KEY.json`` per image, plus the layout's metadata member."""
     def write(tmp: Path) -> None:
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
@@ -182,8 +202,8 @@ def write_webdataset_shard(final: Path, rows: Sequence[TokenRow], index_dtype: s
                 buf = io.BytesIO()
                 np.save(buf, np.ascontiguousarray(r.tokens, dtype=index_dtype), allow_pickle=False)
                 _tar_add(tar, f"{base}.tokens.npy", buf.getvalue())
-                _tar_add(tar, f"{base}.json", json.dumps(r.meta(), sort_keys=True).encode())
-            meta = {"fingerprint": fingerprint, "plan": plan, "errors": errors}
+                _tar_add(tar, f"{base}.json", json.dumps(r.meta(tokens), sort_keys=True).encode())
+            meta = {"fingerprint": fingerprint, "plan": plan, "errors": errors, **layout_meta(tokens)}
             _tar_add(tar, layout.wds_meta, json.dumps(meta, sort_keys=True).encode())
     atomic_write(final, write)
 
@@ -237,15 +257,17 @@ def read_shard_info(path: Path) -> ShardInfo:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """All rows of a shard as dicts with ``tokens`` reshaped to ``[grid_h, grid_w(, Q)]``."""
+    """All rows of a shard as dicts with ``tokens`` reshaped to ``[grid_h, grid_w(, Q)]`` (a
+    pyramid's stay flat ``[L]``: split them with the layout the shard and manifest record)."""
     rows: list[dict] = []
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         table = pq.read_table(path)
+        flat = META_TOKEN_LAYOUT in (table.schema.metadata or {})  # a pyramid: rows stay [L]
         for rec in table.to_pylist():
-            rec["tokens"] = _grid(np.asarray(rec["tokens"], dtype=table.schema.field("tokens").type
-                                             .value_type.to_pandas_dtype()), rec)
+            values = np.asarray(rec["tokens"], dtype=table.schema.field("tokens").type.value_type.to_pandas_dtype())
+            rec["tokens"] = values if flat else _grid(values, rec)
             rows.append(rec)
         return rows
     with tarfile.open(path, "r:") as tar:

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from vqserve.core.token_layout import TokenLayout
 from vqserve.offline import reader
 
 STATE_VERSION = 1
@@ -42,8 +43,10 @@ _WORKER = "__worker__"   # tags each row with the worker that read it (removed b
 class TokenShards(IterableDataset):
     """The rows of one or more ``vqserve tokenize`` output folders, one dict per row:
     ``key`` (str), ``tokens`` (the grid as an int64 tensor ``[h, w]``, ``[h, w, Q]`` for
-    residual quantizers), ``grid_height``, ``grid_width``, and any ``columns`` asked for
-    (``source``, ``height``, ``width``, ``orig_height``, ...).
+    residual quantizers; for a multi-scale pyramid (VAR) the flat int64 ``[L]``, coarse to fine,
+    with ``scales``, an int64 ``[S, 2]`` of each scale's ``(h, w)``, to split it),
+    ``grid_height``, ``grid_width``, and any ``columns`` asked for (``source``, ``height``,
+    ``width``, ``orig_height``, ...).
 
     * ``rank`` / ``world_size``: this process's share (disjoint, together every row);
       ``even_ranks=True`` gives every rank ``N // world_size`` rows (the last few of each
@@ -75,6 +78,11 @@ class TokenShards(IterableDataset):
         self.crop = tuple(crop) if crop else None
         self.columns = tuple(columns)
         self.period = 4 if self.manifest["model"].get("dither") == "bayer4" else 1
+        # the token shape: a pyramid's rows are flat [L], each with its ``scales`` [S, 2]
+        self.layout = TokenLayout.from_info(self.manifest["model"])
+        if self.crop and not self.layout.is_grid:
+            raise ValueError("crop takes a window of a token grid; these tokens are a multi-scale pyramid "
+                             "(flat [L] per image), which has no such window")
         self._files = [shard for f in self.folders for shard in f.shards]
         self.total_rows = sum(n for _, n in self._files)
         self.epoch = 0
@@ -98,7 +106,8 @@ class TokenShards(IterableDataset):
                                             workers, self.even_ranks)
         rng = np.random.default_rng([self.seed, epoch, self.rank, worker, workers])
         rows = (row for shard, lo, hi in reader.pieces(counts, order, start, stop)
-                for row in reader.read_rows(self._files[shard][0], lo, hi, self.columns))
+                for row in reader.read_rows(self._files[shard][0], lo, hi, self.columns,
+                                            pyramid=not self.layout.is_grid))
         if self.shuffle:
             rows = reader.buffer_shuffle(rows, self.buffer_size, rng)
         for row in rows:
@@ -117,6 +126,8 @@ class TokenShards(IterableDataset):
             grid = grid[top:top + ch, left:left + cw]
             row["grid_height"], row["grid_width"] = ch, cw
         row["tokens"] = torch.from_numpy(np.ascontiguousarray(grid, dtype=np.int64))
+        if not self.layout.is_grid:  # coarse to fine: split with tokens[start:end] per scale
+            row["scales"] = torch.tensor(self.layout.schedule_of(tuple(grid.shape)), dtype=torch.int64)
         return row
 
     def __iter__(self) -> Iterator[dict]:

@@ -124,6 +124,15 @@ def _time_interleaved(raws: dict[str, object], rows: list[Candidate], safe: dict
         apply_intra_op_threads(1)
 
 
+def calibration_for(layout, sides: tuple[int, ...]) -> tuple[tuple[int, ...], np.ndarray, str]:
+    """The calibration sides and photographs a model takes: as asked for a grid; for a
+    pyramid (VAR), its accepted sizes nearest those asked (a pyramid tokenizes fixed sizes)."""
+    if layout.is_grid:
+        return tuple(sides), *calibration_images()
+    sides = tuple(dict.fromkeys(layout.square_size_near(s) for s in sides))
+    return sides, *calibration_images(layout.square_size_near(128))
+
+
 def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
             min_agreement: float = 0.995, sides: tuple[int, ...] = CALIBRATION_SIDES,
             micro_batches: tuple[int, ...] | None = None, seconds: float = 0.3,
@@ -171,7 +180,7 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
         paths += [(want, fmt) for fmt in (backends or default_backends(device)) if fmt in EXPORT_BACKENDS
                   for want in _export_dtypes(fmt, device, dtype)]
         model_hash = model_hash or model_hash_of(model)
-    photos, source = calibration_images()
+    photos, source = None, ""  # made once the model as given is loaded: its token layout picks the sizes
     reference = None
     results: dict[str, DtypeResult] = {}
     raws: dict[str, object] = {}
@@ -192,6 +201,8 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
                 say(f"{refused.label}: {refused.why_not}")
                 results[refused.label] = refused
                 continue
+            if photos is None:
+                sides, photos, source = calibration_for(raw.info.layout, sides)
             # buckets at the largest size too on an accelerator (kernels chosen per shape there;
             # there it costs a fraction of a second, on a 2-core CPU some 40 s of the 90 s budget)
             large = None if str(device).startswith("cpu") else max(sides)

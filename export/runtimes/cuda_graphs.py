@@ -380,8 +380,7 @@ def _check_graphs(inner, sizes) -> tuple[object, str]:
         graphed = GraphedRuntime(inner)
     except ValueError as exc:
         return inner, str(exc)
-    factor = int(inner.info.factor)
-    side = factor * max(1, -(-64 // factor))
+    side = inner.info.layout.square_size_near(64)
     check = np.random.default_rng(7).integers(0, 256, (max(sizes), side, side, 3), dtype=np.uint8)
     for n in sizes:
         want = inner.encode(check[:n])

@@ -112,7 +112,6 @@ def image_margins(tokenizer, images: np.ndarray) -> dict:
 def start_up_check(runtime, plan: ExecutionPlan) -> Certificate:
     """The server's quick check: six synthetic images at about 64x64 (a multiple of the
     model's factor), batch sizes 1, 2 and 5, one shuffle each; about a second on a CPU."""
-    factor = runtime.info.factor
-    size = factor * max(1, -(-64 // factor))
+    size = runtime.info.layout.square_size_near(64)  # a pyramid: the accepted size nearest 64
     return check_invariance(runtime, plan, synthetic_images(6, size), "synthetic",
                             batch_sizes=(1, 2, 5), compositions=1)

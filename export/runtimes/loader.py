@@ -77,6 +77,7 @@ class EagerRuntime:
             source_hash=model_hash,
             exact=torch_dtype == torch.float32,  # eager fp32: the reference every other way is measured against
             decodes=self.tokenizer.decodes,
+            token_layout=self.tokenizer.token_layout.to_dict(),  # {} for a grid
         )
 
     def encode(self, images: np.ndarray) -> np.ndarray:

@@ -210,21 +210,29 @@ class TokenizerService:
             raise BadRequest(f"images must be uint8, got {image.dtype.name}")
         if image.ndim != 3 or image.shape[-1] != 3:
             raise BadRequest(f"image must be [H,W,3] (uint8 HWC RGB), got {list(image.shape)}")
-        if rule := image_size_rule(*image.shape[:2], self.info.factor, self.max_pixels):
+        if rule := (image_size_rule(*image.shape[:2], self.info.factor, self.max_pixels)
+                    or self.info.layout.size_rule(*image.shape[:2])):  # a pyramid takes fixed sizes
             raise BadRequest(rule)
         return np.ascontiguousarray(image)
 
     def check_indices(self, indices: np.ndarray) -> np.ndarray:
-        """One token grid's rules; a decode never sees an out-of-range index."""
+        """One image's tokens' rules (a grid, or a pyramid's flat [L]); a decode never sees an
+        out-of-range index."""
         q = self.info.codes_per_position
         expected = "[h,w]" if q == 1 else f"[h,w,{q}]"
         if indices.dtype.kind not in "iu":
             raise BadRequest(f"indices must be an integer type (preferably {self.index_dtype.name}), "
                              f"got {indices.dtype.name}")
-        if indices.ndim != (2 if q == 1 else 3) or (q > 1 and indices.shape[-1] != q):
-            raise BadRequest(f"indices must be {expected}, got {list(indices.shape)}")
-        for rule in (index_grid_rule(*indices.shape[:2], self.info.factor, self.max_pixels),
-                     index_range_rule(indices, self.info.codebook_size)):
+        layout = self.info.layout
+        if not layout.is_grid:
+            if rule := layout.shape_rule((1, *indices.shape)):
+                raise BadRequest(f"indices {rule}")
+            size_rule = image_size_rule(*layout.image_size(indices.shape), layout.factor, self.max_pixels)
+        else:
+            if indices.ndim != (2 if q == 1 else 3) or (q > 1 and indices.shape[-1] != q):
+                raise BadRequest(f"indices must be {expected}, got {list(indices.shape)}")
+            size_rule = index_grid_rule(*indices.shape[:2], self.info.factor, self.max_pixels)
+        for rule in (size_rule, index_range_rule(indices, self.info.codebook_size)):
             if rule:
                 raise BadRequest(rule)
         return np.ascontiguousarray(indices)

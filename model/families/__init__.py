@@ -20,6 +20,7 @@ from vqserve.model.families.llamagen.family import LLAMAGEN
 from vqserve.model.families.magvit2.family import MAGVIT2
 from vqserve.model.families.native.family import VQSERVE
 from vqserve.model.families.transformers.family import TRANSFORMERS_FAMILIES
+from vqserve.model.families.var.family import VAR
 
 # vqserve's own format first: it is the default and the fallback. Add new families here.
 FAMILIES: tuple[Family, ...] = (
@@ -29,6 +30,7 @@ FAMILIES: tuple[Family, ...] = (
     COSMOS,  # NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (FSQ), `vqserve import cosmos`
     MAGVIT2,
     IBQ,
+    VAR,  # FoundationVision VAR multi-scale residual VQ (pyramid tokens), `vqserve import var`
     *TRANSFORMERS_FAMILIES,  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
 )
 

@@ -142,6 +142,10 @@ class Family(ABC):
     def load(self, path: Path, device: str | torch.device = "cpu") -> torch.nn.Module:
         """The tokenizer (a ``TokenizerBase``) in eval mode, fp32, on ``device``."""
 
+    def export_refusal(self, fmt: str) -> str | None:
+        """Why this family's models cannot be exported to ``fmt`` (one line), or None."""
+        return None
+
     def check_files(self, path: Path) -> None:
         """A clear FileNotFoundError naming the first missing model file."""
         for name in self.model_files(path):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve.core.files import sha256_file
+from vqserve.core.token_layout import TokenLayout
 from vqserve.offline.verify.folder import ShardTable, _schema_problem, load_table
 from vqserve.offline.verify.report import Report
 
@@ -88,6 +89,7 @@ def _check_rows(ctx: _Ctx, name: str, table: ShardTable) -> None:
     rep, model = ctx.report, ctx.manifest["model"]
     factor, codebook = int(model["factor"]), int(model["codebook_size"])
     depth = int(model["codes_per_position"])
+    layout = TokenLayout.from_info(model)  # a pyramid's scales, from the manifest
     bad_rows = _rows_out_of_range(table, codebook)
     meta = table.meta
     for i in range(table.rows):
@@ -103,7 +105,8 @@ def _check_rows(ctx: _Ctx, name: str, table: ShardTable) -> None:
                                f"(max {int(t.max())})", name, key)
         else:
             rep.ok("tokens")
-        problem = _grid_problem(meta, i, table, factor, depth)
+        problem = _grid_problem(meta, i, table, factor, depth) if layout.is_grid else \
+            _pyramid_problem(meta, i, table, layout)
         if problem:
             rep.fail("grid", problem, name, key)
         else:
@@ -116,6 +119,24 @@ def _rows_out_of_range(table: ShardTable, codebook: int) -> set[int]:
     if not bad.size:
         return set()
     return set(np.searchsorted(table.offsets, bad, side="right").astype(int) - 1)
+
+
+def _pyramid_problem(meta: dict, i: int, table: ShardTable, layout: TokenLayout) -> str | None:
+    """A pyramid row: its image size has a schedule, and it holds exactly that many tokens."""
+    h, w = meta["height"][i], meta["width"][i]
+    gh, gw = meta["grid_height"][i], meta["grid_width"][i]
+    try:
+        (length,) = layout.token_shape(h, w)
+    except ValueError as exc:
+        return str(exc)
+    if (gh, gw) != (h // layout.factor, w // layout.factor):
+        return f"finest scale {gh}x{gw} != {h}x{w} // {layout.factor}"
+    n = table.offsets[i + 1] - table.offsets[i]
+    if n != length:
+        return f"holds {n} tokens, a {h}x{w} image's pyramid has {length}"
+    if table.shapes is not None and tuple(table.shapes[i]) != (length,):
+        return f"tokens array has shape {tuple(table.shapes[i])}, expected ({length},)"
+    return None
 
 
 def _grid_problem(meta: dict, i: int, table: ShardTable, factor: int, depth: int) -> str | None:

@@ -85,7 +85,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("quantizer", "codebook_size", "levels", "factor", "codes_per_position", "index_dtype", "accepted_sizes", "max_pixels", "max_batch_size", "dtype", "backend", "device", "model_hash", "server_version", "execution_plan", "determinism", "dither", "exact", "source_hash", "encode_only")
+    __slots__ = ("quantizer", "codebook_size", "levels", "factor", "codes_per_position", "index_dtype", "accepted_sizes", "max_pixels", "max_batch_size", "dtype", "backend", "device", "model_hash", "server_version", "execution_plan", "determinism", "dither", "exact", "source_hash", "encode_only", "token_layout")
     QUANTIZER_FIELD_NUMBER: _ClassVar[int]
     CODEBOOK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEVELS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class ModelInfo(_message.Message):
     EXACT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_HASH_FIELD_NUMBER: _ClassVar[int]
     ENCODE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     quantizer: str
     codebook_size: int
     levels: _containers.RepeatedScalarFieldContainer[int]
@@ -126,7 +127,24 @@ class ModelInfo(_message.Message):
     exact: bool
     source_hash: str
     encode_only: bool
-    def __init__(self, quantizer: _Optional[str] = ..., codebook_size: _Optional[int] = ..., levels: _Optional[_Iterable[int]] = ..., factor: _Optional[int] = ..., codes_per_position: _Optional[int] = ..., index_dtype: _Optional[str] = ..., accepted_sizes: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., model_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., execution_plan: _Optional[str] = ..., determinism: _Optional[_Union[Determinism, _Mapping]] = ..., dither: _Optional[str] = ..., exact: _Optional[bool] = ..., source_hash: _Optional[str] = ..., encode_only: _Optional[bool] = ...) -> None: ...
+    token_layout: TokenLayout
+    def __init__(self, quantizer: _Optional[str] = ..., codebook_size: _Optional[int] = ..., levels: _Optional[_Iterable[int]] = ..., factor: _Optional[int] = ..., codes_per_position: _Optional[int] = ..., index_dtype: _Optional[str] = ..., accepted_sizes: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., model_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., execution_plan: _Optional[str] = ..., determinism: _Optional[_Union[Determinism, _Mapping]] = ..., dither: _Optional[str] = ..., exact: _Optional[bool] = ..., source_hash: _Optional[str] = ..., encode_only: _Optional[bool] = ..., token_layout: _Optional[_Union[TokenLayout, _Mapping]] = ...) -> None: ...
+
+class TokenLayout(_message.Message):
+    __slots__ = ("kind", "schedules")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    schedules: _containers.RepeatedCompositeFieldContainer[ScaleSchedule]
+    def __init__(self, kind: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScaleSchedule, _Mapping]]] = ...) -> None: ...
+
+class ScaleSchedule(_message.Message):
+    __slots__ = ("heights", "widths")
+    HEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WIDTHS_FIELD_NUMBER: _ClassVar[int]
+    heights: _containers.RepeatedScalarFieldContainer[int]
+    widths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, heights: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Determinism(_message.Message):
     __slots__ = ("batch_invariant", "decode_batch_invariant", "summary")

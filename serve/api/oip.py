@@ -8,6 +8,8 @@ Tensors are read from ``raw_input_contents`` (what tritonclient sends) or from t
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from vqserve import __version__
@@ -145,6 +147,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         index_type = codec.NUMPY_TO_OIP[np.dtype(info.index_dtype).name]
         q = info.codes_per_position
         index_shape = [-1, -1, -1] + ([q] if q > 1 else [])
+        if not info.layout.is_grid:  # a pyramid: [B, L], its scales in every answer's parameters
+            index_shape = [-1, -1]
         image = pb.ModelMetadataResponse.TensorMetadata(name="images", datatype="UINT8", shape=[-1, -1, -1, 3])
         index = pb.ModelMetadataResponse.TensorMetadata(name="indices", datatype=index_type, shape=index_shape)
         inputs, outputs = ([image], [index]) if request.name == ENCODE_MODEL else ([index], [image])
@@ -176,6 +180,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         for key in ("model_hash", "source_hash", "dtype", "backend"):  # which tokens these are
             response.parameters[key].string_param = engine.identity[key]
         response.parameters["exact"].bool_param = engine.identity["exact"]
+        if "token_layout" in engine.identity:  # a pyramid's scales, so a consumer can split it
+            response.parameters["token_layout"].string_param = json.dumps(engine.identity["token_layout"],
+                                                                          separators=(",", ":"))
         response.outputs.add(name=out_name, datatype=codec.NUMPY_TO_OIP[dtype], shape=shape)
         response.raw_output_contents.append(data)
         return response

@@ -172,9 +172,18 @@ class TokenizerService(pb_grpc.TokenizerServicer):
                     encode_only=not info.decodes,
                     execution_plan=info.extra.get("plan_line", ""),
                     determinism=_determinism_msg(getattr(engine, "determinism", None)),
+                    token_layout=_layout_msg(info.token_layout),
                 )
         except Exception as exc:  # noqa: BLE001
             await abort_for(context, exc)
+
+
+def _layout_msg(layout: dict) -> pb.TokenLayout | None:
+    """A non-grid token layout as its message (None, so unset, for a grid)."""
+    if not layout:
+        return None
+    return pb.TokenLayout(kind=layout["kind"], schedules=[
+        pb.ScaleSchedule(heights=[h for h, _ in s], widths=[w for _, w in s]) for s in layout["schedules"]])
 
 
 def _determinism_msg(certificate) -> pb.Determinism:

@@ -136,8 +136,8 @@ class AsyncTokenizerClient:
     async def _decode_deadline(self, shape: Sequence[int], calls: int = 1) -> float | None:
         if self.timeout != AUTO:
             return call_deadline(self.timeout, 0, calls)
-        factor = (await self.limits()).factor
-        return call_deadline(self.timeout, len(shape) and shape[0] * grid_pixels(shape, factor), calls)
+        layout = (await self.limits()).tokens
+        return call_deadline(self.timeout, len(shape) and shape[0] * grid_pixels(shape, layout), calls)
 
     # ---- any size ------------------------------------------------------------------------------
     async def encode(self, images: np.ndarray, batch_size: int | None = None) -> np.ndarray:
@@ -157,7 +157,7 @@ class AsyncTokenizerClient:
         """Indices ``[N,h,w]``, any N -> uint8 pixels; split like :meth:`TokenizerClient.decode`."""
         indices = np.asarray(indices)
         lim = await self.limits()
-        parts = array_parts(indices, lim, grid_pixels(indices.shape, lim.factor), batch_size)
+        parts = array_parts(indices, lim, grid_pixels(indices.shape, lim.tokens), batch_size)
         if len(parts) == 1:
             return await self.decode_batch(parts[0])
         seconds = await self._decode_deadline(indices.shape, len(parts))
@@ -197,8 +197,8 @@ class AsyncTokenizerClient:
     async def decode_items(
         self, items: Iterable[Item | Outcome], batch_size: int | None = None
     ) -> AsyncIterator[Outcome]:
-        factor = (await self.limits()).factor
-        async for o in self._run(items, self.decode_batch, decode_pixels(factor), batch_size):
+        layout = (await self.limits()).tokens
+        async for o in self._run(items, self.decode_batch, decode_pixels(layout), batch_size):
             yield o
 
     async def _run(self, items, call, pixels, batch_size) -> AsyncIterator[Outcome]:

@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 
 from vqserve.core import images as imagelib
+from vqserve.core.token_layout import TokenLayout
 
 AUTO = "auto"
 TIMEOUT_BASE_S = 30.0            # connection, queueing and a first batch on a cold server
@@ -101,6 +102,11 @@ class Limits:
     max_pixels: int
     factor: int
     call_bytes: int = CALL_BYTES
+    layout: TokenLayout | None = None  # the token shape (a grid of ``factor`` when None)
+
+    @property
+    def tokens(self) -> TokenLayout:
+        return self.layout or TokenLayout(factor=self.factor)
 
     @classmethod
     def from_info(cls, info: dict, batch_size: int | None, max_message_mb: int) -> Limits:
@@ -112,6 +118,7 @@ class Limits:
             max_pixels=int(info.get("max_pixels") or 0),
             factor=int(info.get("factor") or 1),
             call_bytes=call_bytes,
+            layout=TokenLayout.from_info(info),
         )
 
 
@@ -157,9 +164,15 @@ def encode_pixels(item: Item) -> int:
     return int(item.array.shape[0] * item.array.shape[1])
 
 
-def decode_pixels(factor: int) -> Callable[[Item], int]:
-    """Pixels a decode call gets back for a token grid (the response is the big side)."""
-    return lambda item: int(item.array.shape[0] * item.array.shape[1] * factor * factor)
+def decode_pixels(layout: TokenLayout) -> Callable[[Item], int]:
+    """Pixels a decode call gets back for one image's tokens (the response is the big side)."""
+    def pixels(item: Item) -> int:
+        try:
+            h, w = layout.image_size(item.array.shape)
+        except (ValueError, IndexError):
+            return 0  # a shape the server will refuse, in its own words
+        return int(h * w)
+    return pixels
 
 
 class Buckets:
@@ -302,8 +315,13 @@ def header_pixels(blob: bytes) -> int:
         return 1_000_000
 
 
-def grid_pixels(shape: Sequence[int], factor: int) -> int:
-    return int(shape[1] * shape[2] * factor * factor) if len(shape) >= 3 else 0
+def grid_pixels(shape: Sequence[int], layout: TokenLayout) -> int:
+    """Pixels per image that a batch of tokens of ``shape`` decodes to (0 when malformed)."""
+    try:
+        h, w = layout.image_size(tuple(shape[1:]))
+    except (ValueError, IndexError):
+        return 0
+    return int(h * w)
 
 
 _END = object()

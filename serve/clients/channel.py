@@ -99,7 +99,15 @@ def _info_dict(info: pb.ModelInfo) -> dict:
         "determinism": {"batch_invariant": info.determinism.batch_invariant,
                         "decode_batch_invariant": info.determinism.decode_batch_invariant,
                         "summary": info.determinism.summary},
+        # only for a non-grid layout (a pyramid's scales), as RuntimeInfo.identity() has it
+        **({"token_layout": _layout_dict(info.token_layout)} if info.HasField("token_layout") else {}),
     }
+
+
+def _layout_dict(layout: pb.TokenLayout) -> dict:
+    """``TokenLayout.to_dict()`` from its message (vqserve.core.token_layout)."""
+    return {"kind": layout.kind, "schedules": [[[h, w] for h, w in zip(s.heights, s.widths, strict=True)]
+                                               for s in layout.schedules]}
 
 
 def _unwrap(response, field: str) -> np.ndarray:

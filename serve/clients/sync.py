@@ -156,7 +156,7 @@ class TokenizerClient:
         if self.timeout != AUTO:
             return call_deadline(self.timeout, 0, calls)
         return call_deadline(
-            self.timeout, len(shape) and shape[0] * grid_pixels(shape, self.limits().factor), calls
+            self.timeout, len(shape) and shape[0] * grid_pixels(shape, self.limits().tokens), calls
         )
 
     # ---- any size: split and pipelined over a stream -----------------------------------------
@@ -170,7 +170,7 @@ class TokenizerClient:
 
     def decode(self, indices: np.ndarray, batch_size: int | None = None) -> np.ndarray:
         indices = np.asarray(indices)
-        per_item = grid_pixels(indices.shape, self.limits().factor)
+        per_item = grid_pixels(indices.shape, self.limits().tokens)
         parts = array_parts(indices, self.limits(), per_item, batch_size)
         if len(parts) == 1:
             return self.decode_batch(parts[0])
@@ -214,7 +214,7 @@ class TokenizerClient:
         """Token grids of any sizes -> one :class:`Outcome` (uint8 pixels) per item; as
         :meth:`encode_items`."""
         yield from self._run(
-            items, self.decode_batch, decode_pixels(self.limits().factor), batch_size
+            items, self.decode_batch, decode_pixels(self.limits().tokens), batch_size
         )
 
     def _run(self, items, call, pixels, batch_size) -> Iterator[Outcome]:

@@ -21,6 +21,7 @@ from vqserve.core.input_rules import (
     index_grid_rule,
     index_range_rule,
 )
+from vqserve.core.token_layout import TokenLayout
 from vqserve.serve.api.codec import BadInput
 from vqserve.serve.api.decoding import ImageDecoder
 from vqserve.serve.api.errors import ReplyTooLarge
@@ -100,18 +101,32 @@ class Engine:
             self.runtime.close()
 
     @property
+    def layout(self) -> TokenLayout:
+        """The per-image token shape rule of the served model (grid or pyramid), made once per
+        ``info`` (a plan switch replaces it): every request asks it."""
+        cached = getattr(self, "_layout", None)
+        if cached is None or cached[0] is not self.info:
+            cached = self._layout = (self.info, self.info.layout)
+        return cached[1]
+
+    @property
     def size_rule(self) -> str:
         f = self.info.factor
         rule = (f"H and W positive multiples of {f}, H*W at most {self.info.max_pixels} pixels, "
                 f"at most {self.max_batch_size} images per request")
+        if not self.layout.is_grid:
+            rule += f"; tokens {self.layout.describe()}"
         if self.max_batch_pixels:
             rule += f"; the model runs at most {self.max_batch_pixels} pixels per call"
         return rule
 
     def _pixels_per_item(self, method: str, item_shape: tuple[int, ...]) -> int:
         """Encode: H*W of an image; decode: the pixels it will produce (h*w*f^2)."""
+        if method == "decode":
+            h, w = self.layout.image_size(item_shape)
+            return h * w
         h, w = item_shape[:2]
-        return h * w * (self.info.factor ** 2 if method == "decode" else 1)
+        return h * w
 
     # ---- checks -----------------------------------------------------------------------
     def _check_batch(self, b: int, field: str) -> None:
@@ -128,7 +143,7 @@ class Engine:
             raise BadInput(f"{field}.shape", f"must be [B,H,W,3] (uint8 NHWC RGB), got {list(images.shape)}")
         b, h, w, _ = images.shape
         self._check_batch(b, field)
-        if rule := image_size_rule(h, w, self.info.factor, self.info.max_pixels):
+        if rule := image_size_rule(h, w, self.info.factor, self.info.max_pixels) or self.layout.size_rule(h, w):
             raise BadInput(f"{field}.shape", rule)
         return images
 
@@ -136,15 +151,17 @@ class Engine:
         if indices.dtype.kind not in "iu":
             raise BadInput(f"{field}.dtype", f"must be an integer type (preferably {self.index_dtype.name}), "
                                              f"got {indices.dtype.name}")
-        q = self.info.codes_per_position
-        rank = 3 if q == 1 else 4
-        expected = "[B,h,w]" if q == 1 else f"[B,h,w,{q}]"
-        if indices.ndim != rank or (q > 1 and indices.shape[-1] != q):
-            raise BadInput(f"{field}.shape", f"must be {expected}, got {list(indices.shape)}")
-        b, h, w = indices.shape[:3]
-        self._check_batch(b, field)
-        if rule := index_grid_rule(h, w, self.info.factor, self.info.max_pixels):
+        layout = self.layout
+        if rule := layout.shape_rule(tuple(indices.shape)):
             raise BadInput(f"{field}.shape", rule)
+        self._check_batch(indices.shape[0], field)
+        if layout.is_grid:
+            if rule := index_grid_rule(indices.shape[1], indices.shape[2], self.info.factor, self.info.max_pixels):
+                raise BadInput(f"{field}.shape", rule)
+        else:
+            h, w = layout.image_size(indices.shape[1:])
+            if rule := image_size_rule(h, w, self.info.factor, self.info.max_pixels):
+                raise BadInput(f"{field}.shape", f"{list(indices.shape)} decodes to {rule}")
         if rule := index_range_rule(indices, self.info.codebook_size):
             raise BadInput(f"{field}.data", rule)
         return indices.astype(self.index_dtype, copy=False)
@@ -164,15 +181,15 @@ class Engine:
 
     def check_encode_reply(self, images: np.ndarray, overhead: int = 0) -> None:
         b, h, w, _ = images.shape
-        f, q = self.info.factor, self.info.codes_per_position
-        nbytes = b * (h // f) * (w // f) * q * self.index_dtype.itemsize + REPLY_OVERHEAD + overhead
-        self.check_reply(nbytes, lambda: f"{b} x {h // f}x{w // f}x{q} {self.index_dtype.name} indices")
+        item = self.layout.token_shape(h, w)
+        nbytes = b * int(np.prod(item)) * self.index_dtype.itemsize + REPLY_OVERHEAD + overhead
+        self.check_reply(nbytes, lambda: f"{b} x {'x'.join(map(str, item))} {self.index_dtype.name} indices")
 
     def check_decode_reply(self, indices: np.ndarray, overhead: int = 0) -> None:
-        b, h, w = indices.shape[:3]
-        f = self.info.factor
-        self.check_reply(b * h * f * w * f * 3 + REPLY_OVERHEAD + overhead,
-                         lambda: f"{b} x {h * f}x{w * f} RGB uint8 images, raw")
+        b = indices.shape[0]
+        h, w = self.layout.image_size(indices.shape[1:])
+        self.check_reply(b * h * w * 3 + REPLY_OVERHEAD + overhead,
+                         lambda: f"{b} x {h}x{w} RGB uint8 images, raw")
 
     # ---- the serving path -------------------------------------------------------------
     async def encode(self, images: np.ndarray, deadline: float | None = None,

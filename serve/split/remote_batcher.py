@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from vqserve.core.shm import Arena, ArenaFull, round_up
+from vqserve.core.token_layout import TokenLayout
 from vqserve.serve.engine.batcher import BatcherClosed, DeadlineExpired, QueueFull
 from vqserve.serve.split import wire
 
@@ -286,11 +287,10 @@ class RemoteBatcher:
 
     def _answer_of(self, method: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
         info = self.info["info"]
-        f, q = int(info["factor"]), int(info["codes_per_position"])
-        b, h, w = shape[:3]
+        layout = TokenLayout.from_info(info)
         if method == "encode":
-            return ((b, h // f, w // f) if q == 1 else (b, h // f, w // f, q)), info["index_dtype"]
-        return (b, h * f, w * f, 3), "uint8"
+            return (shape[0], *layout.token_shape(shape[1], shape[2])), info["index_dtype"]
+        return (shape[0], *layout.image_size(shape[1:]), 3), "uint8"
 
     async def _read_replies(self) -> None:
         reader, pending = self._reader, bytearray()

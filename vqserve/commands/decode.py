@@ -48,6 +48,7 @@ from vqserve.commands._client import (
 )
 from vqserve.core.files import atomic_write_stream
 from vqserve.core.identity import same_tokens
+from vqserve.core.token_layout import TokenLayout
 
 NOT_TOKENS = "not a token array"
 
@@ -150,7 +151,7 @@ def _plan(src: Source, per_image_ndim: int) -> _TokenFile:
     except _NotTokens as exc:
         tf.error = f"{NOT_TOKENS}: {exc}"
         return tf
-    grid = "[h,w]" if per_image_ndim == 2 else "[h,w,Q]"
+    grid = {1: "[L]", 2: "[h,w]"}.get(per_image_ndim, "[h,w,Q]")
     if len(tf.shape) == per_image_ndim:
         tf.names = [f"{src.key}.png"]
     elif len(tf.shape) == per_image_ndim + 1:
@@ -162,18 +163,22 @@ def _plan(src: Source, per_image_ndim: int) -> _TokenFile:
     return tf
 
 
-def _refuse_oversized(files: list[_TokenFile], per_image: int, factor: int, max_pixels: int) -> None:
-    """A grid whose image would exceed the server's pixel limit fails here, naming both
-    sizes, rather than in a call the server refuses (or, for a huge grid, one gRPC cannot
-    even send)."""
-    if not max_pixels:
-        return
+def _refuse_oversized(files: list[_TokenFile], layout: TokenLayout, max_pixels: int) -> None:
+    """Tokens whose image would exceed the server's pixel limit (or, for a pyramid, whose
+    length has no scale schedule) fail here, naming both, rather than in a call the server
+    refuses (or, for a huge grid, one gRPC cannot even send)."""
     for tf in files:
         if tf.error:
             continue
-        h, w = tf.shape[-per_image:][:2]
-        if h * w * factor * factor > max_pixels:
-            tf.error = (f"a {h}x{w} grid decodes to {h * factor}x{w * factor} = {h * w * factor * factor} "
+        item = tuple(tf.shape[-layout.item_rank():])
+        try:
+            height, width = layout.image_size(item)
+        except ValueError as exc:
+            tf.error = f"tokens {exc}"
+            continue
+        if max_pixels and height * width > max_pixels:
+            what = f"a {item[0]}x{item[1]} grid" if layout.is_grid else f"a pyramid of {item[0]} tokens"
+            tf.error = (f"{what} decodes to {height}x{width} = {height * width} "
                         f"pixels, more than the server's limit of {max_pixels} per image")
 
 
@@ -244,9 +249,10 @@ def run(args: argparse.Namespace) -> int:
         if not info.get("decodes", True):
             raise UsageError(f"the model served at {args.server} encodes only (it has no decoder): "
                              "decode its tokens where a decoder for them is served")
-        per_image = 2 if int(info.get("codes_per_position") or 1) <= 1 else 3
+        layout = TokenLayout.from_info(info)  # a grid, or a pyramid's flat [L] per image
+        per_image = layout.item_rank()
         files = [_plan(s, per_image) for s in sources]
-        _refuse_oversized(files, per_image, int(info.get("factor") or 1), int(info.get("max_pixels") or 0))
+        _refuse_oversized(files, layout, int(info.get("max_pixels") or 0))
         good = [tf for tf in files if not tf.error]
         refuse_collisions(((n, tf.src.shown) for tf in good for n in tf.names), out)
         refuse_existing([out / n for tf in good for n in tf.names], args.overwrite)

@@ -1,6 +1,8 @@
 """Measure a tokenizer: PSNR, SSIM, codebook use, and bf16/fp16 index agreement with fp32.
 
-Each image is centre-cropped to a multiple of the factor, encoded and decoded in fp32
+Each image is centre-cropped to a multiple of the factor (a multi-scale model such as VAR: resized
+and centre-cropped to its 256x256 schedule, VAR's own validation transform, with agreement also
+reported per scale, coarse to fine), encoded and decoded in fp32
 eager (PSNR, SSIM, codebook utilization / entropy / perplexity), and encoded again in
 bf16 and fp16 (quantizer fp32, as always) two ways: the encoder as serving and exports run
 it (the residual stream stays fp32 in bf16 and fp16, vqserve.model.mixed_precision) and the whole
@@ -190,6 +192,9 @@ def _print_table(r: dict, precisions: list[str], out) -> None:
         a = r["agreement"][p]
         rows.append((f"{p} vs fp32 index agreement", f"{a:.3%} ({_flips(a, cb['positions'])} tokens differ; "
                                                      "as served and exported)"))
+    for key, shares in (r.get("agreement_per_scale") or {}).items():  # a pyramid, coarse to fine
+        if not key.endswith("_autocast"):
+            rows.append((f"{key} per scale", " ".join(f"{a:.2%}" for a in shares)))
     for p in precisions:
         a = r["agreement_autocast"][p]
         rows.append((f"{p} autocast vs fp32", f"{a:.3%} ({_flips(a, cb['positions'])} tokens differ; "

@@ -32,6 +32,11 @@ import the same way:
 
 NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (nvidia/Cosmos-0.1-Tokenizer-DI8x8, -DI16x16 on
 Hugging Face) ship as TorchScript .jit files; only their tensors are read, nothing in them runs.
+
+  vqserve import var vae_ch160v4096z32.pth --out models/var-vae
+
+FoundationVision VAR's VQ-VAE (FoundationVision/var on Hugging Face) is a plain state dict; its
+tokens are a multi-scale pyramid [B, L] (680 per 256x256 image), not a grid.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     _add_force_quiet_debug(llamagen, "llamagen", " (any other existing directory is never replaced)")
     _add_magvit2(families, parser)
     _add_cosmos(families, parser)
+    _add_var(families, parser)
 
 
 def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
@@ -151,6 +157,35 @@ def _run_cosmos(args: argparse.Namespace) -> int:
     out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force)
     return _report(out, f"Cosmos DI (factor {arch.factor}, FSQ {arch.levels} = {arch.codebook_size:,} codes",
                    args.quiet)
+
+
+def _add_var(families, parser: argparse.ArgumentParser) -> None:
+    var = families.add_parser(
+        "var", help="FoundationVision VAR's multi-scale VQ-VAE (vae_ch160v4096z32.pth): pyramid tokens",
+        description="Convert VAR's VQ-VAE state dict (a plain torch.save, read with torch.load(weights_only=True)) "
+                    "into config.json + model.safetensors. Its tokens are a pyramid: one flat sequence per image, "
+                    "coarse to fine (680 for 256x256 with scales 1,2,3,4,5,6,8,10,13,16), VAR's own "
+                    "torch.cat(img_to_idxBl(x), 1). Served sizes follow VAR's rule (256, 512, 1024); "
+                    "docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    var.add_argument("checkpoint", metavar="CHECKPOINT", help="VAR's VAE state dict, e.g. vae_ch160v4096z32.pth")
+    _add_out(var)
+    var.add_argument("--scales", action="append", default=None, metavar="[SIZE:]S1,S2,...",
+                     help="the scales the model was trained with for SIZE x SIZE images (default SIZE 256; "
+                          "repeatable), in place of VAR's rule for that size; the last scale must be the "
+                          "latent size (SIZE / 16 for the released VAE)")
+    _add_force_quiet_debug(var, "var")
+    var.set_defaults(_import=_run_var)
+
+
+def _run_var(args: argparse.Namespace) -> int:
+    from vqserve.model.families.var.importer import import_var, parse_scales
+
+    scales = dict(parse_scales(text) for text in args.scales) if args.scales else None
+    out, arch = import_var(args.checkpoint, args.out, scales=scales, force=args.force)
+    sizes = ", ".join(f"{s[-1] * arch.factor}" for s in arch.schedules)
+    return _report(out, f"VAR (factor {arch.factor}, {arch.vocab_size:,} codes x {arch.z_channels}, pyramid "
+                        f"tokens for {sizes} pixel images", args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:

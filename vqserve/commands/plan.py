@@ -100,8 +100,11 @@ def run(args: argparse.Namespace) -> int:
         check_plan_out(args.out)
 
     device = resolve_device(args.device)
-    factor = load_runtime(args.model, backend=args.backend, dtype=None if args.dtype == "auto" else args.dtype,
-                          device=device).info.factor
+    layout = load_runtime(args.model, backend=args.backend, dtype=None if args.dtype == "auto" else args.dtype,
+                          device=device).info.layout
+    factor = layout.factor
+    if not layout.is_grid:  # a pyramid (VAR) takes fixed sizes: the accepted ones nearest those asked
+        sizes = list(dict.fromkeys(layout.square_size_near(s) for s in sizes))
     bad = [s for s in sizes if s % factor]
     if bad:
         raise UsageError(f"--sizes {bad} must be multiples of the model's factor {factor}")

@@ -1,0 +1,210 @@
+"""The shape of one image's tokens, in one place: a grid, or a pyramid of scales.
+
+Why: until VAR every tokenizer gave a grid, ``[h, w]`` (``[h, w, Q]`` for residual
+quantizers) with ``h = H/f``, and every reader of tokens (the server's checks, the clients,
+shards, verify, detokenize) computed that shape from ``factor`` and ``codes_per_position``.
+A multi-scale tokenizer (VAR) gives one flat sequence per image, its scales coarse to fine
+and row-major within a scale (VAR's own ``torch.cat(img_to_idxBl(x), 1)``), and the
+scales depend on the image size. So the shape rule lives here once, and every reader asks
+the layout:
+
+* :meth:`TokenLayout.token_shape` - the per-image token shape for an image size, or a
+  one-line refusal (``ValueError``);
+* :meth:`TokenLayout.image_size` - the image size a per-image token shape decodes to, or a
+  one-line refusal naming the accepted shapes (lengths and their scales);
+* :meth:`TokenLayout.split` - a flat pyramid cut into its scales, for a consumer;
+* :meth:`TokenLayout.to_dict` - what identities, manifests and shard schemas record: ``{}``
+  for a grid (files of grid models stay byte for byte what they were), ``{"kind":
+  "pyramid", "schedules": [...]}`` otherwise.
+
+Room is left for later shapes: ``"sequence"`` (1-D tokenizers: TiTok, FlexTok: a fixed
+length per image) and ``"video"`` (``[t, h, w]``) are further kinds with their own
+``token_shape`` / ``image_size``; readers that go through this class need no change.
+
+Torch-free: serving front-ends, clients and offline readers import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+GRID = "grid"
+PYRAMID = "pyramid"
+KINDS = (GRID, PYRAMID)
+
+Scale = tuple[int, int]
+Schedule = tuple[Scale, ...]
+
+
+def scales_text(schedule: Iterable[Scale]) -> str:
+    """``1,2,3,...,16`` for square scales, ``1x2,3x4`` otherwise."""
+    return ",".join(str(h) if h == w else f"{h}x{w}" for h, w in schedule)
+
+
+def schedule_length(schedule: Iterable[Scale]) -> int:
+    return sum(h * w for h, w in schedule)
+
+
+def as_schedule(scales: Iterable) -> Schedule:
+    """``[1, 2, (3, 4), [5, 5]]`` -> ``((1,1), (2,2), (3,4), (5,5))``; one line when malformed."""
+    out = []
+    for s in scales:
+        h, w = (s, s) if isinstance(s, (int, np.integer)) else tuple(s)
+        if int(h) < 1 or int(w) < 1:
+            raise ValueError(f"a scale must be positive, got {s!r}")
+        out.append((int(h), int(w)))
+    if not out:
+        raise ValueError("a pyramid needs at least one scale")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How one image's tokens are shaped. ``factor``: the spatial downsampling (an image of
+    ``H x W`` has a latent of ``H/f x W/f``). A pyramid has one ``schedule`` per latent size
+    it accepts, each ending at that latent size."""
+
+    factor: int
+    kind: str = GRID
+    codes_per_position: int = 1
+    schedules: tuple[Schedule, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"token layout kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == PYRAMID:
+            if not self.schedules:
+                raise ValueError("a pyramid token layout needs at least one scale schedule")
+            lengths = [schedule_length(s) for s in self.schedules]
+            if len(set(lengths)) != len(lengths):
+                raise ValueError(f"pyramid schedules must have distinct lengths, got {lengths}")
+
+    # ---- records --------------------------------------------------------------------
+    @classmethod
+    def from_info(cls, info) -> TokenLayout:
+        """From a ``RuntimeInfo``, a GetModelInfo dict, or a manifest's ``model`` dict."""
+        get = info.get if isinstance(info, Mapping) else (lambda k, d=None: getattr(info, k, d))
+        return cls.from_dict(get("token_layout") or {}, int(get("factor") or 1),
+                             int(get("codes_per_position") or 1))
+
+    @classmethod
+    def from_dict(cls, data: Mapping, factor: int, codes_per_position: int = 1) -> TokenLayout:
+        if not data or data.get("kind", GRID) == GRID:
+            return cls(factor=factor, codes_per_position=codes_per_position)
+        if data.get("kind") != PYRAMID:
+            raise ValueError(f"unknown token layout {data.get('kind')!r}: this vqserve reads {KINDS}")
+        return cls(factor=factor, kind=PYRAMID,
+                   schedules=tuple(as_schedule(s) for s in data.get("schedules", ())))
+
+    def to_dict(self) -> dict:
+        """What files record: nothing for a grid (old files stay as they were)."""
+        if self.kind == GRID:
+            return {}
+        return {"kind": self.kind, "schedules": [[list(s) for s in sch] for sch in self.schedules]}
+
+    @property
+    def is_grid(self) -> bool:
+        return self.kind == GRID
+
+    # ---- the rules ------------------------------------------------------------------
+    def describe(self) -> str:
+        """The per-batch token shape in words (errors, help, GetModelInfo's size rule)."""
+        if self.kind == GRID:
+            return "[B,h,w]" if self.codes_per_position == 1 else f"[B,h,w,{self.codes_per_position}]"
+        return "[B,L] with " + "; ".join(f"L={schedule_length(s)} (scales {scales_text(s)}, "
+                                        f"{s[-1][0] * self.factor}x{s[-1][1] * self.factor} images)"
+                                        for s in self.schedules)
+
+    def schedule_for_latent(self, h: int, w: int) -> Schedule | None:
+        return next((s for s in self.schedules if s[-1] == (h, w)), None)
+
+    def size_rule(self, h: int, w: int) -> str | None:
+        """Why an ``h x w`` image cannot be tokenized, or None (the factor rule first)."""
+        f = self.factor
+        if h == 0 or w == 0 or h % f or w % f:
+            return f"H and W must be positive multiples of the downsampling factor {f}, got {h}x{w}"
+        if self.kind == PYRAMID and self.schedule_for_latent(h // f, w // f) is None:
+            sizes = ", ".join(f"{s[-1][0] * f}x{s[-1][1] * f}" for s in self.schedules)
+            return (f"this multi-scale model has scale schedules for {sizes} images only (its scales must end "
+                    f"at the latent size), got {h}x{w}")
+        return None
+
+    def token_shape(self, h: int, w: int) -> tuple[int, ...]:
+        """The per-image token shape of an ``h x w`` image; ValueError (one line) otherwise."""
+        rule = self.size_rule(h, w)
+        if rule:
+            raise ValueError(f"images: {rule}")
+        f = self.factor
+        if self.kind == PYRAMID:
+            return (schedule_length(self.schedule_for_latent(h // f, w // f)),)
+        return (h // f, w // f) if self.codes_per_position == 1 else (h // f, w // f, self.codes_per_position)
+
+    def square_size_near(self, target: int) -> int:
+        """An image side this layout accepts, near ``target`` (for check images): a grid's
+        next multiple of the factor; a pyramid's accepted square size nearest ``target``."""
+        f = self.factor
+        if self.kind == GRID:
+            return f * max(1, -(-target // f))
+        sides = [s[-1][0] * f for s in self.schedules if s[-1][0] == s[-1][1]]
+        if not sides:
+            raise ValueError(f"this pyramid has no square image size ({self.describe()})")
+        return min(sides, key=lambda side: (abs(side - target), side))
+
+    def item_rank(self) -> int:
+        """The rank of one image's tokens."""
+        if self.kind == PYRAMID:
+            return 1
+        return 2 if self.codes_per_position == 1 else 3
+
+    def schedule_of(self, item_shape: tuple[int, ...]) -> Schedule:
+        """The scales of a flat pyramid of this per-image shape; one line naming the accepted ones."""
+        length = int(item_shape[0]) if len(item_shape) == 1 else -1
+        for s in self.schedules:
+            if schedule_length(s) == length:
+                return s
+        accepted = ", ".join(f"{schedule_length(s)} (scales {scales_text(s)})" for s in self.schedules)
+        raise ValueError(f"must be [B,L] with L one of {accepted}, got per-image shape {list(item_shape)}")
+
+    def shape_rule(self, shape: tuple[int, ...]) -> str | None:
+        """Why a batch of tokens of ``shape`` (batch first) cannot be decoded, or None."""
+        if len(shape) != 1 + self.item_rank():
+            return f"must be {self.describe()}, got {list(shape)}"
+        if self.kind == PYRAMID:
+            try:
+                self.schedule_of(tuple(shape[1:]))
+            except ValueError as exc:
+                return str(exc)
+            return None
+        q = self.codes_per_position
+        if q > 1 and shape[-1] != q:
+            return f"must be {self.describe()}, got {list(shape)}"
+        return None
+
+    def image_size(self, item_shape: tuple[int, ...]) -> tuple[int, int]:
+        """The ``(H, W)`` one image's tokens of ``item_shape`` decode to (shape checked first)."""
+        if self.kind == PYRAMID:
+            h, w = self.schedule_of(tuple(item_shape))[-1]
+            return h * self.factor, w * self.factor
+        return int(item_shape[0]) * self.factor, int(item_shape[1]) * self.factor
+
+    def split(self, tokens: np.ndarray) -> list[np.ndarray]:
+        """A flat pyramid ``[..., L]`` cut into its scales ``[..., h, w]``, coarse to fine."""
+        if self.kind != PYRAMID:
+            return [np.asarray(tokens)]
+        tokens = np.asarray(tokens)
+        out, at = [], 0
+        for h, w in self.schedule_of((tokens.shape[-1],)):
+            out.append(tokens[..., at:at + h * w].reshape(*tokens.shape[:-1], h, w))
+            at += h * w
+        return out
+
+    def scale_bounds(self, length: int) -> list[tuple[int, int]]:
+        """``[(start, end), ...]`` of each scale in a flat pyramid of ``length`` tokens."""
+        bounds, at = [], 0
+        for h, w in self.schedule_of((length,)):
+            bounds.append((at, at + h * w))
+            at += h * w
+        return bounds
