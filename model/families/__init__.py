@@ -19,6 +19,7 @@ from vqserve.model.families.ibq.family import IBQ
 from vqserve.model.families.llamagen.family import LLAMAGEN
 from vqserve.model.families.magvit2.family import MAGVIT2
 from vqserve.model.families.native.family import VQSERVE
+from vqserve.model.families.showo.family import SHOWO
 from vqserve.model.families.transformers.family import TRANSFORMERS_FAMILIES
 
 # vqserve's own format first: it is the default and the fallback. Add new families here.
@@ -29,6 +30,7 @@ FAMILIES: tuple[Family, ...] = (
     COSMOS,  # NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (FSQ), `vqserve import cosmos`
     MAGVIT2,
     IBQ,
+    SHOWO,  # Show-o / MMaDA MAGVIT-v2 (showlab/magvitv2, LFQ msb-first), `vqserve import showo`
     *TRANSFORMERS_FAMILIES,  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
 )
 

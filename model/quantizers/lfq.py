@@ -23,7 +23,6 @@ from vqserve.model.quantizers.common import (
     to_fp32,
 )
 
-
 BIT_ORDERS = ("msb_first", "lsb_first")
 
 

@@ -32,6 +32,11 @@ import the same way:
 
 NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (nvidia/Cosmos-0.1-Tokenizer-DI8x8, -DI16x16 on
 Hugging Face) ship as TorchScript .jit files; only their tensors are read, nothing in them runs.
+
+  vqserve import showo magvitv2/ --out models/showo-magvitv2
+
+Show-o / MMaDA's MAGVIT-v2 (showlab/magvitv2 on Hugging Face: config.json and
+pytorch_model.safetensors; LFQ 13 bits, most significant bit first).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     _add_force_quiet_debug(llamagen, "llamagen", " (any other existing directory is never replaced)")
     _add_magvit2(families, parser)
     _add_cosmos(families, parser)
+    _add_showo(families, parser)
 
 
 def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
@@ -151,6 +157,32 @@ def _run_cosmos(args: argparse.Namespace) -> int:
     out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force)
     return _report(out, f"Cosmos DI (factor {arch.factor}, FSQ {arch.levels} = {arch.codebook_size:,} codes",
                    args.quiet)
+
+
+def _add_showo(families, parser: argparse.ArgumentParser) -> None:
+    showo = families.add_parser(
+        "showo", help="Show-o / MMaDA's MAGVIT-v2 (showlab/magvitv2): config.json + pytorch_model.safetensors",
+        description="Convert showlab/magvitv2 (Show-o, MMaDA) into config.json + model.safetensors. SOURCE is the "
+                    "downloaded folder, or its config.json and pytorch_model.safetensors. Safetensors only: nothing "
+                    "is unpickled. Every tensor is checked by name and shape, and the LFQ buffers against Show-o's "
+                    "index convention (13 bits, most significant bit first); docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    showo.add_argument("sources", nargs="+", metavar="SOURCE",
+                       help="the downloaded showlab/magvitv2 folder, or config.json pytorch_model.safetensors")
+    _add_out(showo)
+    showo.add_argument("--config", choices=["magvitv2"], default=None,
+                       help="check the weights against the published architecture; default: inferred from the "
+                            "tensor shapes")
+    _add_force_quiet_debug(showo, "showo")
+    showo.set_defaults(_import=_run_showo)
+
+
+def _run_showo(args: argparse.Namespace) -> int:
+    from vqserve.model.families.showo.importer import import_showo
+
+    out, arch = import_showo(args.sources, args.out, preset=args.config, force=args.force)
+    return _report(out, f"Show-o MAGVIT-v2 (factor {arch.factor}, LFQ {arch.z_channels} bits = "
+                        f"{arch.codebook_size:,} codes, most significant bit first", args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
