@@ -138,11 +138,12 @@ def check_preset(inferred: IbqConfig, preset: str, where: str) -> None:
     shared_check_preset(inferred, PRESETS, preset, where)
 
 
-def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str) -> None:
+def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str,
+                  label: str = "IBQ") -> None:
     """Every tensor present, none extra, every shape right, under IBQ's names: one line."""
     mismatch = key_mismatch(expected, state)
     if mismatch:
-        raise CheckpointError(f"{where} does not fit the IBQ architecture: {mismatch}")
+        raise CheckpointError(f"{where} does not fit the {label} architecture: {mismatch}")
     for key, shape in expected.items():
         if tuple(state[key].shape) != shape:
             raise CheckpointError(f"{where}: {key} has shape {tuple(state[key].shape)}, the config needs {shape}")

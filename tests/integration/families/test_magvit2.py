@@ -25,9 +25,9 @@ from vqserve.model.families import family_for
 from vqserve.model.families.magvit2.family import (
     MAGVIT2,
     PRESETS,
-    open_magvit2_lfq,
     Magvit2Config,
     Magvit2Tokenizer,
+    open_magvit2_lfq,
 )
 from vqserve.model.families.magvit2.importer import import_magvit2, infer_architecture
 from vqserve.model.families.magvit2.precision import flip_rates, original_lfq_indices
