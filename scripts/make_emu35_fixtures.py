@@ -31,7 +31,6 @@ of 16, non-square kept) and prints how many indices and decoded pixels agree.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 import tempfile
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 import yaml
 from make_magvit2_fixtures import photo_inputs, to_int8_grid
+from make_showo_fixtures import fixture_cli, randomise
 from safetensors.torch import save_file
 from torch import nn
 
@@ -78,20 +78,6 @@ def load_reference(root: Path) -> types.ModuleType:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules["emu35_ref.ibq"]
-
-
-def randomise(model: nn.Module) -> None:
-    """GroupNorm affine parameters perturbed, the codebook spread; every parameter rounded to an
-    int8 grid (a power-of-two scale per tensor)."""
-    torch.manual_seed(SEED)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.GroupNorm) and m.affine:
-                m.weight.add_(0.1 * torch.randn_like(m.weight))
-                m.bias.add_(0.1 * torch.randn_like(m.bias))
-        for _, p in model.named_parameters():
-            q, e = to_int8_grid(p)
-            p.copy_(q.float() * 2.0 ** -e)
 
 
 def weights_file(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -182,7 +168,7 @@ def photo(path: str, size: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def full_size(root: Path, photos: list[str], size: int) -> None:
+def full_size(root: Path, photos: list[str], size: int, keep: Path | None = None) -> None:
     from vqserve.model.checkpoint import load_tokenizer
     from vqserve.model.families.ibq.emu35 import import_emu35
 
@@ -190,11 +176,11 @@ def full_size(root: Path, photos: list[str], size: int) -> None:
     torch.manual_seed(SEED)
     model = ref.IBQ(**FULL).eval()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "Emu3.5-VisionTokenizer"
-        folder.mkdir()
+        folder = (keep or Path(tmp)) / "Emu3.5-VisionTokenizer"
+        folder.mkdir(parents=True)
         (folder / "config.yaml").write_text(yaml.safe_dump(FULL, sort_keys=False))
         torch.save(model.state_dict(), folder / "model.ckpt")
-        out, _ = import_emu35([folder], Path(tmp) / "imported")
+        out, _ = import_emu35([folder], (keep or Path(tmp)) / "imported")
         tok = load_tokenizer(out)
         for path in photos:
             img = photo(path, size)[None]
@@ -209,18 +195,7 @@ def full_size(root: Path, photos: list[str], size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reference", required=True, type=Path, help="a scratch checkout of baaivision/Emu3.5")
-    parser.add_argument("what", nargs="?", default="fixtures", choices=["fixtures", "full-size"])
-    parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--photos", nargs="*", default=[])
-    parser.add_argument("--size", type=int, default=256)
-    args = parser.parse_args(argv)
-    if args.what == "fixtures":
-        make_fixtures(args.reference, args.out)
-    else:
-        full_size(args.reference, args.photos, args.size)
-    return 0
+    return fixture_cli(argv, __doc__, OUT, "baaivision/Emu3.5", make_fixtures, full_size)
 
 
 if __name__ == "__main__":

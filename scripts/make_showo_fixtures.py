@@ -199,13 +199,22 @@ def make_fixtures(root: Path, out: Path) -> None:
 
 
 def photos_at(paths: list[str], size: int) -> np.ndarray:
-    from vqserve.core.images import load_image  # vqserve's own preprocessing: resize + centre crop
+    """Show-o's ``image_transform`` geometry: shorter side resized to ``size`` (bicubic), then
+    a centre crop ``size`` x ``size``."""
+    from PIL import Image
 
-    return np.stack([load_image(p, size) for p in paths])
+    out = []
+    for path in paths:
+        img = Image.open(path).convert("RGB")
+        scale = size / min(img.size)
+        img = img.resize((max(size, round(img.width * scale)), max(size, round(img.height * scale))), Image.BICUBIC)
+        left, top = (img.width - size) // 2, (img.height - size) // 2
+        out.append(np.asarray(img.crop((left, top, left + size, top + size))))
+    return np.stack(out)
 
 
 @torch.no_grad()
-def full_size(root: Path, photos: list[str], size: int) -> None:
+def full_size(root: Path, photos: list[str], size: int, keep: Path | None = None) -> None:
     """MAGVITv2() random-initialised by Show-o's code next to vqserve's rebuild, on photos."""
     from safetensors.torch import save_file as save
 
@@ -218,11 +227,11 @@ def full_size(root: Path, photos: list[str], size: int) -> None:
     model = ref.MAGVITv2().eval()
     images = photos_at(photos, size)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "magvitv2"
-        folder.mkdir()
+        folder = (keep or Path(tmp)) / "magvitv2"
+        folder.mkdir(parents=True)
         (folder / "config.json").write_text(json.dumps({"_class_name": "MAGVITv2"}))
         save({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "pytorch_model.safetensors"))
-        out, _ = import_showo([folder], Path(tmp) / "imported")
+        out, _ = import_showo([folder], (keep or Path(tmp)) / "imported")
         tok = load_tokenizer(out)
         same = px_same = total = px_total = 0
         for i in range(len(images)):
@@ -239,19 +248,27 @@ def full_size(root: Path, photos: list[str], size: int) -> None:
           f"decoded uint8 {px_same}/{px_total} equal")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reference", required=True, type=Path, help="a scratch checkout of showlab/Show-o")
+def fixture_cli(argv: list[str] | None, doc: str, out: Path, project: str, make, full) -> int:
+    """The command line of a fixture script: ``--reference`` checkout, ``fixtures`` (the
+    default: ``make(reference, out)``) or ``full-size`` (``full(reference, photos, size, keep)``)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference", required=True, type=Path, help=f"a scratch checkout of {project}")
     parser.add_argument("what", nargs="?", default="fixtures", choices=["fixtures", "full-size"])
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--photos", nargs="*", default=[])
     parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="full-size: keep the released-layout folder and its import here (for vqserve eval)")
     args = parser.parse_args(argv)
     if args.what == "fixtures":
-        make_fixtures(args.reference, args.out)
+        make(args.reference, args.out)
     else:
-        full_size(args.reference, args.photos, args.size)
+        full(args.reference, args.photos, args.size, args.keep)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return fixture_cli(argv, __doc__, OUT, "showlab/Show-o", make_fixtures, full_size)
 
 
 if __name__ == "__main__":

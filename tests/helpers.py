@@ -182,6 +182,37 @@ def tokenize_grids(model: str, folder, out, *flags: str) -> dict:
     return {r["key"]: r["tokens"] for s in manifest["shards"] for r in shards.read_rows(out / s["name"])}
 
 
+def assert_served_and_tokenized_like_reference(model: str, cases, tmp_path, info: dict,
+                                                case_names=("square", "rect")) -> None:
+    """A real gRPC server on 127.0.0.1 (port 0) encodes each fixture case into the reference's
+    indices and decodes them into its one-image-at-a-time pixels (``{case}_decoded1_uint8``),
+    its model info holds ``info``; then `vqserve tokenize` of the same images as PNGs gives the
+    same grids."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from vqserve.serve.clients.sync import TokenizerClient
+    from vqserve.serve.config import ServerConfig
+    from vqserve.serve.launcher import ServerThread
+
+    cfg = ServerConfig(model=model, backend="eager", device="cpu", host="127.0.0.1", port=0,
+                       metrics_port=0, max_batch_size=4, max_delay_ms=5, grace_s=5)
+    with ServerThread(cfg) as server, TokenizerClient(server.target, timeout=60) as client:
+        served = client.model_info()
+        assert {k: served[k] for k in info} == info
+        for case in case_names:
+            indices = client.encode(cases[f"{case}_images"].numpy())
+            reference = cases[f"{case}_indices"].numpy().astype(indices.dtype)
+            assert_matches_reference(indices, reference, "indices")
+            assert_matches_reference(client.decode(reference), cases[f"{case}_decoded1_uint8"].numpy(), "pixels")
+    expected = write_case_photos(cases, case_names, tmp_path / "photos", "{case}_indices")
+    grids = tokenize_grids(model, tmp_path / "photos", tmp_path / "tokens")
+    assert len(grids) == len(expected)
+    for key, grid in grids.items():
+        assert_matches_reference(grid, np.asarray(expected[Path(key).stem]).astype(grid.dtype), "tokenized grid")
+
+
 def child_pids(pid: int) -> list[int]:
     """Every process below ``pid`` (a server's front-ends), from /proc."""
     from vqserve.bench.processes import process_tree

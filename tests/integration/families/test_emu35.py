@@ -20,7 +20,11 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import FIXTURES_DIR, assert_matches_reference, tokenize_grids, write_case_photos
+from tests.helpers import (
+    FIXTURES_DIR,
+    assert_matches_reference,
+    assert_served_and_tokenized_like_reference,
+)
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -174,25 +178,7 @@ def test_cli_import(tmp_path, capsys, cases):
 
 
 def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
-    from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.config import ServerConfig
-    from vqserve.serve.launcher import ServerThread
-
-    cfg = ServerConfig(model=imported, backend="eager", device="cpu", host="127.0.0.1", port=0,
-                       metrics_port=0, max_batch_size=4, max_delay_ms=5, grace_s=5)
-    with ServerThread(cfg) as server, TokenizerClient(server.target, timeout=60) as client:
-        info = client.model_info()
-        assert (info["codebook_size"], info["factor"]) == (512, 4)
-        for case in ("square", "rect"):  # rect: 48 x 80, non-square
-            indices = client.encode(cases[f"{case}_images"].numpy())
-            reference = cases[f"{case}_indices"].numpy().astype(indices.dtype)
-            assert_matches_reference(indices, reference, "indices")
-            assert_matches_reference(client.decode(reference), cases[f"{case}_decoded1_uint8"].numpy(), "pixels")
-    expected = write_case_photos(cases, ("square", "rect"), tmp_path / "photos", "{case}_indices")
-    grids = tokenize_grids(imported, tmp_path / "photos", tmp_path / "tokens")
-    assert len(grids) == len(expected)
-    for key, grid in grids.items():
-        assert_matches_reference(grid, np.asarray(expected[Path(key).stem]).astype(grid.dtype), "tokenized grid")
+    assert_served_and_tokenized_like_reference(imported, cases, tmp_path, {"codebook_size": 512, "factor": 4})  # rect: 48 x 80
 
 
 def test_torchscript_export_keeps_the_tokens_and_proves_the_island(imported, tmp_path, cases):
