@@ -86,6 +86,7 @@ def one_case(kind: str, megapixels: float, chunked: bool) -> dict:
     else:
         arch = IbqConfig(codebook_size=131072, codebook_dim=256, pixel_rule="emu3.5")
         tok = IbqTokenizer(arch).eval()
+        tok.quantizer.embedding.normal_()  # a random codebook (the buffer starts at zeros)
         tok.quantizer.score_budget = budget
         image = torch.randint(0, 256, (1, h, w, 3), dtype=torch.uint8)
         with torch.no_grad(), Peak() as peak:
