@@ -31,7 +31,7 @@ import torch
 from vqserve.core.files import sha256_file
 from vqserve.model.families.base import CONFIG_NAME, read_json_file, read_safetensors
 from vqserve.model.families.ibq.importer import TAMING_INVERSE, TAMING_RENAMES, rename
-from vqserve.model.families.imported import key_mismatch
+from vqserve.model.families.ibq.importer import check_tensors as check_network_tensors
 from vqserve.model.families.importing import (
     CheckpointError,
     check_out,
@@ -140,27 +140,22 @@ def lfq_buffers(bits: int) -> dict[str, torch.Tensor]:
 
 
 def check_tensors(state: dict[str, torch.Tensor], arch: ShowoConfig, where: str) -> dict[str, torch.Tensor]:
-    """Every tensor present, none extra, every shape and dtype right (under Show-o's names), the
-    LFQ buffers equal to Show-o's convention; returns the network tensors under vqserve's names."""
+    """The LFQ buffers present and equal to Show-o's convention, then every network tensor
+    present, none extra, every shape and dtype right (under Show-o's names, IBQ's check);
+    returns the network tensors under vqserve's names."""
+    for key, value in lfq_buffers(arch.z_channels).items():
+        if key not in state:
+            raise CheckpointError(f"{where} does not fit the {LABEL} architecture: missing {key}")
+        if tuple(state[key].shape) != tuple(value.shape) or not torch.equal(state[key].to(value.dtype), value):
+            raise CheckpointError(f"{where}: {key} is not Show-o's LFQ {key.split('.')[-1]} (+-1 codes, most "
+                                  "significant bit first); these weights use another index convention")
     levels = len(arch.encoder_ch_mult)
     with torch.device("meta"):
         ours = ShowoTokenizer(arch).state_dict()
     expected = {rename(k, TAMING_INVERSE, levels): tuple(v.shape) for k, v in ours.items()}
-    buffers = lfq_buffers(arch.z_channels)
-    expected.update({k: tuple(v.shape) for k, v in buffers.items()})
-    mismatch = key_mismatch(expected, state)
-    if mismatch:
-        raise CheckpointError(f"{where} does not fit the {LABEL} architecture: {mismatch}")
-    for key, shape in expected.items():
-        if tuple(state[key].shape) != shape:
-            raise CheckpointError(f"{where}: {key} has shape {tuple(state[key].shape)}, the architecture needs {shape}")
-        if key not in buffers and not state[key].is_floating_point():
-            raise CheckpointError(f"{where}: {key} must be a floating-point tensor, got {state[key].dtype}")
-    for key, value in buffers.items():
-        if not torch.equal(state[key].to(value.dtype), value):
-            raise CheckpointError(f"{where}: {key} is not Show-o's LFQ {key.split('.')[-1]} (+-1 codes, most "
-                                  "significant bit first); these weights use another index convention")
-    return {rename(k, TAMING_RENAMES, levels): v.to(torch.float32) for k, v in state.items() if k not in buffers}
+    network = {k: v for k, v in state.items() if not k.startswith("quantize.")}
+    check_network_tensors(network, expected, where, LABEL)
+    return {rename(k, TAMING_RENAMES, levels): v.to(torch.float32) for k, v in network.items()}
 
 
 def import_showo(sources: list[str | os.PathLike], out: str | os.PathLike, preset: str | None = None,

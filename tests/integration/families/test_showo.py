@@ -176,7 +176,7 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[list[Path], str]]:
     return {
         "missing": (folder("missing", without), r"1 missing \(first decoder.conv_out.bias\)"),
         "wrong shape": (folder("wrong", wrong), r"encoder.mid.block_1.conv1.weight has shape \(32, 32, 1, 1\), "
-                                                r"the architecture needs \(32, 32, 3, 3\)"),
+                                                r"the config needs \(32, 32, 3, 3\)"),
         "lsb-first buffers": (folder("lsb", lsb), "quantize.power_vals is not Show-o's LFQ power_vals"),
         "other codebook": (folder("flip", flipped), "quantize.embedding is not Show-o's LFQ embedding"),
         "stray tensor": (folder("stray", {**good, "vq.weight": torch.zeros(2)}),
