@@ -12,8 +12,14 @@ torch and numpy at the top (no scikit-image, no matplotlib).
   (a colour cast a PSNR figure hides);
 * ``tiled_round_trip`` - the same pixels encoded as independent tiles (a tokenizer whose
   output depends on the image size scores differently whole and tiled);
+* ``batch_invariance`` - the same images encoded one at a time and as one batch: identical
+  tokens or how many differ (tokens must not depend on the batch they land in);
 * ``evaluate_tokenizer`` - all of the above over a list of images, as one dict, with
-  ``TARGETS`` (issue 17) checked.
+  ``TARGETS`` (issue 17) checked, and the encode speed on this machine (images per second
+  per precision, ``machine`` says which).
+
+A token layout with scales (a multi-scale pyramid) also gets agreement per scale, coarse to
+fine (``agreement_per_scale``): an early-scale flip changes every later scale.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vqserve.core.codebook import codebook_stats as core_codebook_stats
+from vqserve.core.machine import cpu_info
 from vqserve.model import learnability as learn
 from vqserve.model import ties
 from vqserve.model.mixed_precision import low_precision_encoder
@@ -178,6 +185,39 @@ def index_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.reshape(-1) == b.reshape(-1)).to(torch.float64).mean())
 
 
+
+def batch_invariance(tokenizer, images: Sequence[np.ndarray], batch: int = 4, side: int = 256) -> dict:
+    """Encode the same images one at a time and as one batch of ``batch`` (fp32, exactly
+    ``tokenizer.encode``): the tokens must be identical, whatever batch an image lands in.
+
+    The images are centre-cropped to one size (the smallest height and width among them,
+    at most ``side``, a multiple of the factor) and repeated in turn to fill the batch, so one
+    image is enough. Returns the batch, the size, ``identical`` and ``differing_tokens`` of
+    ``tokens``."""
+    f = tokenizer.factor
+    picked = [np.asarray(images[i % len(images)]) for i in range(batch)]
+    h = min(min(img.shape[0] for img in picked), side) // f * f
+    w = min(min(img.shape[1] for img in picked), side) // f * f
+    if h == 0 or w == 0:
+        raise ValueError(f"batch invariance needs images of at least {f}x{f} pixels")
+    crops = torch.from_numpy(np.stack([_centre_crop_to(img, h, w) for img in picked]))
+    alone = torch.cat([tokenizer.encode(crops[i:i + 1]).cpu() for i in range(batch)])
+    together = tokenizer.encode(crops).cpu()
+    differ = int((alone != together).sum())
+    return {"batch": batch, "height": h, "width": w, "identical": differ == 0, "differing_tokens": differ,
+            "tokens": int(alone.numel())}
+
+
+def _centre_crop_to(img: np.ndarray, h: int, w: int) -> np.ndarray:
+    y0, x0 = (img.shape[0] - h) // 2, (img.shape[1] - w) // 2
+    return np.ascontiguousarray(img[y0 : y0 + h, x0 : x0 + w])
+
+
+def machine() -> dict:
+    """Where the speed figures were measured: the CPU and torch's intra-op threads."""
+    return {"cpu": cpu_info()[0] or "unknown", "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
 # -- whole-tokenizer evaluation ---------------------------------------------------------
 
 
@@ -282,6 +322,7 @@ class _TokenFigures:
         # (result key, precision, encoder copy or None for autocast)
         self.runs = [(p, p, served[p]) for p in precisions] + [(f"{p}_autocast", p, None) for p in precisions]
         self.agree = {key: [0, 0] for key, _, _ in self.runs}
+        self.pixels = 0  # for megapixels per second
         self.timings = {"fp32": 0.0, **{key: 0.0 for key, _, _ in self.runs}}
         self.counts = torch.zeros(tokenizer.codebook_size, dtype=torch.int64)
         self.grids: list[np.ndarray] = []
@@ -307,6 +348,7 @@ class _TokenFigures:
             t0 = time.perf_counter()
             idx = self.tokenizer.encode(batch).cpu()
             self.timings["fp32"] += time.perf_counter() - t0
+            self.pixels += batch.shape[0] * batch.shape[1] * batch.shape[2]
         finally:
             if hook is not None:
                 hook.remove()
@@ -373,6 +415,10 @@ class _TokenFigures:
             "agreement_autocast": {p: agree[f"{p}_autocast"][0] / max(agree[f"{p}_autocast"][1], 1)
                                    for p in self.precisions},
             "encode_seconds": self.timings,
+            # one image per call, as timed above; "machine" says where
+            "images_per_second": {k: len(per_image) / t for k, t in self.timings.items() if t > 0},
+            "megapixels_per_second": {k: self.pixels / 1e6 / t for k, t in self.timings.items() if t > 0},
+            "machine": machine(),
             "per_image": per_image,
         }
         if self.scale_agree:  # a pyramid: agreement per scale, coarse to fine
@@ -401,7 +447,8 @@ def _finish(result: dict) -> dict:
 def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[str] | None = None,
                        precisions: Sequence[str] = ("bf16", "fp16"),
                        channels_last: bool = True, baseline: bool = True, tile: int = 128,
-                       on_image: ImageCallback | None = None, learnability: bool = True) -> dict:
+                       on_image: ImageCallback | None = None, learnability: bool = True,
+                       invariance_batch: int = 4) -> dict:
     """PSNR/SSIM (fp32 eager round trip), colour error, whole vs tiled PSNR, codebook stats,
     and agreement per precision, against the area x factor + bicubic baseline; and
     (``learnability``) what a generative model trained on the tokens meets: shift
@@ -409,6 +456,8 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     (``vqserve.model.learnability``), per image and in ``result["learnability"]``.
 
     ``tile``: also round-trip each image as independent ``tile``-pixel pieces (0: skip).
+    ``invariance_batch``: also check the tokens at batch 1 and at this batch
+    (``batch_invariance``, ``result["batch_invariance"]``; 0 or 1: skip).
     ``on_image(name, original, reconstruction, baseline)`` is called with uint8 ``[H,W,3]``
     arrays per image (side-by-side PNGs), so no caller has to hold every reconstruction.
 
@@ -419,7 +468,8 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     tokenizer's factor and processed one at a time (sizes may differ).
     """
     if not tokenizer.decodes:  # an encode-only model: the token figures alone
-        return evaluate_encoder(tokenizer, images, names, precisions, channels_last, learnability)
+        return evaluate_encoder(tokenizer, images, names, precisions, channels_last, learnability,
+                                invariance_batch)
     figures = _TokenFigures(tokenizer, precisions, channels_last, learnability)
     f = tokenizer.factor
     if not figures.layout.is_grid:
@@ -466,12 +516,14 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     if tile:
         result["tile"] = tile
         result["tiled_psnr"] = _psnr_from(tiled_sq_err, n_px)
+    if invariance_batch > 1:
+        result["batch_invariance"] = batch_invariance(tokenizer, images, invariance_batch)
     return _finish(result)
 
 
 def evaluate_encoder(tokenizer, images: Sequence[np.ndarray], names: Sequence[str] | None = None,
                      precisions: Sequence[str] = ("bf16", "fp16"), channels_last: bool = True,
-                     learnability: bool = True) -> dict:
+                     learnability: bool = True, invariance_batch: int = 4) -> dict:
     """``evaluate_tokenizer`` for an encode-only model (``tokenizer.decodes`` False): what
     needs no reconstruction - codebook use, agreement per precision (as served and under
     autocast), encode time, and the learnability figures that need no decoder (shift
@@ -487,7 +539,10 @@ def evaluate_encoder(tokenizer, images: Sequence[np.ndarray], names: Sequence[st
         figures.learn(row, img, idx, None)
         figures.agreement(row, batch, idx)
         per_image.append(row)
-    return _finish(figures.result(per_image, decodes=False))
+    result = figures.result(per_image, decodes=False)
+    if invariance_batch > 1:
+        result["batch_invariance"] = batch_invariance(tokenizer, images, invariance_batch)
+    return _finish(result)
 
 
 def _psnr_from(sq_err: float, n: int) -> float:

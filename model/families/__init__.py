@@ -19,6 +19,7 @@ from vqserve.model.families.ibq.family import IBQ
 from vqserve.model.families.llamagen.family import LLAMAGEN
 from vqserve.model.families.magvit2.family import MAGVIT2
 from vqserve.model.families.native.family import VQSERVE
+from vqserve.model.families.showo.family import SHOWO
 from vqserve.model.families.transformers.family import TRANSFORMERS_FAMILIES
 from vqserve.model.families.var.family import VAR
 
@@ -31,6 +32,7 @@ FAMILIES: tuple[Family, ...] = (
     MAGVIT2,
     IBQ,
     VAR,  # FoundationVision VAR multi-scale residual VQ (pyramid tokens), `vqserve import var`
+    SHOWO,  # Show-o / MMaDA MAGVIT-v2 (showlab/magvitv2, LFQ msb-first), `vqserve import showo`
     *TRANSFORMERS_FAMILIES,  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
 )
 

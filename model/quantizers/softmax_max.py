@@ -13,10 +13,28 @@ PyTorch's softmax over a strided dimension sums in an order that depends on the 
 positions, so splitting an image into row chunks changes probabilities in their last bit;
 splitting a batch into images does not (both checked, tests/integration/families/test_ibq.py).
 
-The cost is the original's: per image ``positions x codebook_size`` logits and
-probabilities (256 positions x 262,144 codes = 2 x 268 MB in fp32). Traced and exported
-graphs compute the whole batch in one product (a traced loop would be unrolled to the
-example's size). Codes are the codebook rows, as the original's ``get_codebook_entry``
+The memory plan. Done whole, an image costs ``positions x codebook_size`` logits and as many
+probabilities (256 positions x 262,144 codes = 2 x 268 MB in fp32; a 1-megapixel image at
+factor 16 with Emu3.5's 131,072 codes, 4,096 x 131,072 = 2 x 2.1 GB). So when those scores
+would pass ``score_budget`` bytes, the island runs the same three operations on runs of
+``chunk`` consecutive positions (``softmax_max_index_chunked``), keeping every code in each
+call: the scores in memory are bounded by the budget whatever the image size (the image
+itself is bounded by the server's pixel budget), and the indices are the same bits. Why
+the same: softmax and argmax work along the codebook axis, one position at a time, so a
+position's logits, probabilities and index depend on its own column only; the chunking
+never splits a column. What could differ is how PyTorch's kernels block their loops: the
+dot products (``einsum``) and, at one intra-op thread (how vqserve runs every model call),
+the softmax give every column bit for bit the same values in any run of positions
+(tests/unit/model/test_softmax_max_chunks.py checks chunked against whole with hypothesis,
+ties of equal and of softmax-rounded near-equal logits included). With several intra-op
+threads PyTorch's softmax itself splits columns across threads in a shape-dependent way
+(whole images differ from themselves at other thread counts in the last bit), which is
+one reason vqserve runs one thread per call. Chunking the *codebook* axis with a running
+max instead would give the argmax of the logits, which is not this rule: two codes whose
+logits differ by less than ~2^-22 can round to the same probability, and then the lower
+index wins even when its logit is smaller. Knowing which needs the column's exact softmax
+sum, i.e. the whole column. Traced and exported graphs compute the whole batch in one
+product, unchunked (a traced loop would be unrolled to the example's size). Codes are the codebook rows, as the original's ``get_codebook_entry``
 returns them. A naive bf16 model runs this search in bf16, where the softmax of 262,144
 codes ties massively and the lowest index wins (docs/MODELS.md).
 """
@@ -29,6 +47,28 @@ import torch.nn.functional as F
 from vqserve.model.precision import Fp32StateModule, fp32_island
 from vqserve.model.quantizers.common import check_indices, check_last_dim, to_fp32
 from vqserve.model.quantizers.l2_nearest import in_graph_capture
+
+SCORE_BUDGET = 256 * 2**20  # bytes of fp32 logits + probabilities one island call may hold
+CHUNK_ALIGN = 16  # chunks are whole multiples of this many positions (one AVX-512 vector of fp32)
+
+
+def positions_per_chunk(positions: int, codebook_size: int, budget: int = SCORE_BUDGET) -> int:
+    """How many positions one call scores: all of them when their logits and probabilities
+    (``2 x 4 x codebook_size`` bytes each) fit ``budget``, else the most that fit, rounded
+    down to a multiple of ``CHUNK_ALIGN`` (at least ``CHUNK_ALIGN``)."""
+    fit = budget // (8 * codebook_size)
+    if fit >= positions:
+        return positions
+    return max(CHUNK_ALIGN, fit // CHUNK_ALIGN * CHUNK_ALIGN)
+
+
+def softmax_max_index_chunked(z_nchw: torch.Tensor, codebook: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``softmax_max_index`` over runs of ``chunk`` positions (row-major), every code in each
+    call: the same indices (module docstring), ``chunk x codebook_size`` scores at a time."""
+    b, d, h, w = z_nchw.shape
+    flat = z_nchw.reshape(b, d, 1, h * w)
+    parts = [softmax_max_index(flat[..., start:start + chunk], codebook) for start in range(0, h * w, chunk)]
+    return torch.cat(parts, dim=-1).view(b, h, w)
 
 
 def softmax_max_index(z_nchw: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -43,14 +83,19 @@ def softmax_max_index(z_nchw: torch.Tensor, codebook: torch.Tensor) -> torch.Ten
 class SoftmaxMaxVQ(Fp32StateModule):
     """``SoftmaxMaxVQ(codebook_size, dim)``: IBQ's code for ``z[..., dim]`` (channel-last).
 
-    ``embedding`` holds the codebook as the checkpoint stores it. Inference only."""
+    ``embedding`` holds the codebook as the checkpoint stores it. ``score_budget``: the bytes
+    of scores one call may hold before the image is scored in runs of positions (the same
+    indices; module docstring). Inference only."""
 
-    def __init__(self, codebook_size: int, dim: int):
+    def __init__(self, codebook_size: int, dim: int, score_budget: int = SCORE_BUDGET):
         super().__init__()
         if codebook_size < 2 or dim < 1:
             raise ValueError(f"SoftmaxMaxVQ needs codebook_size >= 2 and dim >= 1, got {codebook_size}, {dim}")
         self.codebook_size = int(codebook_size)
         self.dim = int(dim)
+        if score_budget < 1:
+            raise ValueError(f"SoftmaxMaxVQ score_budget must be a positive number of bytes, got {score_budget}")
+        self.score_budget = int(score_budget)
         self.register_buffer("embedding", torch.zeros(self.codebook_size, self.dim))
 
     def extra_repr(self) -> str:
@@ -68,7 +113,12 @@ class SoftmaxMaxVQ(Fp32StateModule):
             if in_graph_capture():
                 indices = softmax_max_index(z_nchw, codebook)
             else:
-                indices = torch.cat([softmax_max_index(one, codebook) for one in z_nchw.split(1)])
+                positions = z_nchw.shape[2] * z_nchw.shape[3]
+                chunk = positions_per_chunk(positions, self.codebook_size, self.score_budget)
+                if chunk >= positions:
+                    indices = torch.cat([softmax_max_index(one, codebook) for one in z_nchw.split(1)])
+                else:
+                    indices = torch.cat([softmax_max_index_chunked(one, codebook, chunk) for one in z_nchw.split(1)])
             codes = F.embedding(indices, codebook)
         codes = codes.to(z.dtype)
         return (codes, indices, {}) if return_aux else (codes, indices)

@@ -20,6 +20,11 @@ per channel (mean of reconstruction minus mean of original, in levels) shows a c
 that PSNR hides; the tint on flat areas (skies, walls: 32-px squares that vary by at most 4
 levels) shows the hue change a viewer sees there even when the photograph's mean barely
 moves. `--out DIR` writes one PNG per image: original | reconstruction | bicubic.
+Batch invariance (`--batch N`, default 4): the images, cropped to one size (at most 256
+px a side), encoded one at a time and as one batch of N must give identical tokens; the
+count of tokens that differ is printed (0 when invariant). The encode speed (images and
+megapixels per second, one image per call, in fp32 and each precision as served) names the
+CPU and thread count it was measured on.
 The issue-17 targets (PSNR 0.5 dB over the baseline, colour error under 3 levels on every
 photo, whole within 0.2 dB of tiled, bf16 agreement 99.5 %) are checked at the end.
 
@@ -69,6 +74,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="skip the learnability figures (shift equivariance at 1-3 token shifts, "
                              "token-grid crop cost, per-photo perplexity, held-out bits per token: "
                              "3 extra encodes and 2 decodes per image)")
+    parser.add_argument("--batch", type=int, default=4,
+                        help="check batch invariance: tokens at batch 1 and at this batch must be identical "
+                             "(0: skip)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -105,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     for p in precisions:
         if p not in ("bf16", "fp16"):
             raise ValueError(f"--precisions takes bf16 and/or fp16, got {p!r}")
+    if args.batch < 0:
+        raise ValueError(f"--batch must be 0 (skip) or a batch size, got {args.batch}")
     tok = load_tokenizer(args.model, device=args.device)
     if args.tile < 0 or (args.tile and args.tile % tok.factor):
         raise ValueError(f"--tile must be 0 or a positive multiple of the factor {tok.factor}, got {args.tile}")
@@ -113,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate_tokenizer(tok, images, names, precisions=precisions,
                                 channels_last=not args.no_channels_last, tile=args.tile,
                                 on_image=_png_writer(out, names) if out else None,
-                                learnability=not args.no_learnability)
+                                learnability=not args.no_learnability, invariance_batch=args.batch)
     result["model"] = str(args.model)
     result["images_source"] = args.images
     result["skipped_images"] = len(skipped)
@@ -205,6 +215,7 @@ def _print_table(r: dict, precisions: list[str], out) -> None:
             f"{m['below'][k]} ({m['share_below'][k]:.2e}) below {k}" for k in m["below"])
             + f" of {m['tokens']}; smallest margin {m['min']:.1e} (fp32 ties: another machine may "
               "round these otherwise)"))
+    rows += _invariance_and_speed_rows(r)
     rows += _learnability_rows(r.get("learnability") or {})
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
@@ -226,6 +237,24 @@ def _print_table(r: dict, precisions: list[str], out) -> None:
     print("  targets (issue 17; they are set for whole held-out photographs):", file=out)
     for name, t in r["targets"].items():
         print(f"    {'ok  ' if t['ok'] else 'MISS'} {name} = {t['value']:.4g}", file=out)
+
+
+def _invariance_and_speed_rows(r: dict) -> list[tuple[str, str]]:
+    """Batch invariance (yes/no and the count), speed per precision on this machine."""
+    rows = []
+    b = r.get("batch_invariance")
+    if b:
+        verdict = "yes" if b["identical"] else f"NO: {b['differing_tokens']} of {b['tokens']} tokens differ"
+        rows.append(("batch invariant (fp32)", f"{verdict} (batch 1 vs batch {b['batch']}, "
+                                               f"{b['width']}x{b['height']})"))
+    speed = r.get("images_per_second") or {}
+    if speed:
+        mpx = r.get("megapixels_per_second") or {}
+        m = r.get("machine") or {}
+        rows.append(("encode speed", ", ".join(f"{k} {v:.2f} img/s ({mpx.get(k, 0):.2f} MP/s)"
+                                               for k, v in speed.items())
+                     + f"; one image per call on {m.get('cpu', '?')}, {m.get('threads', '?')} threads"))
+    return rows
 
 
 def _learn_cell(img: dict) -> str:

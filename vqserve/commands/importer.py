@@ -37,6 +37,15 @@ Hugging Face) ship as TorchScript .jit files; only their tensors are read, nothi
 
 FoundationVision VAR's VQ-VAE (FoundationVision/var on Hugging Face) is a plain state dict; its
 tokens are a multi-scale pyramid [B, L] (680 per 256x256 image), not a grid.
+  vqserve import showo magvitv2/ --out models/showo-magvitv2
+
+Show-o / MMaDA's MAGVIT-v2 (showlab/magvitv2 on Hugging Face: config.json and
+pytorch_model.safetensors; LFQ 13 bits, most significant bit first).
+
+  vqserve import emu35 Emu3.5-VisionTokenizer/ --out models/emu35-vision
+
+Emu3.5's VisionTokenizer (BAAI/Emu3.5-VisionTokenizer: config.yaml and model.ckpt, read with
+yaml.safe_load and torch.load(weights_only=True)); an IBQ model with 131,072 x 256 codes.
 """
 
 from __future__ import annotations
@@ -71,6 +80,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     _add_magvit2(families, parser)
     _add_cosmos(families, parser)
     _add_var(families, parser)
+    _add_showo(families, parser)
+    _add_emu35(families, parser)
 
 
 def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
@@ -186,6 +197,56 @@ def _run_var(args: argparse.Namespace) -> int:
     sizes = ", ".join(f"{s[-1] * arch.factor}" for s in arch.schedules)
     return _report(out, f"VAR (factor {arch.factor}, {arch.vocab_size:,} codes x {arch.z_channels}, pyramid "
                         f"tokens for {sizes} pixel images", args.quiet)
+def _add_showo(families, parser: argparse.ArgumentParser) -> None:
+    showo = families.add_parser(
+        "showo", help="Show-o / MMaDA's MAGVIT-v2 (showlab/magvitv2): config.json + pytorch_model.safetensors",
+        description="Convert showlab/magvitv2 (Show-o, MMaDA) into config.json + model.safetensors. SOURCE is the "
+                    "downloaded folder, or its config.json and pytorch_model.safetensors. Safetensors only: nothing "
+                    "is unpickled. Every tensor is checked by name and shape, and the LFQ buffers against Show-o's "
+                    "index convention (13 bits, most significant bit first); docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    showo.add_argument("sources", nargs="+", metavar="SOURCE",
+                       help="the downloaded showlab/magvitv2 folder, or config.json pytorch_model.safetensors")
+    _add_out(showo)
+    showo.add_argument("--config", choices=["magvitv2"], default=None,
+                       help="check the weights against the published architecture; default: inferred from the "
+                            "tensor shapes")
+    _add_force_quiet_debug(showo, "showo")
+    showo.set_defaults(_import=_run_showo)
+
+
+def _run_showo(args: argparse.Namespace) -> int:
+    from vqserve.model.families.showo.importer import import_showo
+
+    out, arch = import_showo(args.sources, args.out, preset=args.config, force=args.force)
+    return _report(out, f"Show-o MAGVIT-v2 (factor {arch.factor}, LFQ {arch.z_channels} bits = "
+                        f"{arch.codebook_size:,} codes, most significant bit first", args.quiet)
+
+
+def _add_emu35(families, parser: argparse.ArgumentParser) -> None:
+    emu35 = families.add_parser(
+        "emu35", help="Emu3.5's VisionTokenizer (IBQ, 131,072 codes): config.yaml + model.ckpt",
+        description="Convert Emu3.5's VisionTokenizer (BAAI/Emu3.5-VisionTokenizer) into config.json + "
+                    "model.safetensors of the IBQ family. SOURCE is the downloaded folder, or its config.yaml and "
+                    "model.ckpt (or a .safetensors state dict). The config is read with yaml.safe_load and the "
+                    "weights with torch.load(weights_only=True): a pickle that holds more than weights is refused. "
+                    "Every tensor is checked against the architecture the config describes; docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    emu35.add_argument("sources", nargs="+", metavar="SOURCE",
+                       help="the downloaded Emu3.5-VisionTokenizer folder, or config.yaml model.ckpt")
+    _add_out(emu35)
+    emu35.add_argument("--config", choices=["emu3.5"], default=None,
+                       help="check the config is the published one (131,072 x 256 codes, factor 16)")
+    _add_force_quiet_debug(emu35, "emu35")
+    emu35.set_defaults(_import=_run_emu35)
+
+
+def _run_emu35(args: argparse.Namespace) -> int:
+    from vqserve.model.families.ibq.emu35 import import_emu35
+
+    out, arch = import_emu35(args.sources, args.out, preset=args.config, force=args.force)
+    return _report(out, f"Emu3.5 VisionTokenizer (IBQ; factor {arch.factor}, {arch.codebook_size:,} codes x "
+                        f"{arch.codebook_dim}", args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,15 @@ differ, because IBQ's scripts differ from LlamaGen's: pixels are normalised as
 fp32 reproduces for all 256 values, and decoded pixels follow ``custom_to_pil``:
 ``trunc(255 * (clamp(y, -1, 1) + 1) / 2)``. The quantizer is ``SoftmaxMaxVQ``: IBQ's
 ``max(softmax(z . codebook))`` in fp32 (``ibq_quantizer``).
+
+Emu3.5's VisionTokenizer (baaivision/Emu3.5, ``src/vision_tokenizer``) is this model: the same
+taming encoder/decoder, ``quant_conv``/``post_quant_conv`` and ``IndexPropagationQuantize``
+(131,072 x 256 codes), so it is a preset of this family (``vqserve import emu35``,
+``model/families/ibq/emu35.py``), not a copy. Two things differ, both fields here:
+``attention_levels`` (taming's ``attn_resolutions`` read from its ``config.yaml``; None is
+the lowest resolution, every SEED-Voken config) and ``pixel_rule``: Emu3.5 turns decoder
+output into pixels as ``trunc(clamp((y + 1) * 127.5, 0, 255))`` (``decode_image``), not
+``custom_to_pil``.
 """
 
 from __future__ import annotations
@@ -63,6 +72,18 @@ class IbqDecoder(LlamaGenDecoder):
         return torch.floor(((torch.clamp(y, -1.0, 1.0) + 1.0) / 2.0) * 255.0)
 
 
+class Emu35Decoder(IbqDecoder):
+    """The same decoder with Emu3.5's uint8 rule (``src/utils/generation_utils.decode_image``)."""
+
+    @staticmethod
+    def to_pixels(y: torch.Tensor) -> torch.Tensor:
+        # ((image + 1.0) * 127.5).clamp(0, 255) in fp32, then numpy astype(uint8): truncation
+        return torch.floor(torch.clamp((y + 1.0) * 127.5, 0.0, 255.0))
+
+
+DECODERS = {"custom_to_pil": IbqDecoder, "emu3.5": Emu35Decoder}  # pixel_rule -> decoder
+
+
 @dataclass
 class IbqConfig(ImportedConfig):
     """IBQ's ``ddconfig`` (``ch``, ``ch_mult``, ``num_res_blocks``, ``z_channels``) plus
@@ -78,6 +99,8 @@ class IbqConfig(ImportedConfig):
     z_channels: int = 256
     codebook_size: int = 262144
     codebook_dim: int = 256
+    attention_levels: list[int] | None = None  # levels with attention; None: the lowest only
+    pixel_rule: str = "custom_to_pil"  # how decoder output becomes pixels: DECODERS
 
     def __post_init__(self) -> None:
         self.ch_mult = [int(m) for m in self.ch_mult] if isinstance(self.ch_mult, list) else self.ch_mult
@@ -93,6 +116,14 @@ class IbqConfig(ImportedConfig):
         if any(w % GROUPS for w in [self.base_channels, *widths]):
             raise ValueError(f"IBQ config: base_channels and base_channels x ch_mult must be multiples of "
                              f"{GROUPS} (GroupNorm groups), got {[self.base_channels, *widths]}")
+        if self.attention_levels is not None and (
+                not isinstance(self.attention_levels, list)
+                or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(self.ch_mult)
+                       for v in self.attention_levels)):
+            raise ValueError(f"IBQ config: attention_levels must be null or a list of levels 0..{len(self.ch_mult) - 1}, "
+                             f"got {self.attention_levels!r}")
+        if self.pixel_rule not in DECODERS:
+            raise ValueError(f"IBQ config: pixel_rule must be one of {sorted(DECODERS)}, got {self.pixel_rule!r}")
 
     @property
     def factor(self) -> int:
@@ -122,10 +153,11 @@ class IbqTokenizer(TokenizerBase):
         self.arch = arch
         self.config = arch.family_config()
         common = dict(base_channels=arch.base_channels, ch_mult=arch.ch_mult, num_res_blocks=arch.num_res_blocks,
-                      z_channels=arch.z_channels, codebook_dim=arch.codebook_dim)
+                      z_channels=arch.z_channels, codebook_dim=arch.codebook_dim,
+                      attention_levels=arch.attention_levels)
         self.encoder = IbqEncoder(**common)
         self.quantizer = SoftmaxMaxVQ(arch.codebook_size, arch.codebook_dim)
-        self.decoder = IbqDecoder(**common)
+        self.decoder = DECODERS[arch.pixel_rule](**common)
 
 
 def load_weights(tokenizer: IbqTokenizer, state: dict[str, torch.Tensor], where: str) -> None:

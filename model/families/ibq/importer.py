@@ -35,8 +35,9 @@ from vqserve.model.families.magvit2.importer import (
 )
 
 IBQ_OWN = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "quantize.")
-# IBQ (taming) name -> vqserve name; "{r}" is the decoder level counted from the lowest resolution
-RENAMES = (
+# taming name -> vqserve name for the levels and the middle (shared with Show-o's MAGVIT-v2,
+# whose networks are taming's too); "{r}" is the decoder level counted from the lowest resolution
+TAMING_RENAMES = (
     (r"encoder\.down\.(\d+)\.block\.(\d+)\.(.*)", "encoder.conv_blocks.{0}.res.{1}.{2}"),
     (r"encoder\.down\.(\d+)\.attn\.(\d+)\.(.*)", "encoder.conv_blocks.{0}.attn.{1}.{2}"),
     (r"encoder\.down\.(\d+)\.downsample\.(.*)", "encoder.conv_blocks.{0}.downsample.{1}"),
@@ -46,12 +47,15 @@ RENAMES = (
     (r"(encoder|decoder)\.mid\.block_1\.(.*)", "{0}.mid.0.{1}"),
     (r"(encoder|decoder)\.mid\.attn_1\.(.*)", "{0}.mid.1.{1}"),
     (r"(encoder|decoder)\.mid\.block_2\.(.*)", "{0}.mid.2.{1}"),
+)
+# IBQ name -> vqserve name: the taming parts plus IBQ's top-level convolutions and codebook
+RENAMES = TAMING_RENAMES + (
     (r"quant_conv\.(.*)", "encoder.quant_conv.{0}"),
     (r"post_quant_conv\.(.*)", "decoder.post_quant_conv.{0}"),
     (r"quantize\.embedding\.weight", "quantizer.embedding"),
 )
-# vqserve name -> IBQ name (the inverse), to name expected tensors as the checkpoint does
-INVERSE = (
+# vqserve name -> taming name (the inverse), to name expected tensors as the checkpoint does
+TAMING_INVERSE = (
     (r"encoder\.conv_blocks\.(\d+)\.res\.(\d+)\.(.*)", "encoder.down.{0}.block.{1}.{2}"),
     (r"encoder\.conv_blocks\.(\d+)\.attn\.(\d+)\.(.*)", "encoder.down.{0}.attn.{1}.{2}"),
     (r"encoder\.conv_blocks\.(\d+)\.downsample\.(.*)", "encoder.down.{0}.downsample.{1}"),
@@ -61,13 +65,15 @@ INVERSE = (
     (r"(encoder|decoder)\.mid\.0\.(.*)", "{0}.mid.block_1.{1}"),
     (r"(encoder|decoder)\.mid\.1\.(.*)", "{0}.mid.attn_1.{1}"),
     (r"(encoder|decoder)\.mid\.2\.(.*)", "{0}.mid.block_2.{1}"),
+)
+INVERSE = TAMING_INVERSE + (
     (r"encoder\.quant_conv\.(.*)", "quant_conv.{0}"),
     (r"decoder\.post_quant_conv\.(.*)", "post_quant_conv.{0}"),
     (r"quantizer\.embedding", "quantize.embedding.weight"),
 )
 
 
-def _rename(name: str, table: tuple[tuple[str, str], ...], levels: int) -> str:
+def rename(name: str, table: tuple[tuple[str, str], ...], levels: int) -> str:
     for pattern, template in table:
         m = re.fullmatch(pattern, name)
         if m:
@@ -78,11 +84,11 @@ def _rename(name: str, table: tuple[tuple[str, str], ...], levels: int) -> str:
 
 
 def to_vqserve_name(name: str, levels: int) -> str:
-    return _rename(name, RENAMES, levels)
+    return rename(name, RENAMES, levels)
 
 
 def to_ibq_name(name: str, levels: int) -> str:
-    return _rename(name, INVERSE, levels)
+    return rename(name, INVERSE, levels)
 
 
 def _shape(state: dict, key: str, where: str) -> tuple[int, ...]:
@@ -132,11 +138,12 @@ def check_preset(inferred: IbqConfig, preset: str, where: str) -> None:
     shared_check_preset(inferred, PRESETS, preset, where)
 
 
-def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str) -> None:
+def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str,
+                  label: str = "IBQ") -> None:
     """Every tensor present, none extra, every shape right, under IBQ's names: one line."""
     mismatch = key_mismatch(expected, state)
     if mismatch:
-        raise CheckpointError(f"{where} does not fit the IBQ architecture: {mismatch}")
+        raise CheckpointError(f"{where} does not fit the {label} architecture: {mismatch}")
     for key, shape in expected.items():
         if tuple(state[key].shape) != shape:
             raise CheckpointError(f"{where}: {key} has shape {tuple(state[key].shape)}, the config needs {shape}")

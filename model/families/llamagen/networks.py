@@ -4,7 +4,7 @@ LlamaGen (github.com/FoundationVision/LlamaGen, ``tokenizer/tokenizer_image/vq_m
 uses the taming-transformers VQGAN layout: per resolution level a stack of residual blocks
 (GroupNorm(32, eps 1e-6) -> swish -> 3x3 conv, twice, plus a 1x1 skip when the width
 changes), single-head spatial self-attention after every block of the lowest-resolution
-level, a middle of block/attention/block, then GroupNorm -> swish -> 3x3 conv. Downsampling
+level (``attention_levels`` names other levels, as taming's ``attn_resolutions`` may), a middle of block/attention/block, then GroupNorm -> swish -> 3x3 conv. Downsampling
 is a stride-2 3x3 conv after padding one row and column at the bottom/right; upsampling is
 nearest-neighbour x2 followed by a 3x3 conv.
 
@@ -156,16 +156,17 @@ class LlamaGenEncoder(nn.Module):
     residual_block_types = (LlamaGenResBlock,)  # for vqserve.model.mixed_precision
 
     def __init__(self, base_channels: int, ch_mult: list[int], num_res_blocks: int,
-                 z_channels: int, codebook_dim: int):
+                 z_channels: int, codebook_dim: int, attention_levels: list[int] | None = None):
         super().__init__()
         widths = [base_channels * m for m in ch_mult]
         last = len(widths) - 1
+        attend = {last} if attention_levels is None else set(attention_levels)  # taming's attn_resolutions
         self.conv_in = conv3x3(3, base_channels)
         levels, c_in = [], base_channels
         for i, c_out in enumerate(widths):
             blocks = [(c_in if j == 0 else c_out, c_out) for j in range(num_res_blocks)]
             down = PadThenStrideConv(c_out) if i != last else None
-            levels.append(Level(blocks, attention=i == last, resample=down, resample_name="downsample"))
+            levels.append(Level(blocks, attention=i in attend, resample=down, resample_name="downsample"))
             c_in = c_out
         self.conv_blocks = nn.ModuleList(levels)
         self.mid = middle(c_in)
@@ -189,9 +190,10 @@ class LlamaGenDecoder(nn.Module):
     """quantized codes NCHW -> integer-valued float pixels NCHW in [0, 255] (LlamaGen's rule)."""
 
     def __init__(self, base_channels: int, ch_mult: list[int], num_res_blocks: int,
-                 z_channels: int, codebook_dim: int):
+                 z_channels: int, codebook_dim: int, attention_levels: list[int] | None = None):
         super().__init__()
         widths = [base_channels * m for m in ch_mult]
+        attend = {len(widths) - 1} if attention_levels is None else set(attention_levels)
         c_in = widths[-1]
         self.post_quant_conv = conv1x1(codebook_dim, z_channels)
         self.conv_in = conv3x3(z_channels, c_in)
@@ -201,7 +203,7 @@ class LlamaGenDecoder(nn.Module):
             c_out = widths[i]
             blocks = [(c_in if j == 0 else c_out, c_out) for j in range(num_res_blocks + 1)]
             up = NearestThenConv(c_out) if i != 0 else None
-            levels.append(Level(blocks, attention=i == len(widths) - 1, resample=up, resample_name="upsample"))
+            levels.append(Level(blocks, attention=i in attend, resample=up, resample_name="upsample"))
             c_in = c_out
         self.conv_blocks = nn.ModuleList(levels)
         self.norm_out = group_norm(c_in)

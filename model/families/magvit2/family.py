@@ -11,7 +11,7 @@ with ``torch.load(weights_only=True)`` and writes a directory this family owns:
   LFQ quantizer has no weights: its codebook is the corners of the hypercube).
 
 The networks (``magvit2_networks``) are the original's, rebuilt op for op; the quantizer is
-vqserve's LFQ in fp32 with Open-MAGVIT2's bit order (``LsbFirstLFQ``). Indices equal the
+vqserve's LFQ in fp32 with Open-MAGVIT2's bit order (``bit_order="lsb_first"``). Indices equal the
 original code's in fp32 (tests/integration/families/test_magvit2.py, against fixtures made by the original).
 """
 
@@ -37,10 +37,10 @@ REFERENCE_COMMIT = "b9a17eac8e2c0779c12a5429b0bfd6c502788484"
 MAX_BITS = 30  # vqserve's LFQ limit (int64 indices, 2^30 codes)
 
 
-class LsbFirstLFQ(LFQ):
+def open_magvit2_lfq(dim: int) -> LFQ:
     """vqserve's LFQ with Open-MAGVIT2's index convention: channel k is bit k, least
-    significant first (``index = sum_k [z_k > 0] * 2^k``); vqserve's own LFQ (and
-    vector-quantize-pytorch's) put channel 0 in the most significant bit.
+    significant first (``index = sum_k [z_k > 0] * 2^k``, ``bit_order="lsb_first"``);
+    vqserve's own LFQ (and vector-quantize-pytorch's) put channel 0 in the most significant bit.
 
     Everything else is the same sign rule: a channel is bit 1 when ``z > 0`` (0, -0 and NaN
     give 0), the code is +-1. Open-MAGVIT2's ``LFQ.forward`` gives these indices and
@@ -48,13 +48,8 @@ class LsbFirstLFQ(LFQ):
     stage splits an 18-bit index into two 9-bit sub-tokens (token factorization): ``pre =
     index & 511`` (channels 0-8) and ``post = index >> 9`` (channels 9-17). Inference only
     (served models are not trained here), so no entropy codebook is built."""
-
-    def __init__(self, dim: int):
-        super().__init__(dim, entropy_loss_weight=0.0, commitment_loss_weight=0.0, max_entropy_codebook=0)
-        self.register_buffer("mask", 2 ** torch.arange(dim, dtype=torch.int64), persistent=False)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, codebook_size={self.codebook_size}, bit_order=lsb_first"
+    return LFQ(dim, entropy_loss_weight=0.0, commitment_loss_weight=0.0, max_entropy_codebook=0,
+               bit_order="lsb_first")
 
 
 @dataclass
@@ -127,7 +122,7 @@ class Magvit2Tokenizer(TokenizerBase):
         common = dict(base_channels=arch.base_channels, ch_mult=arch.ch_mult,
                       num_res_blocks=arch.num_res_blocks, z_channels=arch.z_channels)
         self.encoder = Magvit2Encoder(**common)
-        self.quantizer = LsbFirstLFQ(arch.z_channels)
+        self.quantizer = open_magvit2_lfq(arch.z_channels)
         self.decoder = Magvit2Decoder(**common)
 
 

@@ -25,9 +25,9 @@ from vqserve.model.families import family_for
 from vqserve.model.families.magvit2.family import (
     MAGVIT2,
     PRESETS,
-    LsbFirstLFQ,
     Magvit2Config,
     Magvit2Tokenizer,
+    open_magvit2_lfq,
 )
 from vqserve.model.families.magvit2.importer import import_magvit2, infer_architecture
 from vqserve.model.families.magvit2.precision import flip_rates, original_lfq_indices
@@ -157,7 +157,7 @@ def test_lfq_bit_order_and_edge_values_equal_the_original(tok, cases):
 
 
 def test_quantizer_keeps_fp32_state_and_rejects_bad_indices(tok):
-    q = LsbFirstLFQ(18)
+    q = open_magvit2_lfq(18)
     q.to(torch.bfloat16)
     assert q.mask.dtype == torch.int64 and q.codebook_size == 2 ** 18
     idx = torch.randint(0, 2 ** 18, (3, 5), generator=torch.Generator().manual_seed(0))

@@ -14,6 +14,7 @@ from PIL import Image
 from tests.helpers import load_script
 from vqserve.model import default_tokenizer_available, load_tokenizer
 from vqserve.model.evaluation import (
+    batch_invariance,
     code_counts,
     codebook_stats,
     downsample_bicubic_baseline,
@@ -106,6 +107,12 @@ def test_eval_json_has_the_fields(tiny_checkpoint, tmp_path, capsys):
     assert r["codebook"]["positions"] == 2 * 5 * 6
     assert 0 < r["utilization"] <= 1 and r["entropy_bits"] >= 0
     assert {"psnr", "ssim", "agreement_bf16", "agreement_fp16", "agreement_bf16_autocast"} <= set(r["per_image"][0])
+    # batch invariance (the two 40x48 images, cycled to a batch of 4) and the speed on this machine
+    assert r["batch_invariance"] == {"batch": 4, "height": 40, "width": 48, "identical": True,
+                                     "differing_tokens": 0, "tokens": 4 * 5 * 6}
+    assert set(r["images_per_second"]) == {"fp32", "bf16", "fp16", "bf16_autocast", "fp16_autocast"}
+    assert all(v > 0 for v in r["images_per_second"].values()) and r["machine"]["threads"] >= 1
+    assert "margins" in r and "agreement_per_scale" not in r  # fp32 tie share; no scales in a grid
 
 
 def test_eval_table_on_terminal(tiny_checkpoint, tmp_path, capsys):
@@ -116,7 +123,9 @@ def test_eval_table_on_terminal(tiny_checkpoint, tmp_path, capsys):
                  "--precisions", "bf16"]) == 0
     out = capsys.readouterr().out
     for text in ("PSNR (fp32 eager)", "SSIM", "codebook utilization", "entropy",
-                 "bf16 vs fp32 index agreement", "bf16 autocast vs fp32", "baseline"):
+                 "bf16 vs fp32 index agreement", "bf16 autocast vs fp32", "baseline",
+                 "batch invariant (fp32)", "yes (batch 1 vs batch 4, 32x32)", "encode speed", " img/s (",
+                 "tokens near a boundary"):
         assert text in out
     assert "fp16 vs fp32" not in out and "dither" not in out
     # a dithered tokenizer says so on its first line: its perplexity reads differently
@@ -308,3 +317,23 @@ def test_flat_colours_reports_the_palette_bound(tiny_checkpoint, capsys):
     row = json.loads(capsys.readouterr().out)
     assert set(row) == {"model", "greys", "colours", "palette_greys", "palette_colours"}
     assert set(row["palette_greys"]) == set(row["greys"])
+
+
+class _BatchDependent(torch.nn.Module):
+    """A stand-in tokenizer whose tokens depend on the batch (the failure the check finds)."""
+
+    factor = 8
+
+    def encode(self, images):
+        grid = torch.zeros(images.shape[0], images.shape[1] // 8, images.shape[2] // 8, dtype=torch.int64)
+        return grid + (images.shape[0] > 1)
+
+
+def test_batch_invariance_counts_tokens_that_depend_on_the_batch(tiny_checkpoint):
+    images = list(_rand_images(6, n=3, h=56, w=72))
+    result = batch_invariance(load_tokenizer(tiny_checkpoint), images, batch=3, side=48)
+    assert result == {"batch": 3, "height": 48, "width": 48, "identical": True, "differing_tokens": 0,
+                      "tokens": 3 * 6 * 6}
+    bad = batch_invariance(_BatchDependent(), images[:1], batch=2)
+    assert not bad["identical"] and bad["differing_tokens"] == bad["tokens"] == 2 * 7 * 9
+
