@@ -191,11 +191,14 @@ def batch_invariance(tokenizer, images: Sequence[np.ndarray], batch: int = 4, si
     ``tokenizer.encode``): the tokens must be identical, whatever batch an image lands in.
 
     The images are centre-cropped to one size (the smallest height and width among them,
-    at most ``side``, a multiple of the factor) and repeated in turn to fill the batch, so one
+    at most ``side``, a multiple of the factor; a pyramid's first made its size, ``model_sized``) and repeated in turn to fill the batch, so one
     image is enough. Returns the batch, the size, ``identical`` and ``differing_tokens`` of
     ``tokens``."""
     f = tokenizer.factor
     picked = [np.asarray(images[i % len(images)]) for i in range(batch)]
+    layout = getattr(tokenizer, "token_layout", None)
+    if layout is not None and not layout.is_grid:  # a pyramid takes its own sizes only: VAR's transform
+        picked = [model_sized(tokenizer, img) for img in picked]
     h = min(min(img.shape[0] for img in picked), side) // f * f
     w = min(min(img.shape[1] for img in picked), side) // f * f
     if h == 0 or w == 0:
