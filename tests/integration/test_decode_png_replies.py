@@ -93,3 +93,15 @@ def test_pngs_are_made_in_the_frontends_not_the_device_executor(server):
     with open(f"/proc/{server.proc.pid}/maps") as fh:
         assert "PIL/_imaging" not in fh.read(), "the device executor loaded Pillow"
     assert any("PIL/_imaging" in open(f"/proc/{pid}/maps").read() for pid in child_pids(server.proc.pid))
+
+
+def test_an_unmodified_tritonclient_gets_pngs_with_one_parameter(server):
+    tc = pytest.importorskip("tritonclient.grpc")
+    indices = _tokens(server, 2)
+    client = tc.InferenceServerClient(server.target)
+    idx = tc.InferInput("indices", list(indices.shape), "UINT16")
+    idx.set_data_from_numpy(indices.astype(np.uint16))
+    raw = client.infer("vqserve-decode", [idx]).as_numpy("images")
+    png = client.infer("vqserve-decode", [idx], parameters={"output_format": "png"}).as_numpy("images")
+    assert png.shape == (2,)
+    np.testing.assert_array_equal(_png_pixels(list(png)), raw)
