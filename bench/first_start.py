@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vqserve.bench.inputs import bench_photos
+from vqserve.bench.inputs import bench_model, bench_photos
 from vqserve.bench.load import parse_cases, run_load
 from vqserve.bench.servers import log_events, start_server
 
@@ -35,7 +35,7 @@ STOP_NOISE = ("Traceback", "Exception ignored")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vqserve bench first-start", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", default="default", help="default | checkpoint dir | tiny (random weights)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None, help="the served dtype (default: exact fp32)")
     p.add_argument("--frontends", default="auto", help="serve --frontends (auto: the GPU node's layout)")
@@ -68,23 +68,26 @@ def first_start(args) -> dict:
     serve = argparse.Namespace(backend="auto", dtype=args.dtype, device=args.device)
     result: dict = {"model": args.model, "device": args.device, "dtype": args.dtype or "fp32",
                     "case": case.label, "clients": args.procs * args.callers, "windows": []}
-    with tempfile.TemporaryDirectory(prefix="vqserve-first-start-") as cache:
+    with tempfile.TemporaryDirectory(prefix="vqserve-first-start-") as work:
+        cache = str(Path(work) / "plans")
+        model = bench_model(args.model, Path(work))
         flags = ["--plan", "auto", "--plan-cache", cache, "--frontends", str(args.frontends)]
         lines: list[str] = []
         t0 = time.monotonic()
-        proc, port = start_server(args.model, serve, 64, None, extra=flags, log=lines)
+        proc, port = start_server(model, serve, 64, None, extra=flags, log=lines)
         result["serving_after_s"] = round(time.monotonic() - t0, 2)
         serving = time.monotonic()
         try:
             while time.monotonic() - serving < args.seconds:
                 at = time.monotonic() - serving
-                row = run_load(f"127.0.0.1:{port}", case, photos, args.procs, args.callers, args.window, 0.0,
+                # the clients' processes start 2 s before each window (bench/load.py: 1 s + warm-up)
+                row = run_load(f"127.0.0.1:{port}", case, photos, args.procs, args.callers, args.window, 1.0,
                                proc.pid, getattr(proc, "metrics_port", None))
                 switched = bool(log_events(lines, "plan_switched", "plan_not_measured"))
-                result["windows"].append({"from_s": round(at, 1), "throughput": row["throughput"],
+                result["windows"].append({"from_s": round(at + 2.0, 1), "throughput": row["throughput"],
                                           "p99_ms": row["p99_ms"], "errors": len(row["errors"]),
                                           "plan_settled": switched})
-                print(f"  first start {at:5.1f} s: {row['throughput']:7.0f} img/s, p99 {row['p99_ms']:.0f} ms"
+                print(f"  first start {at + 2.0:5.1f} s: {row['throughput']:7.0f} img/s, p99 {row['p99_ms']:.0f} ms"
                       + ("" if switched else "  (measuring the plan)"), flush=True)
         finally:
             result["events"] = [{k: e.get(k) for k in ("event", "msg")}
@@ -92,12 +95,13 @@ def first_start(args) -> dict:
                                                     "plan_not_measured")]
             result["first_stop"] = _stop(proc, lines)
         lines = []
-        proc, port = start_server(args.model, serve, 64, None, extra=flags, log=lines)  # the cache it filled
+        proc, port = start_server(model, serve, 64, None, extra=flags, log=lines)  # the cache it filled
         try:
             row = run_load(f"127.0.0.1:{port}", case, photos, args.procs, args.callers, args.window, 1.0,
                            proc.pid, getattr(proc, "metrics_port", None))
+            serving = (log_events(lines, "serving") or [{}])[-1]
             result["measured_plan"] = {"throughput": row["throughput"], "p99_ms": row["p99_ms"],
-                                       "plan": (log_events(lines, "serving") or [{}])[-1].get("plan")}
+                                       "plan": serving.get("plan"), "source": serving.get("plan_source")}
         finally:
             result["second_stop"] = _stop(proc, lines)
     steady = result["measured_plan"]["throughput"]
@@ -116,7 +120,8 @@ def summary(result: dict) -> str:
     t = result["target"]
     return (f"first start {result['model']} {result['dtype']} on {result['device']}, {result['case']}, "
             f"{result['clients']} clients: windows {[round(w['throughput']) for w in result['windows']]} img/s, "
-            f"measured plan {result['measured_plan']['throughput']:.0f} img/s; worst first-minute window "
+            f"measured plan ({result['measured_plan']['source']}) {result['measured_plan']['throughput']:.0f} "
+            f"img/s; worst first-minute window "
             f"{t['value']} of it ({'met' if t['met'] else 'MISSED'} >= {TARGET}); stops "
             f"{'clean' if result['clean_stops'] else 'NOT clean: ' + str(result['first_stop']['stop_noise'][:2])}")
 

@@ -72,3 +72,10 @@ def test_the_plan_takes_the_rule_at_each_size_and_ignores_a_common_speed_scale(v
     _, again = _choose(rows(shift), {"fp32": res}, (64, 256), 1)
     assert plan == again
     assert dict(plan.micro_batch_by_pixels)[64 * 64] == fitting(dict(zip(micro, values, strict=True)))
+
+
+def test_timing_windows_are_short_on_cuda_and_the_same_for_plan_and_serve():
+    from vqserve.export.plan.candidates import timing_seconds
+
+    assert timing_seconds("cuda") == timing_seconds("cuda:1") == 0.15
+    assert timing_seconds("cpu") == 0.3
