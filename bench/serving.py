@@ -343,7 +343,8 @@ def client_process_mode(args) -> int:
           + (f"; device capacity {capacity:.0f} img/s at 256x256" if capacity else ""), flush=True)
     rows = compare_layouts(args.model, layouts, cases, photos, args.client_procs, args.client_callers,
                            args.duration, args.repeats, args.device, args.dtype, floor=args.floor,
-                           log=lambda m: print(m, flush=True), kinds=args.client_kind, profile=profile)
+                           log=lambda m: print(m, flush=True), kinds=args.client_kind, profile=profile,
+                           warmup=args.warmup)
     print()
     print(layouts_table(rows, capacity, args.size))
     if args.json:
