@@ -103,7 +103,7 @@ class BackgroundPlan:
             except ProcessLookupError:
                 pass
 
-    async def reap(self, timeout: float = 10.0) -> None:
+    async def reap(self, timeout: float = 5.0) -> None:
         """Wait for the stopped child to exit (killed after ``timeout`` s) and close its pipe,
         on the loop that started it. A child still unreaped when the loop closes leaves its
         transport to the garbage collector, which prints "Exception ignored in
@@ -118,6 +118,8 @@ class BackgroundPlan:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+        # asyncio's Process has no public close: without it the transport's pipes close only
+        # when the loop has read their EOF, which may come after the loop stops
         transport = getattr(proc, "_transport", None)
         if transport is not None:
             transport.close()
