@@ -92,7 +92,7 @@ def targets(result: dict) -> list[dict]:
                 top["p99_ms"] <= P99_MS_TARGET, top["layout"], ".0f")
         if "jpeg" in case.split():
             raw = by_point.get((dtype, case.replace("jpeg", "raw"), kind))
-            if raw:
+            if raw and max(r["throughput"] for r in raw) > 0:  # a row with no call judges nothing
                 ratio = top["throughput"] / max(r["throughput"] for r in raw)
                 add(f"{dtype} {case} / raw >= {JPEG_TARGET}", ratio, ratio >= JPEG_TARGET, top["layout"], ".3f")
     changed = [f"{r['dtype']} {r['layout']} {r['case']}" for r in served if r.get("tokens_equal_in_process") is False]
@@ -111,6 +111,6 @@ def decode_targets(add, top: dict, best_decode: float | None, raw_rows: list[dic
         ratio = top["throughput"] / best_decode
         add(f"{dtype} {case} served / in-process decode >= {DECODE_TARGET}", ratio, ratio >= DECODE_TARGET,
             f"{top['layout']}, {top['throughput']:.0f} of {best_decode:.0f} img/s", ".3f")
-    if top["payload"] == "decode-png" and raw_rows:
+    if top["payload"] == "decode-png" and raw_rows and max(r["throughput"] for r in raw_rows) > 0:
         ratio = top["throughput"] / max(r["throughput"] for r in raw_rows)
         add(f"{dtype} {case} / raw replies >= {PNG_TARGET}", ratio, ratio >= PNG_TARGET, top["layout"], ".3f")

@@ -221,3 +221,21 @@ def test_a_run_stopped_at_its_time_limit_reports_what_it_finished(tmp_path, caps
     assert "not measured: served encode / in-process encode (section 3" in text
     assert "not measured: served decode / in-process decode (section 3" in text
     assert "MISSED" not in text  # nothing judged from figures it does not have
+
+
+def test_a_served_row_without_calls_judges_no_ratio_against_it():
+    """A window in which no call finished (clients slower to start than the window, seen on a
+    loaded 2-core machine) must not end the run in ZeroDivisionError when its targets are read."""
+    row = {"dtype": "bf16", "layout": "split", "caller_kind": "asyncio", "procs": 1, "callers": 2,
+           "p99_ms": 0.0, "throughput": 0.0, "server_cpu_us_per_image": None}
+    result = {"in_process": [{"dtype": "bf16", "batch": 8, "throughput": 100.0}],
+              "decode_in_process": [{"dtype": "bf16", "batch": 8, "throughput": 100.0}],
+              "served": [{**row, "case": "v1 raw x16", "payload": "raw"},
+                         {**row, "case": "v1 jpeg x16", "payload": "jpeg", "throughput": 50.0},
+                         {**row, "case": "v1 decode x16", "payload": "decode"},
+                         {**row, "case": "v1 decode-png x16", "payload": "decode-png", "throughput": 40.0}]}
+    verdicts = {v["target"]: v for v in targets.targets(result)}
+    assert "bf16 v1 jpeg x16 / raw >= 0.7" not in verdicts
+    assert "bf16 v1 decode-png x16 / raw replies >= 0.7" not in verdicts
+    assert verdicts["bf16 v1 decode x16 served / in-process decode >= 0.8"]["met"] is False
+    assert "bf16" in report.report({**result, "model": "m", "device": "cuda", "size": 256, "cpu_cores": 2})
