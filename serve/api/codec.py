@@ -153,6 +153,18 @@ def encode_png(batch: np.ndarray, compress_level: int = 1) -> list[bytes]:
     return out
 
 
+async def png_reply(batch: np.ndarray) -> list[bytes]:
+    """:func:`encode_png` for a reply, off the event loop: each image in the loop's thread
+    pool at once (zlib releases the GIL, so a front-end spreads one request's PNGs over the
+    cores it may use), in order."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    parts = await asyncio.gather(*(loop.run_in_executor(None, encode_png, batch[i: i + 1])
+                                   for i in range(len(batch))))
+    return [png for part in parts for png in part]
+
+
 def read_image_file(path) -> np.ndarray:
     """An image file -> uint8 ``[H,W,3]`` as displayed (core/images.py rules)."""
     try:

@@ -15,7 +15,6 @@ device executor - off the event loop.
 
 from __future__ import annotations
 
-import asyncio
 import struct
 
 import numpy as np
@@ -187,7 +186,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             response.parameters[key].string_param = engine.identity[key]
         response.parameters["exact"].bool_param = engine.identity["exact"]
         if png:
-            pngs = await asyncio.get_running_loop().run_in_executor(None, codec.encode_png, out)
+            pngs = await codec.png_reply(out)
             response.outputs.add(name=out_name, datatype="BYTES", shape=[len(pngs)])
             response.raw_output_contents.append(bytes_tensor(pngs))
             response.parameters["output_format"].string_param = "png"
