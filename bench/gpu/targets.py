@@ -37,7 +37,11 @@ def unmeasured_targets(result: dict) -> list[str]:
     a section or case left out), in words."""
     out = []
     best = best_in_process(result)
-    served = [r for r in result.get("served") or [] if "error" not in r]
+    served = [r for r in result.get("served") or [] if "error" not in r and r.get("calls", 1) > 0]
+    idle = [f"{r['dtype']} {r['layout']} {r['case']}" for r in result.get("served") or [] if r.get("calls", 1) == 0]
+    if idle:  # clients slower to start than the window: nothing was measured there
+        out.append(f"{len(idle)} served rows in which no call finished ({', '.join(idle[:3])}"
+                   + (", ..." if len(idle) > 3 else "") + ")")
     if not result.get("tokens"):
         out.append("tokens identical to CPU fp32 / batch-invariant (section 1)")
     for method, section in (("encode", "2"), ("decode", "2c")):
@@ -72,7 +76,7 @@ def targets(result: dict) -> list[dict]:
             add(f"{row['precision']} tokens batch-invariant", row["batch_invariant"], bool(row["batch_invariant"]))
     best = best_in_process(result)
     best_in = {dtype: rate for (dtype, method), rate in best.items() if method == "encode"}
-    served = [r for r in result.get("served") or [] if "error" not in r]
+    served = [r for r in result.get("served") or [] if "error" not in r and r.get("calls", 1) > 0]
     by_point: dict[tuple, list[dict]] = {}
     for row in served:
         by_point.setdefault((row["dtype"], row["case"], row.get("caller_kind")), []).append(row)

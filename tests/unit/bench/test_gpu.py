@@ -238,4 +238,10 @@ def test_a_served_row_without_calls_judges_no_ratio_against_it():
     assert "bf16 v1 jpeg x16 / raw >= 0.7" not in verdicts
     assert "bf16 v1 decode-png x16 / raw replies >= 0.7" not in verdicts
     assert verdicts["bf16 v1 decode x16 served / in-process decode >= 0.8"]["met"] is False
+    # a row that counted no call at all is not measured, not a missed target
+    for r in result["served"]:
+        r["calls"] = 0 if r["throughput"] == 0 else 10
+    verdicts = {v["target"]: v for v in targets.targets(result)}
+    assert not any("v1 raw x16" in t or "v1 decode x16" in t for t in verdicts), verdicts
+    assert any("2 served rows in which no call finished" in line for line in targets.unmeasured_targets(result))
     assert "bf16" in report.report({**result, "model": "m", "device": "cuda", "size": 256, "cpu_cores": 2})
