@@ -114,11 +114,11 @@ def report(result: dict) -> str:
                         if before else ""))
     for title in not_measured(result):
         lines.append(f"{title}: not measured")
-    verdicts = targets(result)
-    if verdicts:
+    verdicts, unmeasured = targets(result), unmeasured_targets(result)
+    if verdicts or unmeasured:
         lines.append("targets:")
-        lines += [f"  {'met   ' if v['met'] else 'MISSED'} {v['target']}: {v['measured']}" for v in verdicts]
-    lines += [f"  not measured: {what}" for what in unmeasured_targets(result)]
+    lines += [f"  {'met   ' if v['met'] else 'MISSED'} {v['target']}: {v['measured']}" for v in verdicts]
+    lines += [f"  not measured: {what}" for what in unmeasured]
     for row in result.get("failed", []):
         lines.append(f"FAILED {row['section']}: {row['error'][-300:]}")
     return "\n".join(lines)
