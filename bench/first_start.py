@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--callers", type=int, default=8, help="callers per client process")
     p.add_argument("--seconds", type=float, default=60.0, help="measured from SERVING on the first start")
     p.add_argument("--window", type=float, default=10.0, help="seconds per measured window")
+    p.add_argument("--warmup", type=float, default=1.0,
+                   help="seconds of calls before each window (the client processes start before it)")
     p.add_argument("--json", help="write the figures to this file")
     return p
 
@@ -80,14 +82,14 @@ def first_start(args) -> dict:
         try:
             while time.monotonic() - serving < args.seconds:
                 at = time.monotonic() - serving
-                # the clients' processes start 2 s before each window (bench/load.py: 1 s + warm-up)
-                row = run_load(f"127.0.0.1:{port}", case, photos, args.procs, args.callers, args.window, 1.0,
-                               proc.pid, getattr(proc, "metrics_port", None))
+                # the clients' processes start 1 s + --warmup before each window (bench/load.py)
+                row = run_load(f"127.0.0.1:{port}", case, photos, args.procs, args.callers, args.window,
+                               args.warmup, proc.pid, getattr(proc, "metrics_port", None))
                 switched = bool(log_events(lines, "plan_switched", "plan_not_measured"))
-                result["windows"].append({"from_s": round(at + 2.0, 1), "throughput": row["throughput"],
+                result["windows"].append({"from_s": round(at + 1.0 + args.warmup, 1), "throughput": row["throughput"],
                                           "p99_ms": row["p99_ms"], "errors": len(row["errors"]),
                                           "plan_settled": switched})
-                print(f"  first start {at + 2.0:5.1f} s: {row['throughput']:7.0f} img/s, p99 {row['p99_ms']:.0f} ms"
+                print(f"  first start {at + 1.0 + args.warmup:5.1f} s: {row['throughput']:7.0f} img/s, p99 {row['p99_ms']:.0f} ms"
                       + ("" if switched else "  (measuring the plan)"), flush=True)
         finally:
             result["events"] = [{k: e.get(k) for k in ("event", "msg")}
@@ -97,8 +99,8 @@ def first_start(args) -> dict:
         lines = []
         proc, port = start_server(model, serve, 64, None, extra=flags, log=lines)  # the cache it filled
         try:
-            row = run_load(f"127.0.0.1:{port}", case, photos, args.procs, args.callers, args.window, 1.0,
-                           proc.pid, getattr(proc, "metrics_port", None))
+            row = run_load(f"127.0.0.1:{port}", case, photos, args.procs, args.callers, args.window,
+                           args.warmup, proc.pid, getattr(proc, "metrics_port", None))
             serving = (log_events(lines, "serving") or [{}])[-1]
             result["measured_plan"] = {"throughput": row["throughput"], "p99_ms": row["p99_ms"],
                                        "plan": serving.get("plan"), "source": serving.get("plan_source")}
@@ -128,8 +130,9 @@ def summary(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.seconds <= 0 or args.window <= 0 or args.procs < 1 or args.callers < 1:
-        raise ValueError("--seconds and --window must be positive, --procs and --callers at least 1")
+    if args.seconds <= 0 or args.window <= 0 or args.warmup < 0 or args.procs < 1 or args.callers < 1:
+        raise ValueError("--seconds and --window must be positive, --warmup at least 0, --procs and --callers "
+                         "at least 1")
     from vqserve.export.runtimes.loader import resolve_device
 
     args.device = resolve_device(args.device)  # no GPU here: one line, before any server starts
