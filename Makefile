@@ -22,10 +22,11 @@ FUZZ_FRONTENDS ?= 0
 FUZZ_REPORT ?= /tmp/vqserve-fuzz.json
 # `make soak SOAK_ARGS="--duration 1 --clients 16"`; the model is MODEL
 SOAK_ARGS ?=
+SOAK_FRONTENDS ?= 2
 
 IMAGE  ?= vqserve:latest
 
-.PHONY: help venv test lint importlint pytest serve protos bench bench-quick bench-quantizers bench-tokenize bench-gpu fuzz soak docker docker-cpu clean
+.PHONY: help venv test lint importlint pytest serve protos bench bench-quick bench-quantizers bench-tokenize bench-gpu fuzz soak soak-split docker docker-cpu clean
 
 help:
 	@echo "make test    - create .venv (CPU torch), lint, import contracts, run the test suite"
@@ -39,6 +40,8 @@ help:
 	@echo "make bench-gpu - on a CUDA machine: every GPU figure in one run (~4 min) -> BENCH_OUT/gpu.json"
 	@echo "make fuzz    - malformed requests on every RPC of a real server (~5 min); counts by status code"
 	@echo "make soak    - 64 clients for 5 minutes on MODEL=$(MODEL); one PASS/FAIL line (SOAK_ARGS=)"
+	@echo "make soak-split - the same split into SOAK_FRONTENDS=$(SOAK_FRONTENDS) front-ends + executor on synthetic:200;"
+	@echo "               an hour: make soak-split SOAK_ARGS=\"--duration 60\""
 	@echo "make docker  - build the GPU image (needs a Docker engine); make docker-cpu for the CPU one"
 	@echo "make clean   - remove .venv and caches"
 	@echo "make data    - fetch the pinned Debian package photographs for training/selection/test (~165 MB)"
@@ -101,6 +104,11 @@ fuzz: $(STAMP)
 
 soak: $(STAMP)
 	$(BIN)/python -m vqserve.bench.soak --model '$(MODEL)' $(SOAK_ARGS)
+
+# the GPU node's layout on the stand-in accelerator: SOAK_FRONTENDS front-ends, one executor,
+# 64 clients, 5 minutes; an hour: make soak-split SOAK_ARGS="--duration 60"
+soak-split: $(STAMP)
+	$(BIN)/python -m vqserve.bench.soak --model synthetic:200 --frontends '$(SOAK_FRONTENDS)' --clients 64 $(SOAK_ARGS)
 
 docker:
 	docker build -t $(IMAGE) .

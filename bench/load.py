@@ -52,15 +52,22 @@ def tree_cpu_seconds(root: int) -> float:
     return total / CLOCK_TICKS
 
 
+PAYLOADS = ("raw", "jpeg", "decode", "decode-png")
+
+
 @dataclass(frozen=True)
 class LoadCase:
     protocol: str        # v1 | oip
-    payload: str         # raw | jpeg
+    payload: str         # raw | jpeg (encode: pixels or JPEG files in) | decode | decode-png (pixels or PNGs out)
     images: int          # per call
 
     @property
     def label(self) -> str:
         return f"{self.protocol} {self.payload} x{self.images}"
+
+    @property
+    def method(self) -> str:
+        return "decode" if self.payload.startswith("decode") else "encode"
 
 
 def jpeg_bytes(image: np.ndarray, quality: int = 90) -> bytes:
@@ -71,23 +78,41 @@ def jpeg_bytes(image: np.ndarray, quality: int = 90) -> bytes:
     return out.getvalue()
 
 
-def request_bytes(case: LoadCase, images: np.ndarray) -> tuple[str, bytes]:
-    """(gRPC method path, serialised request) for ``case``: ``case.images`` images, taken
-    from ``images`` in turn (repeated when there are fewer), so a call always holds as
-    many images as the throughput counts."""
-    batch = np.ascontiguousarray(np.resize(images, (case.images, *images.shape[1:])))
+def request_bytes(case: LoadCase, images: np.ndarray, indices: np.ndarray | None = None) -> tuple[str, bytes]:
+    """(gRPC method path, serialised request) for ``case``: ``case.images`` images (or, to
+    decode, their token grids ``indices``), taken in turn (repeated when there are fewer), so
+    a call always holds as many images as the throughput counts."""
+    source = indices if case.method == "decode" else images
+    if source is None:
+        raise ValueError(f"{case.label}: a decode case needs the token grids to send")
+    batch = np.ascontiguousarray(np.resize(source, (case.images, *source.shape[1:])))
     if case.protocol == "v1":
         from vqserve.serve._proto import tokenizer_pb2 as pb
         from vqserve.serve.api.v1 import tensor_msg
 
+        if case.method == "decode":
+            fmt = pb.IMAGE_FORMAT_PNG if case.payload == "decode-png" else pb.IMAGE_FORMAT_RAW
+            return "/vqserve.v1.Tokenizer/Decode", pb.DecodeRequest(
+                indices=tensor_msg(batch), output_format=fmt).SerializeToString()
         if case.payload == "raw":
             msg = pb.EncodeRequest(images=tensor_msg(batch))
         else:
             msg = pb.EncodeRequest(encoded=pb.EncodedImages(images=[jpeg_bytes(x) for x in batch]))
         return "/vqserve.v1.Tokenizer/Encode", msg.SerializeToString()
-    if case.payload != "raw":
+    if case.payload == "jpeg":
         raise ValueError(f"{case.label}: OIP takes raw UINT8 tensors only (JPEG goes through v1)")
-    return "/inference.GRPCInferenceService/ModelInfer", oip_request("encode", batch).SerializeToString()
+    request = oip_request(case.method, batch)
+    if case.payload == "decode-png":
+        request.parameters["output_format"].string_param = "png"
+    return "/inference.GRPCInferenceService/ModelInfer", request.SerializeToString()
+
+
+def served_tokens(target: str, images: np.ndarray) -> np.ndarray:
+    """The server's own tokens of ``images`` (one v1 Encode call): what a decode case sends."""
+    from vqserve.serve.clients import TokenizerClient
+
+    with TokenizerClient(target, timeout=300.0) as client:
+        return client.encode_batch(images)
 
 
 CALLER_KINDS = ("asyncio", "blocking")
@@ -228,7 +253,8 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, caller
     with ``metrics_port`` its images per model call and requests per front-end group, are
     read at the window's edges."""
     check_kind(kind)
-    method, request = request_bytes(case, images)
+    indices = served_tokens(target, images) if case.method == "decode" else None
+    method, request = request_bytes(case, images, indices)
     start_at = time.time() + warmup + 1.0  # spawn takes a moment
     stop_at = start_at + duration
     clients = spawn_reporters(_client_process, (target, method, request, callers, kind, start_at, stop_at), procs)
@@ -322,6 +348,8 @@ def parse_cases(text: str) -> list[LoadCase]:
             cases.append(LoadCase(protocol, payload, int(images)))
         except ValueError:
             raise ValueError(f"a case is protocol:payload:images, e.g. v1:raw:8; got {spec!r}") from None
+        if payload not in PAYLOADS or protocol not in ("v1", "oip"):
+            raise ValueError(f"case {spec!r}: protocol is v1 or oip, payload one of {', '.join(PAYLOADS)}")
     return cases
 
 

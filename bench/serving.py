@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layouts", default="single=--frontends 0;split=--frontends auto",
                    help="NAME=serve flags, ';'-separated: the servers compared")
     g.add_argument("--cases", default="v1:raw:8,v1:raw:1",
-                   help="protocol:payload:images per call (v1|oip, raw|jpeg), comma-separated")
+                   help="protocol:payload:images per call, comma-separated: v1|oip, and raw|jpeg (encode) "
+                        "or decode|decode-png (decode the server's tokens of the images: raw pixel or PNG "
+                        "replies), e.g. v1:decode:16,oip:decode-png:16")
     g.add_argument("--floor", action="store_true",
                    help="also measure an echo server (gRPC alone, no model): the ceiling on this machine")
     g.add_argument("--profile", metavar="CASE", default=None,
@@ -341,7 +343,8 @@ def client_process_mode(args) -> int:
           + (f"; device capacity {capacity:.0f} img/s at 256x256" if capacity else ""), flush=True)
     rows = compare_layouts(args.model, layouts, cases, photos, args.client_procs, args.client_callers,
                            args.duration, args.repeats, args.device, args.dtype, floor=args.floor,
-                           log=lambda m: print(m, flush=True), kinds=args.client_kind, profile=profile)
+                           log=lambda m: print(m, flush=True), kinds=args.client_kind, profile=profile,
+                           warmup=args.warmup)
     print()
     print(layouts_table(rows, capacity, args.size))
     if args.json:

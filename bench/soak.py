@@ -1,19 +1,22 @@
 """Soak test (``make soak``): many clients for minutes against a real ``vqserve serve``.
 
 Leaks, slow latency creep and rare races show only under long, mixed, concurrent load,
-which unit tests never produce. This starts a server process on loopback, runs
+which unit tests never produce. This starts a server process on loopback (one process, or
+with ``--frontends N`` the GPU node's front-ends and device executor), runs
 ``--clients`` asyncio clients that mix every serving path (v1 unary encode and decode,
 v1 EncodeStream and DecodeStream, OIP ModelInfer encode and decode) back to back, checks
 every answer against the server's own first answer, and samples the server's resident
-memory (RSS) each second. It prints one line and exits 1 when any call failed or gave a
-wrong answer, when RSS grew by ``--max-growth`` or more from the first window to the
-last, or when the server did not exit 0 on SIGTERM:
+memory (RSS, every process of the server) each second. It prints one line and exits 1 when
+any call failed or gave a wrong answer, when RSS grew by ``--max-growth`` or more from the
+first window to the last, when the p99 per window crept by ``--max-p99-rise`` or more, or
+when the server did not exit 0 on SIGTERM:
 
-    soak: 5.0 min, 64 clients, 12345 calls, 0 errors, p99/min ms [..], RSS first-min
-    210 MB last-min 212 MB (+0.9%), PASS
+    soak: 5.0 min, 64 clients, 12345 calls, 0 errors, p99/min ms [..] (last/first x1.02), RSS
+    first-min 210 MB last-min 212 MB (+0.9%), PASS
 
     python -m vqserve.bench.soak                      # default model, 5 minutes, 64 clients
     python -m vqserve.bench.soak --model runs/tiny --duration 0.5 --clients 8 --window 10
+    python -m vqserve.bench.soak --model synthetic:200 --frontends 2 --duration 60   # an hour, split
 """
 
 from __future__ import annotations
@@ -66,10 +69,25 @@ def rss_growth(first: Sequence[float], last: Sequence[float]) -> float:
     return b / a - 1.0
 
 
-def verdict(errors: int, growth: float, exit_code: int | None = 0, max_growth: float = 0.05) -> bool:
+def p99_rise(p99s: Sequence[float]) -> float:
+    """How far the per-window p99 latency crept: the median p99 of the last third of the
+    windows over that of the first third (at least one window each; windows without a call
+    left out). 1.0 for fewer than two windows. A flat run is near 1 however its latency
+    spikes in between; a creep (a queue or a cache that grows) shows at the end."""
+    values = [v for v in p99s if v == v]  # NaN: a window without a call
+    if len(values) < 2:
+        return 1.0
+    third = max(1, len(values) // 3)
+    first, last = statistics.median(values[:third]), statistics.median(values[-third:])
+    return last / first if first > 0 else float("inf")
+
+
+def verdict(errors: int, growth: float, exit_code: int | None = 0, max_growth: float = 0.05,
+            rise: float = 1.0, max_rise: float = 1.5) -> bool:
     """PASS only with no failed or wrong call, RSS growth below ``max_growth`` (growth of
-    exactly ``max_growth`` fails) and a clean server exit (0, or None: not stopped by us)."""
-    return errors == 0 and growth < max_growth and exit_code in (0, None)
+    exactly ``max_growth`` fails), a flat p99 (:func:`p99_rise` below ``max_rise``) and a
+    clean server exit (0, or None: not stopped by us)."""
+    return errors == 0 and growth < max_growth and rise < max_rise and exit_code in (0, None)
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -96,6 +114,7 @@ class Report:
     windows: list[Window] = field(default_factory=list)
     exit_code: int | None = None
     max_growth: float = 0.05
+    max_p99_rise: float = 1.5
     codebook_tokens: dict[str, float] = field(default_factory=dict)  # the server's, at the end
     processes: int = 0  # the server's processes at the last RSS sample (front-ends + executor)
 
@@ -111,8 +130,13 @@ class Report:
         return rss_growth(with_rss[0].rss, with_rss[-1].rss)
 
     @property
+    def p99_rise(self) -> float:
+        return p99_rise([w.p99_ms() for w in self.windows])
+
+    @property
     def passed(self) -> bool:
-        return verdict(self.error_count, self.growth, self.exit_code, self.max_growth)
+        return verdict(self.error_count, self.growth, self.exit_code, self.max_growth, self.p99_rise,
+                       self.max_p99_rise)
 
     def line(self) -> str:
         unit = "min" if self.window_s == 60 else f"{self.window_s:g}s"
@@ -123,7 +147,7 @@ class Report:
         exit_note = "" if self.exit_code in (0, None) else f", server exit {self.exit_code}"
         minutes = f"{self.minutes:.1f}" if self.minutes >= 1 else f"{self.minutes:.2f}"
         return (f"soak: {minutes} min, {self.clients} clients, {self.calls} calls, "
-                f"{self.error_count} errors, p99/{unit} ms [{p99}], RSS"
+                f"{self.error_count} errors, p99/{unit} ms [{p99}] (last/first x{self.p99_rise:.2f}), RSS"
                 f"{f' of {self.processes} processes' if self.processes > 1 else ''} first-{unit} {first:.0f} MB "
                 f"last-{unit} {last:.0f} MB ({100 * self.growth:+.1f}%){exit_note}, "
                 f"{'PASS' if self.passed else 'FAIL'}")
@@ -133,7 +157,8 @@ class Report:
                 "calls": self.calls, "errors": dict(self.errors), "examples": self.examples,
                 "by_op": dict(self.by_op), "p99_ms": [w.p99_ms() for w in self.windows],
                 "rss_mb": [[r / 2**20 for r in w.rss] for w in self.windows],
-                "growth": self.growth, "exit_code": self.exit_code, "passed": self.passed,
+                "growth": self.growth, "p99_rise": self.p99_rise, "exit_code": self.exit_code,
+                "passed": self.passed,
                 "processes": self.processes,
                 "codebook_window_tokens": self.codebook_tokens, "line": self.line()}
 
@@ -306,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-delay-ms", type=float, default=5.0)
     p.add_argument("--max-growth", type=float, default=0.05, help="RSS growth that fails (0.05 = 5%%)")
+    p.add_argument("--max-p99-rise", type=float, default=1.5,
+                   help="p99 creep that fails: the last third of the windows' median p99 over the first "
+                        "third's (1.5 = +50%%)")
+    p.add_argument("--frontends", type=int, default=None,
+                   help="soak the GPU node's layout: N front-end processes before one device executor "
+                        "(pixels through shared memory; RSS is that of every process). `make soak-split` "
+                        "runs it on synthetic:200 with 64 clients")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the server (0: its default)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline per call, seconds")
     p.add_argument("--serve-args", default="",
@@ -318,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_args = shlex.split(args.serve_args)
     except ValueError as exc:
         p.error(f"--serve-args: {exc}")
+    if args.frontends is not None:
+        serve_args += ["--frontends", str(args.frontends)]
     for name in ("duration", "clients", "window", "size", "images"):
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive")
@@ -330,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     proc, port = start_server(model, args, args.max_batch_size, args.max_delay_ms,
                               extra=["--max-queue", "4096", "--grace", "60", *serve_args], log=log)
     report = Report(minutes=args.duration, clients=args.clients, window_s=args.window,
-                    max_growth=args.max_growth)
+                    max_growth=args.max_growth, max_p99_rise=args.max_p99_rise)
     soak = Soak(f"127.0.0.1:{port}", proc.pid, report, bench_photos(args.size)[: args.images],
                 timeout=args.timeout)
     try:

@@ -131,22 +131,26 @@ def buckets_equal(runtime, photos: np.ndarray, micro: int = 64) -> bool:
     return True
 
 
-def throughput(runtime, photos: np.ndarray, batch: int, seconds: float, callers: int | None = None) -> float:
+def throughput(runtime, photos: np.ndarray, batch: int, seconds: float, callers: int | None = None,
+               method: str = "encode") -> float:
     """Images/s of ``runtime`` run as the server runs it: by the device's default plan with
     calls of ``batch`` (``PlannedRuntime``, one intra-op thread), as many callers as the plan
     has workers, each with one call in flight; the in-process ceiling a served figure is
-    divided by."""
+    divided by. ``method="decode"`` times decoding the tokens of ``photos`` instead."""
     import threading
 
     planned = PlannedRuntime(runtime, plan_for(runtime.info.device, micro_batch=batch))
     x = np.ascontiguousarray(np.resize(photos, (batch, *photos.shape[1:])))
-    planned.encode(x)  # warm-up: kernels chosen, memory allocated
+    if method == "decode":
+        x = np.ascontiguousarray(planned.encode(x))
+    call = getattr(planned, method)
+    call(x)  # warm-up: kernels chosen, memory allocated
     counts = [0] * (callers or planned.plan.workers)
     stop_at = time.perf_counter() + seconds
 
     def caller(k: int) -> None:
         while time.perf_counter() < stop_at:
-            planned.encode(x)
+            call(x)
             counts[k] += batch
 
     t0 = time.perf_counter()

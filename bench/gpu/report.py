@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from vqserve.bench.gpu.targets import targets
+from vqserve.bench.gpu.targets import best_in_process, row_method, targets, unmeasured_targets
 from vqserve.bench.load import CALL_COLUMNS, call_columns, mean_text
 from vqserve.bench.profiling import brief
 
@@ -20,10 +20,27 @@ def call_against_in_process(row: dict) -> float | None:
     return row["ms_per_call"] / row["in_process_call_ms"]
 
 
+# the sections of a run, as their keys in the JSON; those of a CUDA device only second
+SECTIONS = (("tokens", "1. tokens against CPU fp32"), ("in_process", "2. in-process images/s"),
+            ("decode_in_process", "2c. in-process decode images/s"), ("served", "3. served"),
+            ("tokenize", "4. tokenize end to end"))
+CUDA_SECTIONS = (("noise", "1b. fp32 noise"), ("cuda_graphs", "2b. CUDA graphs"))
+
+
+def not_measured(result: dict) -> list[str]:
+    """The sections a run left without a figure: a run stopped at its time limit (its JSON
+    is saved section by section, ``complete`` false) or a section turned off."""
+    sections = SECTIONS + (CUDA_SECTIONS if str(result.get("device", "")).startswith("cuda") else ())
+    return [title for key, title in sections if not result.get(key)]
+
+
 def report(result: dict) -> str:
-    """One table: served / in-process at the dtype's best batch, per layout and case."""
-    lines = [f"\n== vqserve bench gpu: {result['model']} on {result.get('gpu', result['device'])}, "
-             f"{result['size']}², {result['cpu_cores']} CPUs, {result['seconds']:.0f} s =="]
+    """One table: served / in-process at the dtype's best batch, per layout and case. A run
+    stopped before its end prints what it finished and names the rest "not measured"."""
+    took = (f"{result['seconds']:.0f} s" if "seconds" in result else
+            "STOPPED before its end" if result.get("complete") is False else "time not recorded")
+    lines = [f"\n== vqserve bench gpu: {result.get('model', '?')} on {result.get('gpu', result.get('device', '?'))}, "
+             f"{result.get('size', '?')}², {result.get('cpu_cores', '?')} CPUs, {took} =="]
     for row in result.get("tokens", []):
         if "error" in row:
             lines.append(f"tokens {row['precision']:<5} error: {row['error']}")
@@ -52,16 +69,19 @@ def report(result: dict) -> str:
     for dtype, row in best.items():
         tf = f", {row['tflops']:.1f} TFLOP/s" if row.get("tflops") else ""
         lines.append(f"in-process {dtype}: best {row['throughput']:.0f} img/s at batch {row['batch']}{tf}")
+    lines += decode_lines(result)
     for row in result.get("plans", []):
         lines.append(f"plan {row['dtype']} (vqserve plan, served as 'planned'): "
                      f"{row.get('line') or 'error ' + str(row.get('error'))[-200:]}")
+    in_process = best_in_process(result)
     lines.append(f"{'served':<8}{'layout':<16}{'case':<16}{'callers':<10}{'img/s':>9}{'/in-proc':>10}{'p99 ms':>9}{'CPU µs/img':>12}"
                  f"{CALL_COLUMNS}{'call/in':>9}")
     for row in result.get("served", []):
         if "error" in row:
             lines.append(f"{row['dtype']:<8}{row['layout']:<16}error: {row['error'][-200:]}")
             continue
-        ratio = row["throughput"] / best[row["dtype"]]["throughput"] if row["dtype"] in best else float("nan")
+        top = in_process.get((row["dtype"], row_method(row)))
+        ratio = row["throughput"] / top if top else float("nan")  # decode rows: against in-process decode
         same = {True: "  tokens = in-process", False: "  TOKENS DIFFER"}.get(row.get("tokens_equal_in_process"), "")
         lines.append(f"{row['dtype']:<8}{row['layout']:<16}{row['case']:<16}{row.get('caller_kind', '-'):<10}"
                      f"{row['throughput']:9.0f}{ratio:10.2f}"
@@ -92,10 +112,13 @@ def report(result: dict) -> str:
                      f"{row.get('main_cpu_us_per_image', 0):.0f} µs CPU/img"
                      + (f"; before (serial engine) {before.get('end_to_end_images_per_s', 0):.0f} img/s"
                         if before else ""))
-    verdicts = targets(result)
-    if verdicts:
+    for title in not_measured(result):
+        lines.append(f"{title}: not measured")
+    verdicts, unmeasured = targets(result), unmeasured_targets(result)
+    if verdicts or unmeasured:
         lines.append("targets:")
-        lines += [f"  {'met   ' if v['met'] else 'MISSED'} {v['target']}: {v['measured']}" for v in verdicts]
+    lines += [f"  {'met   ' if v['met'] else 'MISSED'} {v['target']}: {v['measured']}" for v in verdicts]
+    lines += [f"  not measured: {what}" for what in unmeasured]
     for row in result.get("failed", []):
         lines.append(f"FAILED {row['section']}: {row['error'][-300:]}")
     return "\n".join(lines)
@@ -104,3 +127,18 @@ def report(result: dict) -> str:
 def _figure(value, spec: str) -> str:
     """A figure, or "-" where a run too short to show it left none (None or NaN)."""
     return "-" if value is None or value != value else format(value, spec)
+
+
+def decode_lines(result: dict) -> list[str]:
+    """Section 2c: in-process decode images/s per dtype at its best batch (the ceiling the
+    served decode rows are read against)."""
+    lines = []
+    tops: dict[str, dict] = {}
+    for row in result.get("decode_in_process") or []:
+        if "error" in row:
+            lines.append(f"in-process decode {row['dtype']}: error {row['error'][-200:]}")
+        elif row["dtype"] not in tops or row["throughput"] > tops[row["dtype"]]["throughput"]:
+            tops[row["dtype"]] = row
+    for dtype, row in tops.items():
+        lines.append(f"in-process decode {dtype}: best {row['throughput']:.0f} img/s at batch {row['batch']}")
+    return lines

@@ -12,7 +12,8 @@ GPU time is scarce, so one run measures, side by side on the same device:
    replayed from a graph, pinned uploads: the CUDA default) against eager: tokens, pixels
    and images/s at 1 image per call and larger;
 3. **served** images/s of ``vqserve serve --device cuda`` with clients in several processes
-   (``bench/load.py``): v1 and OIP, raw and JPEG (q90), 1 and 16 images per call, for the
+   (``bench/load.py``): v1 and OIP, raw and JPEG (q90), 1 and 16 images per call, and
+   decode (2c: in-process decode; served decode with raw pixel or PNG replies), for the
    front-end/executor layout (``--frontends auto``; ``--layouts`` adds others, e.g. one
    process), and that layout with ``--no-cuda-graphs``, each dtype served at
    its best in-process batch, and (``--planned``) by the plan ``vqserve plan`` measures on
@@ -79,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-kind", type=caller_kinds, default=("asyncio",),
                    help="the callers, comma-separated to measure each: coroutines on one event loop per "
                         "process (asyncio) or a thread each with a blocking stub (blocking)")
-    p.add_argument("--cases", default="v1:raw:1,v1:raw:16,oip:raw:16,v1:jpeg:16",
-                   help="protocol:payload:images per call, comma-separated")
+    p.add_argument("--cases", default="v1:raw:1,v1:raw:16,oip:raw:16,v1:jpeg:16,"
+                                      "v1:decode:1,v1:decode:16,oip:decode:16,v1:decode-png:16,oip:decode-png:16",
+                   help="protocol:payload:images per call, comma-separated; payload raw or jpeg (encode: "
+                        "pixels or JPEG files in), decode or decode-png (decode: raw pixels or PNGs back)")
     p.add_argument("--layouts", default="split=--frontends auto;split-eager=--frontends auto --no-cuda-graphs",
                    help="server layouts: NAME=serve flags, ';'-separated, each after --plan default "
                         "--micro-batch BEST (e.g. add 'single=--frontends 0' for one process; left out by "
@@ -208,6 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             result["cuda_graphs"] = graphs_rows(runtimes, photos, best)
             for row in result["cuda_graphs"]:
                 _log(f"  {row}")
+
+    result["decode_in_process"] = []
+    for dtype in [d for d in dtypes if d in runtimes]:
+        with run.section(f"2c. in-process decode images/s, {dtype}"):
+            for batch in [int(b) for b in args.batches.split(",")]:
+                rate = throughput(runtimes[dtype], photos, batch, args.seconds, method="decode")
+                result["decode_in_process"].append({"dtype": dtype, "batch": batch, "throughput": rate})
+                _log(f"  {dtype} decode batch {batch}: {rate:.0f} img/s")
 
     cases = parse_cases(args.cases)
     result["served"] = []

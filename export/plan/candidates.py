@@ -25,6 +25,16 @@ MICRO_BATCHES = (1, 2, 4, 8)  # tried on a CPU
 # at 8, 4,370 at 32, 4,339 at 64), and with candidates to 8 alone --plan auto chose 8 there
 GPU_MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 MAX_CALL_PIXELS = 4 << 20  # candidates above this many pixels per call are not tried
+# timing window per candidate and round: a CPU call of the default model at 256x256 takes
+# ~0.1 s, so 0.3 s holds a few; a GPU call takes milliseconds, and on a GPU node's first start
+# the measurement shares the device with the traffic served meanwhile (issue 54: the safe plan
+# served half its speed while it ran), so it is kept short there
+TIMING_SECONDS = {"cpu": 0.3, "cuda": 0.15}
+
+
+def timing_seconds(device: str) -> float:
+    """The timing window ``vqserve plan`` and ``--plan auto`` use on ``device`` by default."""
+    return TIMING_SECONDS["cuda" if str(device).startswith("cuda") else "cpu"]
 
 
 def probe_device(device: str) -> dict:

@@ -37,6 +37,7 @@ from vqserve.export.plan.candidates import (
     default_backends,
     micro_batches_for,
     probe_device,
+    timing_seconds,
 )
 from vqserve.export.plan.choose import _choose
 from vqserve.export.plan.exactness import _certified, _exactness, calibration_images, exactness_rule
@@ -135,7 +136,7 @@ def calibration_for(layout, sides: tuple[int, ...]) -> tuple[tuple[int, ...], np
 
 def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None = None,
             min_agreement: float = 0.995, sides: tuple[int, ...] = CALIBRATION_SIDES,
-            micro_batches: tuple[int, ...] | None = None, seconds: float = 0.3,
+            micro_batches: tuple[int, ...] | None = None, seconds: float | None = None,
             workers: int | None = None, log: Callable[[str], None] | None = None,
             backends: tuple[str, ...] | None = None, artifacts: str | os.PathLike | None = None,
             model_hash: str | None = None, rounds: int = ROUNDS,
@@ -165,6 +166,7 @@ def measure(model, device: str = "cpu", backend: str = "auto", dtype: str | None
     t0 = time.perf_counter()
     load_before = load_average()
     workers = workers or default_model_workers(device)
+    seconds = seconds or timing_seconds(device)
     micro_batches = tuple(micro_batches or micro_batches_for(device))
     rule = exactness_rule(dtype)
     is_artifact = (Path(str(model)) / "manifest.json").is_file()

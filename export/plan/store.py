@@ -38,7 +38,7 @@ from vqserve.export.runtimes.determinism import start_up_check
 from vqserve.export.runtimes.execution import ExecutionPlan, default_model_workers, label_of
 from vqserve.export.runtimes.synthetic import is_synthetic
 
-PLANNER_VERSION = 9        # bump when the measurement or the choice rule changes
+PLANNER_VERSION = 10       # bump when the measurement or the choice rule changes
 STALE_EXPORT_S = 3600      # a staging folder of an export this old was left by a killed process
 
 

@@ -242,6 +242,10 @@ class SyntheticRuntime:
             raise ValueError(f"indices: {rule}")
         b, h, w = indices.shape
         grey = (indices % 256).astype(np.uint8)
-        pixels = np.repeat(np.repeat(grey, FACTOR, axis=1), FACTOR, axis=2)
+        # each index's grey level over its 8x8x3 block, written once by one broadcast (two
+        # np.repeat and a copy cost 6x the CPU: 0.68 ms per 256x256 image, more than the
+        # reply path it stands in front of)
+        pixels = np.empty((b, h, FACTOR, w, FACTOR, 3), np.uint8)
+        pixels[...] = grey[:, :, None, :, None, None]
         self._spend(b * h * w * FACTOR * FACTOR, h * FACTOR)
-        return np.ascontiguousarray(np.broadcast_to(pixels[..., None], (b, h * FACTOR, w * FACTOR, 3)))
+        return pixels.reshape(b, h * FACTOR, w * FACTOR, 3)

@@ -4,11 +4,19 @@ Two models: ``vqserve-encode`` (input ``images`` UINT8 [B,H,W,3] -> output ``ind
 and ``vqserve-decode`` (input ``indices``, any integer type -> output ``images`` UINT8).
 Tensors are read from ``raw_input_contents`` (what tritonclient sends) or from typed
 ``contents``; outputs go back as ``raw_output_contents``.
+
+Decode replies as PNG files: the request parameter ``output_format`` = ``"png"`` (a
+``string_param``; ``"raw"`` is the default) answers ``images`` as a BYTES tensor of shape
+``[B]``, one PNG per image, serialised as the protocol's BYTES convention (each element a
+4-byte little-endian length, then its bytes: what tritonclient's ``as_numpy`` reads). The
+PNGs are made where the request is answered - a front-end process on a GPU node, never the
+device executor - off the event loop.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 
 import numpy as np
 
@@ -169,13 +177,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if wanted.name != out_name:
                 raise BadInput(f"outputs[{i}].name", f"{request.model_name} has one output {out_name!r}, "
                                                      f"got {wanted.name!r}")
+        png = output_format(request) == "png"
         array = input_array(request, 0)
         field = f"inputs[0]({in_name})"
         if request.model_name == ENCODE_MODEL:
             out = await engine.encode(array, deadline_of(context), field)
         else:
-            out = await engine.decode(array, deadline_of(context), field)
-        shape, dtype, data = codec.array_to_bytes(out)
+            out = await engine.decode(array, deadline_of(context), field, reply_overhead=None if png else 0)
         response = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
         for key in ("model_hash", "source_hash", "dtype", "backend"):  # which tokens these are
             response.parameters[key].string_param = engine.identity[key]
@@ -183,9 +191,53 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         if "token_layout" in engine.identity:  # a pyramid's scales, so a consumer can split it
             response.parameters["token_layout"].string_param = json.dumps(engine.identity["token_layout"],
                                                                           separators=(",", ":"))
+        if png:
+            pngs = await codec.png_reply(out)
+            response.outputs.add(name=out_name, datatype="BYTES", shape=[len(pngs)])
+            response.raw_output_contents.append(bytes_tensor(pngs))
+            response.parameters["output_format"].string_param = "png"
+            engine.check_reply(response.ByteSize(), lambda: "a ModelInferResponse of PNGs")
+            return response
+        shape, dtype, data = codec.array_to_bytes(out)
         response.outputs.add(name=out_name, datatype=codec.NUMPY_TO_OIP[dtype], shape=shape)
         response.raw_output_contents.append(data)
         return response
+
+
+OUTPUT_FORMATS = ("raw", "png")
+
+
+def output_format(request: pb.ModelInferRequest) -> str:
+    """The request's ``output_format`` parameter: ``raw`` (default) or ``png``, the latter
+    for ``vqserve-decode`` only; anything else is one line, before the model runs."""
+    if "output_format" not in request.parameters:
+        return "raw"
+    param = request.parameters["output_format"]
+    kind = param.WhichOneof("parameter_choice")
+    value = param.string_param.lower() if kind == "string_param" else None
+    if value not in OUTPUT_FORMATS:
+        got = f"{kind} {getattr(param, kind)!r}" if kind else "no value"
+        raise BadInput("parameters[output_format]", f"must be the string_param \"raw\" or \"png\", got {got}")
+    if value == "png" and request.model_name != DECODE_MODEL:
+        raise BadInput("parameters[output_format]", f"\"png\" is for {DECODE_MODEL} (images out), "
+                                                    f"not {request.model_name}")
+    return value
+
+
+def bytes_tensor(items: list[bytes]) -> bytes:
+    """A BYTES tensor's raw contents: each element as a 4-byte little-endian length, then its
+    bytes (the Open Inference Protocol's convention, tritonclient's ``serialize_byte_tensor``)."""
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def bytes_elements(raw: bytes) -> list[bytes]:
+    """The elements of a BYTES tensor's raw contents (the inverse of :func:`bytes_tensor`)."""
+    out, at = [], 0
+    while at < len(raw):
+        (n,) = struct.unpack_from("<I", raw, at)
+        out.append(raw[at + 4: at + 4 + n])
+        at += 4 + n
+    return out
 
 
 def add_to_server(service: InferenceService, server) -> None:

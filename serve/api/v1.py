@@ -80,8 +80,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):
                                      reply_overhead=len(request.request_id) if raw else None)
         if raw:
             return pb.DecodeResponse(images=tensor_msg(images), request_id=request.request_id)
-        loop = asyncio.get_running_loop()
-        pngs = await loop.run_in_executor(None, codec.encode_png, images)
+        pngs = await codec.png_reply(images)
         return pb.DecodeResponse(encoded=pb.EncodedImages(images=pngs), request_id=request.request_id)
 
     async def _answer(self, fn, request, context):

@@ -161,5 +161,8 @@ class LocalModel:
             self._plan_task.cancel()
 
     async def close(self) -> None:
+        if self._plan_task is not None:  # cancelled by cancel(): let it unwind on this loop
+            await asyncio.gather(self._plan_task, return_exceptions=True)
+        await self.plans.close()
         if self.state.engine is not None:
             await self.state.engine.close()

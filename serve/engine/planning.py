@@ -17,6 +17,7 @@ signal while loading ends the process within the drain grace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 from collections.abc import Callable
@@ -101,3 +102,24 @@ class BackgroundPlan:
                 self.proc.terminate()
             except ProcessLookupError:
                 pass
+
+    async def reap(self, timeout: float = 5.0) -> None:
+        """Wait for the stopped child to exit (killed after ``timeout`` s) and close its pipe,
+        on the loop that started it. A child still unreaped when the loop closes leaves its
+        transport to the garbage collector, which prints "Exception ignored in
+        BaseSubprocessTransport.__del__ ... Event loop is closed" on the server's stderr."""
+        proc = self.proc
+        if proc is None:
+            return
+        self.stop()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        # asyncio's Process has no public close: without it the transport's pipes close only
+        # when the loop has read their EOF, which may come after the loop stops
+        transport = getattr(proc, "_transport", None)
+        if transport is not None:
+            transport.close()

@@ -162,6 +162,13 @@ class ServingPlan:
         if self._measurement is not None:
             self._measurement.stop()
 
+    async def close(self) -> None:
+        """After :meth:`stop`, before the event loop ends: wait for the measuring child to
+        exit, so nothing of it is left for the loop's garbage (serve/engine/planning.py)."""
+        self.stop()
+        if self._measurement is not None:
+            await self._measurement.reap()
+
 
 def log_plan(chosen, **fields) -> None:
     """The ``plan`` log line: the choice and the figures behind it."""

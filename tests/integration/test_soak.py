@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vqserve.bench.soak import OPS, Report, Window, main, rss_growth, verdict
+from vqserve.bench.soak import OPS, Report, Window, main, p99_rise, rss_growth, verdict
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,14 +35,35 @@ def test_growth_at_the_limit_fails():
     assert verdict(0, 0.0499, 0) and not verdict(0, 0.05, 0)
 
 
+@given(st.lists(st.floats(1.0, 500.0), min_size=2, max_size=60), st.floats(1.0, 3.0))
+def test_p99_rise_compares_the_last_third_with_the_first(p99s, creep):
+    """Flat latency is x1 whatever spikes in the middle; latency that creeps by a factor
+    toward the end shows that factor, and fails at --max-p99-rise."""
+    flat = [100.0] * len(p99s)
+    assert p99_rise(flat) == pytest.approx(1.0)
+    spiky = flat[:]
+    if len(spiky) >= 5:
+        spiky[len(spiky) // 2] = 5000.0
+        assert p99_rise(spiky) == pytest.approx(1.0)
+    third = max(1, len(p99s) // 3)
+    crept = [100.0] * (len(p99s) - third) + [100.0 * creep] * third
+    assert p99_rise(crept) == pytest.approx(creep)
+    assert verdict(0, 0.0, 0, rise=p99_rise(crept), max_rise=1.5) == (creep < 1.5)
+    assert p99_rise([100.0, float("nan")]) == 1.0  # one window with calls: nothing to compare
+
+
 def test_one_line_summary_says_pass_or_fail():
     report = Report(minutes=5.0, clients=64, window_s=60)
     report.calls = 1234
     report.windows = [Window([0.010, 0.020], [200 << 20, 200 << 20]), Window([0.030], [209 << 20])]
     report.exit_code = 0
+    report.max_p99_rise = 2.0  # 30 ms against 19.9: x1.51
     line = report.line()
-    assert re.fullmatch(r"soak: 5\.0 min, 64 clients, 1234 calls, 0 errors, p99/min ms \[20, 30\], "
-                        r"RSS first-min 200 MB last-min 209 MB \(\+4\.5%\), PASS", line), line
+    assert re.fullmatch(r"soak: 5\.0 min, 64 clients, 1234 calls, 0 errors, p99/min ms \[20, 30\] \(last/first "
+                        r"x1\.51\), RSS first-min 200 MB last-min 209 MB \(\+4\.5%\), PASS", line), line
+    report.max_p99_rise = 1.5
+    assert report.line().endswith("FAIL")  # the p99 rose by half and more
+    report.max_p99_rise = 2.0
     report.windows[-1].rss = [210 << 20]
     assert report.line().endswith("(+5.0%), FAIL")
     report.windows[-1].rss = [200 << 20]
@@ -61,12 +82,13 @@ def test_a_short_soak_runs_every_path_and_passes(tiny_checkpoint, tmp_path, caps
     line (RSS growth is not judged here: a few seconds are all warm-up)."""
     out = tmp_path / "soak.json"
     code = main(["--model", tiny_checkpoint, "--device", "cpu", "--duration", "0.2", "--warmup", "2",
-                 "--clients", "6", "--window", "4", "--threads", "1", "--max-growth", "10",
+                 "--clients", "6", "--window", "4", "--threads", "1", "--max-growth", "10", "--max-p99-rise", "100",
                  "--serve-args", serve_args, "--json", str(out)])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     report = json.loads(out.read_text())
     assert code == 0, (line, report["examples"])
-    assert re.match(rf"soak: 0\.20 min, 6 clients, \d+ calls, 0 errors, p99/4s ms \[[\d, ]+\], {rss} first-4s "
+    assert re.match(rf"soak: 0\.20 min, 6 clients, \d+ calls, 0 errors, p99/4s ms \[[\d, ]+\] \(last/first "
+                    rf"x\d+\.\d\d\), {rss} first-4s "
                     r"\d+ MB last-4s \d+ MB \([+-]\d+\.\d%\), PASS$", line), line
     assert set(report["by_op"]) == set(OPS) and report["calls"] > 6 * len(OPS)
     assert len(report["p99_ms"]) == 3 and all(len(w) >= 2 for w in report["rss_mb"])

@@ -8,6 +8,8 @@
   vqserve bench tokenize     `vqserve tokenize` end-to-end vs the raw runtime on the same images
   vqserve bench gpu          every GPU figure in one run (tokens vs CPU, in-process, served with
                              clients in several processes, tokenize, TFLOP/s): docs/BENCHMARKS.md
+  vqserve bench first-start  the first minute of a first start (no cached plan) under load,
+                             against the measured plan; clean stops
   vqserve bench plan         the batch-invariant execution plan vs torch's default threading:
                              speed and tokens changed by batching
 
@@ -27,6 +29,7 @@ TARGETS = {
     "tokenize": "vqserve.bench.offline",
     "plan": "vqserve.bench.plan",
     "gpu": "vqserve.bench.gpu.run",
+    "first-start": "vqserve.bench.first_start",
 }
 
 

@@ -9,9 +9,11 @@ tokens (the choice then says exact: false).
 
 Every qualifying way to run it - each micro-batch with one single-threaded call per core,
 and one call with every core's threads, at each calibration size - is timed in interleaved
-rounds; speeds are compared as ratios to the safe plan within a round, and something more
-complex than the safe plan wins only where it is faster by more than 5 % and the rounds'
-spread. The result goes to the plan cache (a server or tokenize run started afterwards on
+rounds; speeds are compared as ratios to the safe plan within a round. At each image size
+the plan takes the smallest micro-batch within 20 % of the fastest one's speed (a larger call
+pays only when that many requests wait); another path or one threaded call wins only where it
+is faster by more than 5 % and the rounds' spread. `vqserve serve --plan auto` measures by
+running this command, so both choose alike. The result goes to the plan cache (a server or tokenize run started afterwards on
 this machine uses it at once) and, with --out, to a plan file for a fleet of such machines.
 
 Examples:
@@ -58,8 +60,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-agreement", type=float, default=None,
                         help="with --dtype auto: least share of tokens equal to fp32's for bf16/fp16 "
                              "(default 0.995)")
-    parser.add_argument("--seconds", type=float, default=0.3,
-                        help="timing window per candidate and round (default 0.3)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="timing window per candidate and round (default 0.3 on CPU, 0.15 on CUDA)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved timing rounds: every candidate once per round (default 3)")
     parser.add_argument("--budget-s", type=float, default=0,
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         die_with_parent()
         lower_priority()
-    if args.seconds <= 0 or args.rounds < 1 or args.budget_s < 0:
+    if (args.seconds is not None and args.seconds <= 0) or args.rounds < 1 or args.budget_s < 0:
         raise UsageError("--seconds must be positive, --rounds at least 1 and --budget-s at least 0")
     min_agreement = min_agreement_for(args.dtype, args.min_agreement)
     sizes = _ints(args.sizes, "--sizes")

@@ -181,3 +181,67 @@ def test_a_stored_run_is_reported_without_measuring(capsys, tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a readable bench gpu JSON"):
         run.main(["--report", str(tmp_path / "bad.json")])
+
+
+def test_a_run_stopped_at_its_time_limit_reports_what_it_finished(tmp_path, capsys):
+    """Issue 54, item 5: `--report` on a run killed mid-way failed with KeyError 'seconds'.
+    A real `bench gpu` (the stand-in device on CPU) is killed as a lent GPU's time limit
+    kills it, once its writer has saved the in-process sections; its JSON then prints every
+    finished section, names the rest "not measured", and judges what it can."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "gpu.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vqserve", "bench", "gpu", "--model", "synthetic:20", "--device", "cpu",
+         "--batches", "4,8", "--seconds", "0.3", "--procs", "1", "--callers", "2",
+         "--cases", "v1:raw:2,v1:decode:2", "--layouts", "split=--frontends 1", "--tokenize-seconds", "0",
+         "--profile", "", "--json", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240  # a bound for the test, not a speed target
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.is_file() and json.loads(out.read_text()).get("decode_in_process"):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be stopped"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and its servers, as `timeout -s KILL` would
+        proc.wait()
+    stored = json.loads(out.read_text())
+    assert stored["complete"] is False and "seconds" not in stored and not stored.get("served")
+    assert run.main(["--report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "STOPPED before its end" in text
+    assert "in-process fp32: best" in text and "in-process decode fp32: best" in text
+    assert "3. served: not measured" in text
+    assert "not measured: served encode / in-process encode (section 3" in text
+    assert "not measured: served decode / in-process decode (section 3" in text
+    assert "MISSED" not in text  # nothing judged from figures it does not have
+
+
+def test_a_served_row_without_calls_judges_no_ratio_against_it():
+    """A window in which no call finished (clients slower to start than the window, seen on a
+    loaded 2-core machine) must not end the run in ZeroDivisionError when its targets are read."""
+    row = {"dtype": "bf16", "layout": "split", "caller_kind": "asyncio", "procs": 1, "callers": 2,
+           "p99_ms": 0.0, "throughput": 0.0, "server_cpu_us_per_image": None}
+    result = {"in_process": [{"dtype": "bf16", "batch": 8, "throughput": 100.0}],
+              "decode_in_process": [{"dtype": "bf16", "batch": 8, "throughput": 100.0}],
+              "served": [{**row, "case": "v1 raw x16", "payload": "raw"},
+                         {**row, "case": "v1 jpeg x16", "payload": "jpeg", "throughput": 50.0},
+                         {**row, "case": "v1 decode x16", "payload": "decode"},
+                         {**row, "case": "v1 decode-png x16", "payload": "decode-png", "throughput": 40.0}]}
+    verdicts = {v["target"]: v for v in targets.targets(result)}
+    assert "bf16 v1 jpeg x16 / raw >= 0.7" not in verdicts
+    assert "bf16 v1 decode-png x16 / raw replies >= 0.7" not in verdicts
+    assert verdicts["bf16 v1 decode x16 served / in-process decode >= 0.8"]["met"] is False
+    # a row that counted no call at all is not measured, not a missed target
+    for r in result["served"]:
+        r["calls"] = 0 if r["throughput"] == 0 else 10
+    verdicts = {v["target"]: v for v in targets.targets(result)}
+    assert not any("v1 raw x16" in t or "v1 decode x16" in t for t in verdicts), verdicts
+    assert any("2 served rows in which no call finished" in line for line in targets.unmeasured_targets(result))
+    assert "bf16" in report.report({**result, "model": "m", "device": "cuda", "size": 256, "cpu_cores": 2})
