@@ -18,7 +18,9 @@ from vqserve.model.families.diffusers.family import DIFFUSERS_VQMODEL
 from vqserve.model.families.ibq.family import IBQ
 from vqserve.model.families.llamagen.family import LLAMAGEN
 from vqserve.model.families.magvit2.family import MAGVIT2
+from vqserve.model.families.movqgan.family import MOVQGAN
 from vqserve.model.families.native.family import VQSERVE
+from vqserve.model.families.taming.family import TAMING
 from vqserve.model.families.transformers.family import TRANSFORMERS_FAMILIES
 
 # vqserve's own format first: it is the default and the fallback. Add new families here.
@@ -29,6 +31,8 @@ FAMILIES: tuple[Family, ...] = (
     COSMOS,  # NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (FSQ), `vqserve import cosmos`
     MAGVIT2,
     IBQ,
+    TAMING,  # taming-transformers VQGANs, Meta's Chameleon VQGAN (.ckpt + yaml), `vqserve import taming`
+    MOVQGAN,  # SBER-MoVQGAN 67M / 102M / 270M, `vqserve import movqgan`
     *TRANSFORMERS_FAMILIES,  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
 )
 

@@ -90,7 +90,10 @@ class LlamaGenAttention(nn.Module):
         self.proj_out = conv1x1(channels, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = self.norm(x)
+        return self.attend(x, self.norm(x))
+
+    def attend(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """``x`` plus attention over ``normed`` (a subclass brings its own normalisation)."""
         b, c, h, w = x.shape
         queries = self.q(normed).reshape(b, c, h * w).permute(0, 2, 1)      # b, hw, c
         keys = self.k(normed).reshape(b, c, h * w)                          # b, c, hw
@@ -156,16 +159,17 @@ class LlamaGenEncoder(nn.Module):
     residual_block_types = (LlamaGenResBlock,)  # for vqserve.model.mixed_precision
 
     def __init__(self, base_channels: int, ch_mult: list[int], num_res_blocks: int,
-                 z_channels: int, codebook_dim: int):
+                 z_channels: int, codebook_dim: int, attention_levels: frozenset[int] | None = None):
         super().__init__()
         widths = [base_channels * m for m in ch_mult]
         last = len(widths) - 1
+        attention_levels = frozenset({last}) if attention_levels is None else attention_levels
         self.conv_in = conv3x3(3, base_channels)
         levels, c_in = [], base_channels
         for i, c_out in enumerate(widths):
             blocks = [(c_in if j == 0 else c_out, c_out) for j in range(num_res_blocks)]
             down = PadThenStrideConv(c_out) if i != last else None
-            levels.append(Level(blocks, attention=i == last, resample=down, resample_name="downsample"))
+            levels.append(Level(blocks, attention=i in attention_levels, resample=down, resample_name="downsample"))
             c_in = c_out
         self.conv_blocks = nn.ModuleList(levels)
         self.mid = middle(c_in)
@@ -173,9 +177,14 @@ class LlamaGenEncoder(nn.Module):
         self.conv_out = conv3x3(c_in, z_channels)
         self.quant_conv = conv1x1(z_channels, codebook_dim)
 
+    @staticmethod
+    def normalise(pixels: torch.Tensor) -> torch.Tensor:
+        """float pixels [0, 255] -> the network's input, fp32, contiguous NCHW: LlamaGen's
+        (torchvision ToTensor + Normalize(0.5, 0.5)); a family with another rule overrides only this."""
+        return (pixels.to(torch.float32).contiguous() / 255.0 - 0.5) / 0.5
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        # LlamaGen's normalisation (torchvision ToTensor + Normalize(0.5, 0.5)), fp32, contiguous NCHW
-        x = (pixels.to(torch.float32).contiguous() / 255.0 - 0.5) / 0.5
+        x = self.normalise(pixels)
         h = self.conv_in(cast_to(x, module_dtype(self.conv_in)))
         for level in self.conv_blocks:
             h = level(h)
@@ -189,9 +198,10 @@ class LlamaGenDecoder(nn.Module):
     """quantized codes NCHW -> integer-valued float pixels NCHW in [0, 255] (LlamaGen's rule)."""
 
     def __init__(self, base_channels: int, ch_mult: list[int], num_res_blocks: int,
-                 z_channels: int, codebook_dim: int):
+                 z_channels: int, codebook_dim: int, attention_levels: frozenset[int] | None = None):
         super().__init__()
         widths = [base_channels * m for m in ch_mult]
+        attention_levels = frozenset({len(widths) - 1}) if attention_levels is None else attention_levels
         c_in = widths[-1]
         self.post_quant_conv = conv1x1(codebook_dim, z_channels)
         self.conv_in = conv3x3(z_channels, c_in)
@@ -201,7 +211,7 @@ class LlamaGenDecoder(nn.Module):
             c_out = widths[i]
             blocks = [(c_in if j == 0 else c_out, c_out) for j in range(num_res_blocks + 1)]
             up = NearestThenConv(c_out) if i != 0 else None
-            levels.append(Level(blocks, attention=i == len(widths) - 1, resample=up, resample_name="upsample"))
+            levels.append(Level(blocks, attention=i in attention_levels, resample=up, resample_name="upsample"))
             c_in = c_out
         self.conv_blocks = nn.ModuleList(levels)
         self.norm_out = group_norm(c_in)
