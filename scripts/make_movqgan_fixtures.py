@@ -13,7 +13,8 @@ pytorch-lightning and huggingface_hub (``movqgan/__init__.py``) are not needed; 
 writes tests/fixtures/movqgan/ (README.md there), laid out as tests/fixtures/taming/. Pixels
 as MoVQGAN's inference notebook feeds them (``arr.astype(np.float32) / 127.5 - 1``) and reads
 them back (``show_images``: ``((y + 1) * 127.5).round().clamp(0, 255)``). ``full-size`` runs a
-published model's architecture (random weights, seed 0) next to vqserve on photographs.
+published model's architecture (random weights, seed 0) next to vqserve on photographs;
+``random-checkpoint --model NAME --out DIR`` writes one as a ``.ckpt`` + yaml.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from make_taming_fixtures import (  # noqa: E402  (a sibling script)
     given_case,
     int8_weights,
     photo_inputs,
+    random_checkpoint,
     randomise_on_int8_grid,
     run_case,
     write,
@@ -155,7 +157,7 @@ def full_size(name: str, photos: list[str], size: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", nargs="?", default="fixtures", choices=["fixtures", "full-size"])
+    ap.add_argument("mode", nargs="?", default="fixtures", choices=["fixtures", "full-size", "random-checkpoint"])
     ap.add_argument("--reference", required=True, help="a checkout of ai-forever/MoVQGAN")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--model", default="67M", choices=sorted(PUBLISHED), help="full-size: which model")
@@ -165,6 +167,9 @@ def main() -> None:
     REFERENCE.append(Path(args.reference).resolve())
     if args.mode == "fixtures":
         make_fixtures(Path(args.out))
+    elif args.mode == "random-checkpoint":
+        random_checkpoint(Reference(PUBLISHED[args.model]).eval(), PUBLISHED[args.model], "movqgan.models.vqgan.MOVQ",
+                          Path(args.out), notebook_pixels)
     else:
         full_size(args.model, args.photos, args.size)
 

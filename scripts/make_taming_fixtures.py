@@ -17,7 +17,9 @@ scale, so the file holds the exact fp32 values the reference ran with), ``config
 taming config), ``cases.safetensors`` (inputs and the reference's outputs) and
 ``published_keys.json`` (tensor names and shapes of the published architectures, built by
 the original classes). ``full-size`` runs a published architecture (random weights, seed 0)
-next to vqserve on photographs and prints how many indices and pixels agree.
+next to vqserve on photographs and prints how many indices and pixels agree;
+``random-checkpoint --model NAME --out DIR`` writes a published architecture with random
+weights as a released ``.ckpt`` + yaml (docs/MODELS.md measures bf16/fp16 on those).
 """
 
 from __future__ import annotations
@@ -221,9 +223,34 @@ def full_size(name: str, photos: list[str], size: int) -> None:
     print(f"{name}: indices {same}/{total} equal; decoded uint8 {px_same}/{px_total} equal")
 
 
+@torch.no_grad()
+def random_checkpoint(model: nn.Module, cfg: dict, target: str, out: Path, pixels=taming_pixels) -> None:
+    """A published architecture with random weights, written in the released layout (a
+    Lightning-style ``{"state_dict": ...}`` .ckpt + its yaml) for `vqserve import` / `eval`:
+    GroupNorm affine parameters perturbed, the codebook drawn from the model's own latents of
+    two scikit-image photographs plus noise, so neighbouring codes compete as after training."""
+    from skimage import data as skdata
+
+    torch.manual_seed(SEED)
+    for m in model.modules():
+        if isinstance(m, nn.GroupNorm) and m.affine:
+            m.weight.add_(0.1 * torch.randn_like(m.weight))
+            m.bias.add_(0.1 * torch.randn_like(m.bias))
+    images = np.stack([np.asarray(Image.fromarray(getattr(skdata, n)()[..., :3]).resize((256, 256), Image.BICUBIC))
+                       for n in ("rocket", "astronaut")])
+    flat = model.quant_conv(model.encoder(pixels(images))).permute(0, 2, 3, 1).reshape(-1, cfg["embed_dim"])
+    codebook = model.quantize.embedding.weight
+    pick = torch.randint(0, flat.shape[0], (codebook.shape[0],))
+    codebook.copy_(flat[pick] + torch.randn_like(codebook) * flat.std(dim=0) * 0.25)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": model.state_dict()}, out / "model.ckpt")
+    (out / "config.yaml").write_text(yaml.safe_dump(config_yaml(cfg, target), sort_keys=False))
+    print(f"wrote {out / 'model.ckpt'} and {out / 'config.yaml'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", nargs="?", default="fixtures", choices=["fixtures", "full-size"])
+    ap.add_argument("mode", nargs="?", default="fixtures", choices=["fixtures", "full-size", "random-checkpoint"])
     ap.add_argument("--reference", required=True, help="a checkout of CompVis/taming-transformers")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--model", default="chameleon", choices=sorted(PUBLISHED), help="full-size: which architecture")
@@ -233,6 +260,9 @@ def main() -> None:
     sys.path.insert(0, str(Path(args.reference).resolve()))
     if args.mode == "fixtures":
         make_fixtures(Path(args.out))
+    elif args.mode == "random-checkpoint":
+        random_checkpoint(Reference(PUBLISHED[args.model]).eval(), PUBLISHED[args.model],
+                          "taming.models.vqgan.VQModel", Path(args.out))
     else:
         full_size(args.model, args.photos, args.size)
 

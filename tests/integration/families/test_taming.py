@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 from safetensors.torch import load_file
 
 from tests.helpers import FIXTURES_DIR, assert_matches_reference, tokenize_grids, write_case_photos
@@ -269,12 +270,34 @@ def test_a_model_directory_whose_weights_are_a_pickle_is_refused(imported, tmp_p
 
 
 # ---- a real server and `vqserve tokenize` -----------------------------------------------------
+def oip_encode(target: str, images: np.ndarray) -> np.ndarray:
+    """One OIP v2 (KServe) ModelInfer of raw uint8 images, as a Triton/KServe client sends it."""
+    import grpc
+
+    from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
+    from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    request = oip.ModelInferRequest(model_name="vqserve-encode")
+    request.inputs.add(name="images", datatype="UINT8", shape=list(images.shape))
+    request.raw_input_contents.append(np.ascontiguousarray(images).tobytes())
+    with grpc.insecure_channel(target) as channel:
+        answer = oip_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    dtype = {"UINT16": "<u2", "UINT32": "<u4", "INT64": "<i8"}[answer.outputs[0].datatype]
+    return np.frombuffer(answer.raw_output_contents[0], dtype=dtype).reshape(list(answer.outputs[0].shape))
+
+
 def serve_and_tokenize(imported: str, cases, tmp_path: Path, codebook_size: int) -> None:
-    """v1 encode/decode over a real gRPC server, then `vqserve tokenize`: the reference's tokens."""
+    """The whole product on the reference's tokens: a real gRPC server (v1 and OIP) with the
+    Python client and the `vqserve encode` / `decode` CLI clients, then `vqserve tokenize`,
+    TokenShards, `verify` (re-encoding), `detokenize` and `eval`."""
+    from vqserve.offline.token_shards import TokenShards
     from vqserve.serve.clients.sync import TokenizerClient
     from vqserve.serve.config import ServerConfig
     from vqserve.serve.launcher import ServerThread
 
+    expected = write_case_photos(cases, ("square", "rect"), tmp_path / "photos", "{case}_indices")
+    decoded1 = {f"{case}{i}": image for case in ("square", "rect")
+                for i, image in enumerate(cases[f"{case}_decoded1_uint8"].numpy())}
     cfg = ServerConfig(model=imported, backend="eager", device="cpu", host="127.0.0.1", port=0,
                        metrics_port=0, max_batch_size=4, max_delay_ms=5, grace_s=5)
     with ServerThread(cfg) as server, TokenizerClient(server.target, timeout=60) as client:
@@ -286,11 +309,28 @@ def serve_and_tokenize(imported: str, cases, tmp_path: Path, codebook_size: int)
             reference = cases[f"{case}_indices"].numpy().astype(indices.dtype)
             assert_matches_reference(indices, reference, "indices")
             assert_matches_reference(client.decode(reference), cases[f"{case}_decoded1_uint8"].numpy(), "pixels")
-    expected = write_case_photos(cases, ("square", "rect"), tmp_path / "photos", "{case}_indices")
+            assert_matches_reference(oip_encode(server.target, cases[f"{case}_images"].numpy()), reference,
+                                     "OIP indices")
+        assert cli_main(["encode", str(tmp_path / "photos"), "--server", server.target, "--out",
+                         str(tmp_path / "npy"), "--no-progress"]) == 0
+        for key, grid in expected.items():
+            assert_matches_reference(np.load(tmp_path / "npy" / f"{key}.npy").astype(np.int64), grid, "encode CLI")
+        assert cli_main(["decode", str(tmp_path / "npy"), "--server", server.target, "--out",
+                         str(tmp_path / "png"), "--no-progress"]) == 0
+        for key, image in decoded1.items():
+            assert_matches_reference(np.asarray(Image.open(tmp_path / "png" / f"{key}.png")), image, "decode CLI")
     grids = tokenize_grids(imported, tmp_path / "photos", tmp_path / "tokens")
     assert len(grids) == len(expected)
     for key, grid in grids.items():
         assert_matches_reference(grid, np.asarray(expected[Path(key).stem]).astype(grid.dtype), "tokenized grid")
+    rows = {row["key"]: row["tokens"] for row in TokenShards(tmp_path / "tokens")}
+    assert {Path(k).stem: v.numpy() for k, v in rows.items()}.keys() == expected.keys()
+    assert cli_main(["verify", str(tmp_path / "tokens"), "--sample", str(len(expected))]) == 0
+    assert cli_main(["detokenize", str(tmp_path / "tokens"), "--out", str(tmp_path / "recon"), "--no-progress"]) == 0
+    for png in (tmp_path / "recon").rglob("*.png"):
+        assert_matches_reference(np.asarray(Image.open(png)), decoded1[png.stem], "detokenized")
+    assert cli_main(["eval", "--model", imported, "--images", str(tmp_path / "photos"), "--precisions", "bf16",
+                     "--tile", "0", "--no-learnability", "--json"]) == 0
 
 
 def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
@@ -317,3 +357,31 @@ def export_keeps_the_tokens(imported: str, fmt: str, tmp_path: Path, cases) -> N
 @pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=pytest.mark.slow)])
 def test_export_keeps_the_original_tokens(fmt, imported, tmp_path, cases):
     export_keeps_the_tokens(imported, fmt, tmp_path, cases)
+
+
+# ---- bf16 -------------------------------------------------------------------------------------
+def photo_crops(size: int = 64) -> torch.Tensor:
+    from skimage import data
+
+    crops = []
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        img = getattr(data, name)()
+        h, w = img.shape[:2]
+        crops.append(img[h // 2 - size // 2: h // 2 + size // 2, w // 2 - size // 2: w // 2 + size // 2, :3])
+    return torch.from_numpy(np.stack(crops))
+
+
+def test_bf16_keeps_the_search_fp32_and_flips_fewer_tokens_than_the_original_cast(chameleon):
+    """A Chameleon-shaped model whose codebook came from its own latents (near ties, as after
+    training): the original cast to bf16 (its VectorQuantizer2 search in bf16 too) flips more
+    tokens than vqserve's bf16 path, which keeps the search, and by default the residual
+    stream, in fp32."""
+    from vqserve.model.families.taming.precision import flip_rates
+
+    out, _ = import_taming(chameleon["ckpt"], chameleon["root"] / "bf16", chameleon["yaml"])
+    tok = load_tokenizer(out)
+    rates = flip_rates(tok, photo_crops(), "bf16")
+    assert rates["naive"] > rates["vqserve_island_only"] >= 0
+    assert rates["vqserve"] <= rates["vqserve_island_only"]
+    tok.to(torch.bfloat16)
+    assert tok.quantizer.embedding.dtype == torch.float32
