@@ -45,7 +45,7 @@ RESAVE_HINT = ("re-save just its weights: torch.save({'state_dict': ckpt['state_
                "where you trust it")
 # ddconfig fields that must keep taming's VQGAN values for these networks to be the model's
 FIXED_DDCONFIG = {"in_channels": 3, "out_ch": 3, "double_z": False, "give_pre_end": False, "tanh_out": False,
-                  "resamp_with_conv": True}
+                  "resamp_with_conv": True, "attn_type": "vanilla"}
 
 
 @dataclass(frozen=True)
