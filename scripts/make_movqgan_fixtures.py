@@ -34,6 +34,7 @@ from make_taming_fixtures import (  # noqa: E402  (a sibling script)
     SEED,
     given_case,
     int8_weights,
+    like_trained,
     photo_inputs,
     random_checkpoint,
     randomise_on_int8_grid,
@@ -125,8 +126,8 @@ def make_fixtures(out: Path) -> None:
 
 
 def full_size(name: str, photos: list[str], size: int) -> None:
-    """A published architecture (random weights by the original classes, seed 0) next to
-    vqserve's rebuild on photographs: indices and decoded pixels compared."""
+    """A published architecture (random weights by the original classes, ``like_trained``) next
+    to vqserve's rebuild on photographs: indices and decoded pixels compared."""
     from vqserve.model.families.llamagen.precision import load_photo
     from vqserve.model.families.movqgan.family import PRESETS, MovqganTokenizer
     from vqserve.model.families.taming.layout import to_vqserve_name
@@ -134,6 +135,7 @@ def full_size(name: str, photos: list[str], size: int) -> None:
     torch.set_num_threads(2)
     torch.manual_seed(SEED)
     model = Reference(PUBLISHED[name]).eval()
+    like_trained(model, PUBLISHED[name], notebook_pixels)
     ours = MovqganTokenizer(PRESETS[name]).eval()
     ours.load_state_dict({to_vqserve_name(k, 4): v for k, v in model.state_dict().items()})
     same = total = px_same = px_total = 0
@@ -150,8 +152,8 @@ def full_size(name: str, photos: list[str], size: int) -> None:
         n = int((got == indices).sum())
         same, total = same + n, total + indices.numel()
         px_same, px_total = px_same + int((got_px == ref_px).sum()), px_total + ref_px.size
-        print(f"{Path(path).name}: {n}/{indices.numel()} indices, {int((got_px == ref_px).sum())}/{ref_px.size} "
-              "pixels", flush=True)
+        print(f"{Path(path).name}: {n}/{indices.numel()} indices ({len(torch.unique(indices))} distinct codes), "
+              f"{int((got_px == ref_px).sum())}/{ref_px.size} pixels", flush=True)
     print(f"{name}: indices {same}/{total} equal; decoded uint8 {px_same}/{px_total} equal")
 
 

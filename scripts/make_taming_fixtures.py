@@ -194,8 +194,8 @@ def make_fixtures(out: Path) -> None:
 
 
 def full_size(name: str, photos: list[str], size: int) -> None:
-    """A published architecture (random weights by the original classes, seed 0) next to
-    vqserve's rebuild on photographs: indices and decoded pixels compared."""
+    """A published architecture (random weights by the original classes, ``like_trained``) next
+    to vqserve's rebuild on photographs: indices and decoded pixels compared."""
     from vqserve.model.families.llamagen.precision import load_photo
     from vqserve.model.families.taming.family import PRESETS, TamingTokenizer
     from vqserve.model.families.taming.layout import to_vqserve_name
@@ -203,6 +203,7 @@ def full_size(name: str, photos: list[str], size: int) -> None:
     torch.set_num_threads(2)
     torch.manual_seed(SEED)
     model = Reference(PUBLISHED[name]).eval()
+    like_trained(model, PUBLISHED[name])
     ours = TamingTokenizer(PRESETS[name]).eval()
     ours.load_state_dict({to_vqserve_name(k, 5): v for k, v in model.state_dict().items()})
     same = total = px_same = px_total = 0
@@ -218,17 +219,27 @@ def full_size(name: str, photos: list[str], size: int) -> None:
         n = int((got == indices).sum())
         same, total = same + n, total + indices.numel()
         px_same, px_total = px_same + int((got_px == ref_px).sum()), px_total + ref_px.size
-        print(f"{Path(path).name}: {n}/{indices.numel()} indices, {int((got_px == ref_px).sum())}/{ref_px.size} "
-              "pixels", flush=True)
+        print(f"{Path(path).name}: {n}/{indices.numel()} indices ({len(torch.unique(indices))} distinct codes), "
+              f"{int((got_px == ref_px).sum())}/{ref_px.size} pixels", flush=True)
     print(f"{name}: indices {same}/{total} equal; decoded uint8 {px_same}/{px_total} equal")
 
 
 @torch.no_grad()
 def random_checkpoint(model: nn.Module, cfg: dict, target: str, out: Path, pixels=taming_pixels) -> None:
-    """A published architecture with random weights, written in the released layout (a
-    Lightning-style ``{"state_dict": ...}`` .ckpt + its yaml) for `vqserve import` / `eval`:
-    GroupNorm affine parameters perturbed, the codebook drawn from the model's own latents of
-    two scikit-image photographs plus noise, so neighbouring codes compete as after training."""
+    """A published architecture with random weights (``like_trained``), written in the released
+    layout (a Lightning-style ``{"state_dict": ...}`` .ckpt + its yaml) for `vqserve import` / `eval`."""
+    like_trained(model, cfg, pixels)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": model.state_dict()}, out / "model.ckpt")
+    (out / "config.yaml").write_text(yaml.safe_dump(config_yaml(cfg, target), sort_keys=False))
+    print(f"wrote {out / 'model.ckpt'} and {out / 'config.yaml'}")
+
+
+@torch.no_grad()
+def like_trained(model: nn.Module, cfg: dict, pixels=taming_pixels) -> None:
+    """Random weights where tokens mean something: GroupNorm affine parameters perturbed, the
+    codebook drawn from the model's own latents of two scikit-image photographs plus noise, so
+    neighbouring codes compete as after training (seed 0)."""
     from skimage import data as skdata
 
     torch.manual_seed(SEED)
@@ -242,10 +253,6 @@ def random_checkpoint(model: nn.Module, cfg: dict, target: str, out: Path, pixel
     codebook = model.quantize.embedding.weight
     pick = torch.randint(0, flat.shape[0], (codebook.shape[0],))
     codebook.copy_(flat[pick] + torch.randn_like(codebook) * flat.std(dim=0) * 0.25)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": model.state_dict()}, out / "model.ckpt")
-    (out / "config.yaml").write_text(yaml.safe_dump(config_yaml(cfg, target), sort_keys=False))
-    print(f"wrote {out / 'model.ckpt'} and {out / 'config.yaml'}")
 
 
 def main() -> None:
