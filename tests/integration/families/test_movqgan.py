@@ -23,7 +23,8 @@ from tests.integration.families.test_taming import (
     check_against_fixtures,
     export_keeps_the_tokens,
     fixture_weights,
-    serve_and_tokenize,
+    serve,
+    tokenize_verify_detokenize,
 )
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
@@ -131,10 +132,17 @@ def test_cli_import(checkpoint, tmp_path, capsys):
     assert "imported SBER-MoVQGAN (factor 2, 512 codes x 4" in capsys.readouterr().err
 
 
-def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
-    serve_and_tokenize(imported, cases, tmp_path, 512)
+@pytest.mark.timeout(900)  # a hang guard: a server start and three CLI clients on a loaded 2-core box
+def test_grpc_server_and_clients_return_the_original_tokens(imported, cases, tmp_path):
+    serve(imported, cases, tmp_path, 512)
 
 
+@pytest.mark.timeout(900)
+def test_tokenize_verify_detokenize_and_eval(imported, cases, tmp_path):
+    tokenize_verify_detokenize(imported, cases, tmp_path)
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=pytest.mark.slow)])
 def test_export_keeps_the_original_tokens(fmt, imported, tmp_path, cases):
     export_keeps_the_tokens(imported, fmt, tmp_path, cases)

@@ -286,11 +286,9 @@ def oip_encode(target: str, images: np.ndarray) -> np.ndarray:
     return np.frombuffer(answer.raw_output_contents[0], dtype=dtype).reshape(list(answer.outputs[0].shape))
 
 
-def serve_and_tokenize(imported: str, cases, tmp_path: Path, codebook_size: int) -> None:
-    """The whole product on the reference's tokens: a real gRPC server (v1 and OIP) with the
-    Python client and the `vqserve encode` / `decode` CLI clients, then `vqserve tokenize`,
-    TokenShards, `verify` (re-encoding), `detokenize` and `eval`."""
-    from vqserve.offline.token_shards import TokenShards
+def serve(imported: str, cases, tmp_path: Path, codebook_size: int) -> None:
+    """A real gRPC server on the reference's tokens: v1 and OIP with the Python client, and
+    the `vqserve encode` / `decode` CLI clients."""
     from vqserve.serve.clients.sync import TokenizerClient
     from vqserve.serve.config import ServerConfig
     from vqserve.serve.launcher import ServerThread
@@ -300,7 +298,8 @@ def serve_and_tokenize(imported: str, cases, tmp_path: Path, codebook_size: int)
                 for i, image in enumerate(cases[f"{case}_decoded1_uint8"].numpy())}
     cfg = ServerConfig(model=imported, backend="eager", device="cpu", host="127.0.0.1", port=0,
                        metrics_port=0, max_batch_size=4, max_delay_ms=5, grace_s=5)
-    with ServerThread(cfg) as server, TokenizerClient(server.target, timeout=60) as client:
+    # start() waits for the model and the start-up certification (a hang guard, not a time limit)
+    with ServerThread(cfg).start(timeout=600) as server, TokenizerClient(server.target, timeout=120) as client:
         info = client.model_info()
         assert (info["codebook_size"], info["factor"], info["quantizer"]) == (codebook_size, 2, "vq")
         assert info["exact"]
@@ -319,6 +318,16 @@ def serve_and_tokenize(imported: str, cases, tmp_path: Path, codebook_size: int)
                          str(tmp_path / "png"), "--no-progress"]) == 0
         for key, image in decoded1.items():
             assert_matches_reference(np.asarray(Image.open(tmp_path / "png" / f"{key}.png")), image, "decode CLI")
+
+
+def tokenize_verify_detokenize(imported: str, cases, tmp_path: Path) -> None:
+    """`vqserve tokenize`, TokenShards, `verify` (re-encoding), `detokenize` and `eval` on the
+    reference's tokens and pixels."""
+    from vqserve.offline.token_shards import TokenShards
+
+    expected = write_case_photos(cases, ("square", "rect"), tmp_path / "photos", "{case}_indices")
+    decoded1 = {f"{case}{i}": image for case in ("square", "rect")
+                for i, image in enumerate(cases[f"{case}_decoded1_uint8"].numpy())}
     grids = tokenize_grids(imported, tmp_path / "photos", tmp_path / "tokens")
     assert len(grids) == len(expected)
     for key, grid in grids.items():
@@ -333,8 +342,14 @@ def serve_and_tokenize(imported: str, cases, tmp_path: Path, codebook_size: int)
                      "--tile", "0", "--no-learnability", "--json"]) == 0
 
 
-def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
-    serve_and_tokenize(imported, cases, tmp_path, 512)
+@pytest.mark.timeout(900)  # a hang guard: a server start and three CLI clients on a loaded 2-core box
+def test_grpc_server_and_clients_return_the_original_tokens(imported, cases, tmp_path):
+    serve(imported, cases, tmp_path, 512)
+
+
+@pytest.mark.timeout(900)
+def test_tokenize_verify_detokenize_and_eval(imported, cases, tmp_path):
+    tokenize_verify_detokenize(imported, cases, tmp_path)
 
 
 # ---- exports ----------------------------------------------------------------------------------
@@ -354,6 +369,7 @@ def export_keeps_the_tokens(imported: str, fmt: str, tmp_path: Path, cases) -> N
         assert np.abs(decoded - cases[f"{case}_decoded_uint8"].numpy().astype(int)).max() <= 1  # ONNX Runtime: 1
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=pytest.mark.slow)])
 def test_export_keeps_the_original_tokens(fmt, imported, tmp_path, cases):
     export_keeps_the_tokens(imported, fmt, tmp_path, cases)
