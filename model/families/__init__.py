@@ -18,8 +18,10 @@ from vqserve.model.families.diffusers.family import DIFFUSERS_VQMODEL
 from vqserve.model.families.ibq.family import IBQ
 from vqserve.model.families.llamagen.family import LLAMAGEN
 from vqserve.model.families.magvit2.family import MAGVIT2
+from vqserve.model.families.movqgan.family import MOVQGAN
 from vqserve.model.families.native.family import VQSERVE
 from vqserve.model.families.showo.family import SHOWO
+from vqserve.model.families.taming.family import TAMING
 from vqserve.model.families.transformers.family import TRANSFORMERS_FAMILIES
 from vqserve.model.families.var.family import VAR
 
@@ -33,6 +35,8 @@ FAMILIES: tuple[Family, ...] = (
     IBQ,
     VAR,  # FoundationVision VAR multi-scale residual VQ (pyramid tokens), `vqserve import var`
     SHOWO,  # Show-o / MMaDA MAGVIT-v2 (showlab/magvitv2, LFQ msb-first), `vqserve import showo`
+    TAMING,  # taming-transformers VQGANs, Meta's Chameleon VQGAN (.ckpt + yaml), `vqserve import taming`
+    MOVQGAN,  # SBER-MoVQGAN 67M / 102M / 270M, `vqserve import movqgan`
     *TRANSFORMERS_FAMILIES,  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
 )
 

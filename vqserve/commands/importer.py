@@ -46,6 +46,11 @@ pytorch_model.safetensors; LFQ 13 bits, most significant bit first).
 
 Emu3.5's VisionTokenizer (BAAI/Emu3.5-VisionTokenizer: config.yaml and model.ckpt, read with
 yaml.safe_load and torch.load(weights_only=True)); an IBQ model with 131,072 x 256 codes.
+  vqserve import taming vqgan.ckpt --config vqgan.yaml --out models/chameleon-vqgan
+  vqserve import movqgan movqgan_270M.ckpt --out models/movqgan-270m
+
+taming-transformers VQGANs and Meta's Chameleon VQGAN come as a .ckpt and the yaml that
+describes it; SBER-MoVQGAN (ai-forever/MoVQGAN) as a .ckpt alone.
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     _add_var(families, parser)
     _add_showo(families, parser)
     _add_emu35(families, parser)
+    _add_taming(families, parser)
+    _add_movqgan(families, parser)
 
 
 def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
@@ -247,6 +254,61 @@ def _run_emu35(args: argparse.Namespace) -> int:
     out, arch = import_emu35(args.sources, args.out, preset=args.config, force=args.force)
     return _report(out, f"Emu3.5 VisionTokenizer (IBQ; factor {arch.factor}, {arch.codebook_size:,} codes x "
                         f"{arch.codebook_dim}", args.quiet)
+def _add_taming(families, parser: argparse.ArgumentParser) -> None:
+    taming = families.add_parser(
+        "taming", help="a taming-transformers VQGAN or Meta's Chameleon VQGAN: .ckpt + its yaml",
+        description="Convert a taming-transformers VQGAN checkpoint (.ckpt) and the yaml published beside it "
+                    "(ImageNet f16-1024 / f16-16384, Meta's Chameleon vqgan.ckpt + vqgan.yaml) into config.json "
+                    "+ model.safetensors. Every tensor is checked against the yaml before anything is written; "
+                    "the checkpoint is read with torch.load(weights_only=True), the yaml with yaml.safe_load. "
+                    "Indices equal taming's VectorQuantizer2 in fp32; docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    taming.add_argument("checkpoint", metavar="CHECKPOINT", help="the .ckpt, e.g. vqgan.ckpt or last.ckpt")
+    taming.add_argument("--config", metavar="YAML", default=None,
+                        help="the model's yaml (model.params.ddconfig, n_embed, embed_dim), e.g. vqgan.yaml")
+    _add_out(taming)
+    taming.add_argument("--pixels", choices=["taming", "chameleon-transformers"], default=None,
+                        help="how pixels are scaled before the encoder: taming (default; x/127.5-1, also "
+                             "Meta's Chameleon ImageTokenizer) or chameleon-transformers (transformers' "
+                             "ChameleonImageProcessor, x*0.0078-1: the tokens of vqserve's transformers-chameleon "
+                             "family); recorded in config.json and so in the served identity")
+    _add_force_quiet_debug(taming, "taming")
+    taming.set_defaults(_import=_run_taming)
+
+
+def _run_taming(args: argparse.Namespace) -> int:
+    from vqserve.model.families.taming.importer import import_taming
+
+    out, arch = import_taming(args.checkpoint, args.out, args.config, pixels=args.pixels, force=args.force)
+    return _report(out, f"taming VQGAN (factor {arch.factor}, {arch.codebook_size:,} codes x {arch.codebook_dim}, "
+                        f"pixels {arch.pixels}", args.quiet)
+
+
+def _add_movqgan(families, parser: argparse.ArgumentParser) -> None:
+    movqgan = families.add_parser(
+        "movqgan", help="an SBER-MoVQGAN 67M / 102M / 270M .ckpt (ai-forever)",
+        description="Convert an SBER-MoVQGAN checkpoint (movqgan_67M.ckpt, _102M, _270M) into config.json + "
+                    "model.safetensors, read with torch.load(weights_only=True). The architecture is the "
+                    "published model whose tensors the file has, or --config YAML (configs/movqgan_*.yaml). "
+                    "Indices equal MoVQGAN's VectorQuantizer2 in fp32; docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    movqgan.add_argument("checkpoint", metavar="CHECKPOINT", help="e.g. movqgan_270M.ckpt")
+    _add_out(movqgan)
+    movqgan.add_argument("--config", metavar="YAML", default=None,
+                         help="the training yaml (model.params.ddconfig, n_embed, embed_dim); default: the "
+                              "published model the tensors match")
+    movqgan.add_argument("--preset", choices=["67M", "102M", "270M"], default=None,
+                         help="check the weights are this published model's")
+    _add_force_quiet_debug(movqgan, "movqgan")
+    movqgan.set_defaults(_import=_run_movqgan)
+
+
+def _run_movqgan(args: argparse.Namespace) -> int:
+    from vqserve.model.families.movqgan.importer import import_movqgan
+
+    out, arch = import_movqgan(args.checkpoint, args.out, args.config, preset=args.preset, force=args.force)
+    return _report(out, f"SBER-MoVQGAN (factor {arch.factor}, {arch.codebook_size:,} codes x {arch.codebook_dim}",
+                   args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:

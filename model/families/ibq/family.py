@@ -8,7 +8,7 @@ this family owns: ``config.json`` (``"format": "vqserve-ibq"``) and ``model.safe
 
 The networks are the taming-transformers VQGAN encoder and decoder, which LlamaGen's
 tokenizer also uses, op for op: vqserve reuses its rebuild (``llamagen_networks``) with
-IBQ's tensors renamed onto it (``ibq_import.RENAMES``), attention on the lowest resolution
+IBQ's tensors renamed onto it (taming's names, ``vqserve.model.families.taming.layout``), attention on the lowest resolution
 only (``attn_resolutions: [16]`` at 256 px, every published config). Only the two ends
 differ, because IBQ's scripts differ from LlamaGen's: pixels are normalised as
 ``(image / 127.5 - 1.0)`` in float64 (numpy) then float32, which ``(2x - 255) / 255`` in
@@ -35,8 +35,7 @@ import torch
 
 from vqserve.model.families.base import FamilyConfig
 from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
-from vqserve.model.families.llamagen.networks import GROUPS, LlamaGenDecoder, LlamaGenEncoder, swish
-from vqserve.model.precision import cast_to, module_dtype
+from vqserve.model.families.llamagen.networks import GROUPS, LlamaGenDecoder, LlamaGenEncoder
 from vqserve.model.quantizers.softmax_max import SoftmaxMaxVQ
 from vqserve.model.tokenizer import TokenizerBase
 
@@ -51,16 +50,10 @@ REFERENCE_COMMIT = "b9a17eac8e2c0779c12a5429b0bfd6c502788484"
 class IbqEncoder(LlamaGenEncoder):
     """The taming encoder (``LlamaGenEncoder``) with IBQ's input normalisation."""
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def normalise(pixels: torch.Tensor) -> torch.Tensor:
         # IBQ's data pipeline: (x / 127.5 - 1.0) in float64, then float32; contiguous NCHW
-        x = (pixels.to(torch.float32).contiguous() * 2.0 - 255.0) / 255.0
-        h = self.conv_in(cast_to(x, module_dtype(self.conv_in)))
-        for level in self.conv_blocks:
-            h = level(h)
-        for block in self.mid:
-            h = block(h)
-        h = self.conv_out(swish(self.norm_out(h)))
-        return self.quant_conv(h)
+        return (pixels.to(torch.float32).contiguous() * 2.0 - 255.0) / 255.0
 
 
 class IbqDecoder(LlamaGenDecoder):

@@ -7,8 +7,8 @@ reading, the EMA choice and the refusals are ``magvit2_import``'s. What differs 
 model: the taming VQGAN encoder/decoder with ``quant_conv`` / ``post_quant_conv`` and the
 codebook ``quantize.embedding.weight``. Every one of those tensors is checked under IBQ's
 own names and shapes (errors name them as the checkpoint does), then renamed onto vqserve's
-rebuild (``RENAMES``: taming's ``down.{i}.block.{j}`` is LlamaGen's
-``conv_blocks.{i}.res.{j}``, decoder levels counted from the lowest resolution).
+rebuild (``vqserve.model.families.taming.layout``: taming's ``down.{i}.block.{j}`` is
+LlamaGen's ``conv_blocks.{i}.res.{j}``, decoder levels counted from the lowest resolution).
 """
 
 from __future__ import annotations
@@ -33,62 +33,10 @@ from vqserve.model.families.magvit2.importer import (
     open_lightning,
     tokenizer_weights,
 )
+from vqserve.model.families.taming.layout import to_taming_name, to_vqserve_name
 
 IBQ_OWN = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "quantize.")
-# taming name -> vqserve name for the levels and the middle (shared with Show-o's MAGVIT-v2,
-# whose networks are taming's too); "{r}" is the decoder level counted from the lowest resolution
-TAMING_RENAMES = (
-    (r"encoder\.down\.(\d+)\.block\.(\d+)\.(.*)", "encoder.conv_blocks.{0}.res.{1}.{2}"),
-    (r"encoder\.down\.(\d+)\.attn\.(\d+)\.(.*)", "encoder.conv_blocks.{0}.attn.{1}.{2}"),
-    (r"encoder\.down\.(\d+)\.downsample\.(.*)", "encoder.conv_blocks.{0}.downsample.{1}"),
-    (r"decoder\.up\.(\d+)\.block\.(\d+)\.(.*)", "decoder.conv_blocks.{r}.res.{1}.{2}"),
-    (r"decoder\.up\.(\d+)\.attn\.(\d+)\.(.*)", "decoder.conv_blocks.{r}.attn.{1}.{2}"),
-    (r"decoder\.up\.(\d+)\.upsample\.(.*)", "decoder.conv_blocks.{r}.upsample.{1}"),
-    (r"(encoder|decoder)\.mid\.block_1\.(.*)", "{0}.mid.0.{1}"),
-    (r"(encoder|decoder)\.mid\.attn_1\.(.*)", "{0}.mid.1.{1}"),
-    (r"(encoder|decoder)\.mid\.block_2\.(.*)", "{0}.mid.2.{1}"),
-)
-# IBQ name -> vqserve name: the taming parts plus IBQ's top-level convolutions and codebook
-RENAMES = TAMING_RENAMES + (
-    (r"quant_conv\.(.*)", "encoder.quant_conv.{0}"),
-    (r"post_quant_conv\.(.*)", "decoder.post_quant_conv.{0}"),
-    (r"quantize\.embedding\.weight", "quantizer.embedding"),
-)
-# vqserve name -> taming name (the inverse), to name expected tensors as the checkpoint does
-TAMING_INVERSE = (
-    (r"encoder\.conv_blocks\.(\d+)\.res\.(\d+)\.(.*)", "encoder.down.{0}.block.{1}.{2}"),
-    (r"encoder\.conv_blocks\.(\d+)\.attn\.(\d+)\.(.*)", "encoder.down.{0}.attn.{1}.{2}"),
-    (r"encoder\.conv_blocks\.(\d+)\.downsample\.(.*)", "encoder.down.{0}.downsample.{1}"),
-    (r"decoder\.conv_blocks\.(\d+)\.res\.(\d+)\.(.*)", "decoder.up.{r}.block.{1}.{2}"),
-    (r"decoder\.conv_blocks\.(\d+)\.attn\.(\d+)\.(.*)", "decoder.up.{r}.attn.{1}.{2}"),
-    (r"decoder\.conv_blocks\.(\d+)\.upsample\.(.*)", "decoder.up.{r}.upsample.{1}"),
-    (r"(encoder|decoder)\.mid\.0\.(.*)", "{0}.mid.block_1.{1}"),
-    (r"(encoder|decoder)\.mid\.1\.(.*)", "{0}.mid.attn_1.{1}"),
-    (r"(encoder|decoder)\.mid\.2\.(.*)", "{0}.mid.block_2.{1}"),
-)
-INVERSE = TAMING_INVERSE + (
-    (r"encoder\.quant_conv\.(.*)", "quant_conv.{0}"),
-    (r"decoder\.post_quant_conv\.(.*)", "post_quant_conv.{0}"),
-    (r"quantizer\.embedding", "quantize.embedding.weight"),
-)
-
-
-def rename(name: str, table: tuple[tuple[str, str], ...], levels: int) -> str:
-    for pattern, template in table:
-        m = re.fullmatch(pattern, name)
-        if m:
-            groups = m.groups()
-            flipped = levels - 1 - int(groups[0]) if "{r}" in template else None
-            return template.format(*groups, r=flipped)
-    return name
-
-
-def to_vqserve_name(name: str, levels: int) -> str:
-    return rename(name, RENAMES, levels)
-
-
-def to_ibq_name(name: str, levels: int) -> str:
-    return rename(name, INVERSE, levels)
+to_ibq_name = to_taming_name  # IBQ keeps taming-transformers' names (model/families/taming/layout.py)
 
 
 def _shape(state: dict, key: str, where: str) -> tuple[int, ...]:

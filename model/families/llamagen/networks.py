@@ -90,7 +90,10 @@ class LlamaGenAttention(nn.Module):
         self.proj_out = conv1x1(channels, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = self.norm(x)
+        return self.attend(x, self.norm(x))
+
+    def attend(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """``x`` plus attention over ``normed`` (a subclass brings its own normalisation)."""
         b, c, h, w = x.shape
         queries = self.q(normed).reshape(b, c, h * w).permute(0, 2, 1)      # b, hw, c
         keys = self.k(normed).reshape(b, c, h * w)                          # b, c, hw
@@ -156,7 +159,7 @@ class LlamaGenEncoder(nn.Module):
     residual_block_types = (LlamaGenResBlock,)  # for vqserve.model.mixed_precision
 
     def __init__(self, base_channels: int, ch_mult: list[int], num_res_blocks: int,
-                 z_channels: int, codebook_dim: int, attention_levels: list[int] | None = None):
+                 z_channels: int, codebook_dim: int, attention_levels: list[int] | frozenset[int] | None = None):
         super().__init__()
         widths = [base_channels * m for m in ch_mult]
         last = len(widths) - 1
@@ -174,9 +177,14 @@ class LlamaGenEncoder(nn.Module):
         self.conv_out = conv3x3(c_in, z_channels)
         self.quant_conv = conv1x1(z_channels, codebook_dim)
 
+    @staticmethod
+    def normalise(pixels: torch.Tensor) -> torch.Tensor:
+        """float pixels [0, 255] -> the network's input, fp32, contiguous NCHW: LlamaGen's
+        (torchvision ToTensor + Normalize(0.5, 0.5)); a family with another rule overrides only this."""
+        return (pixels.to(torch.float32).contiguous() / 255.0 - 0.5) / 0.5
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        # LlamaGen's normalisation (torchvision ToTensor + Normalize(0.5, 0.5)), fp32, contiguous NCHW
-        x = (pixels.to(torch.float32).contiguous() / 255.0 - 0.5) / 0.5
+        x = self.normalise(pixels)
         h = self.conv_in(cast_to(x, module_dtype(self.conv_in)))
         for level in self.conv_blocks:
             h = level(h)
@@ -190,7 +198,7 @@ class LlamaGenDecoder(nn.Module):
     """quantized codes NCHW -> integer-valued float pixels NCHW in [0, 255] (LlamaGen's rule)."""
 
     def __init__(self, base_channels: int, ch_mult: list[int], num_res_blocks: int,
-                 z_channels: int, codebook_dim: int, attention_levels: list[int] | None = None):
+                 z_channels: int, codebook_dim: int, attention_levels: list[int] | frozenset[int] | None = None):
         super().__init__()
         widths = [base_channels * m for m in ch_mult]
         attend = {len(widths) - 1} if attention_levels is None else set(attention_levels)

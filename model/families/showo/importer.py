@@ -30,7 +30,6 @@ import torch
 
 from vqserve.core.files import sha256_file
 from vqserve.model.families.base import CONFIG_NAME, read_json_file, read_safetensors
-from vqserve.model.families.ibq.importer import TAMING_INVERSE, TAMING_RENAMES, rename
 from vqserve.model.families.ibq.importer import check_tensors as check_network_tensors
 from vqserve.model.families.importing import (
     CheckpointError,
@@ -46,6 +45,7 @@ from vqserve.model.families.showo.family import (
     ShowoConfig,
     ShowoTokenizer,
 )
+from vqserve.model.families.taming.layout import LEVEL_INVERSE, LEVEL_RENAMES, rename
 from vqserve.model.quantizers.lfq import bit_weights
 
 WEIGHTS_FILE = "pytorch_model.safetensors"  # Show-o's SAFETENSORS_WEIGHTS_NAME
@@ -152,10 +152,10 @@ def check_tensors(state: dict[str, torch.Tensor], arch: ShowoConfig, where: str)
     levels = len(arch.encoder_ch_mult)
     with torch.device("meta"):
         ours = ShowoTokenizer(arch).state_dict()
-    expected = {rename(k, TAMING_INVERSE, levels): tuple(v.shape) for k, v in ours.items()}
+    expected = {rename(k, LEVEL_INVERSE, levels): tuple(v.shape) for k, v in ours.items()}
     network = {k: v for k, v in state.items() if not k.startswith("quantize.")}
     check_network_tensors(network, expected, where, LABEL)
-    return {rename(k, TAMING_RENAMES, levels): v.to(torch.float32) for k, v in network.items()}
+    return {rename(k, LEVEL_RENAMES, levels): v.to(torch.float32) for k, v in network.items()}
 
 
 def import_showo(sources: list[str | os.PathLike], out: str | os.PathLike, preset: str | None = None,

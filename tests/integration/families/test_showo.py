@@ -26,7 +26,6 @@ from tests.helpers import (
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
-from vqserve.model.families.ibq.importer import TAMING_INVERSE, rename
 from vqserve.model.families.showo.family import (
     PRESETS,
     SHOWO,
@@ -35,6 +34,7 @@ from vqserve.model.families.showo.family import (
     ShowoTokenizer,
 )
 from vqserve.model.families.showo.importer import import_showo, infer_architecture, lfq_buffers
+from vqserve.model.families.taming.layout import LEVEL_INVERSE, rename
 from vqserve.model.tokenizer import pixels_to_float
 
 pytestmark = pytest.mark.timeout(300)
@@ -132,7 +132,7 @@ def test_published_architecture_has_the_original_names_and_shapes():
     arch = PRESETS["magvitv2"]
     with torch.device("meta"):
         ours = ShowoTokenizer(arch).state_dict()
-    names = {rename(k, TAMING_INVERSE, 5): list(v.shape) for k, v in ours.items()}
+    names = {rename(k, LEVEL_INVERSE, 5): list(v.shape) for k, v in ours.items()}
     names.update({k: list(v.shape) for k, v in lfq_buffers(13).items()})
     assert names == published
     with torch.device("meta"):
