@@ -13,27 +13,18 @@ PyTorch's softmax over a strided dimension sums in an order that depends on the 
 positions, so splitting an image into row chunks changes probabilities in their last bit;
 splitting a batch into images does not (both checked, tests/integration/families/test_ibq.py).
 
-The memory plan. Done whole, an image costs ``positions x codebook_size`` logits and as many
-probabilities (256 positions x 262,144 codes = 2 x 268 MB in fp32; a 1-megapixel image at
-factor 16 with Emu3.5's 131,072 codes, 4,096 x 131,072 = 2 x 2.1 GB). So when those scores
-would pass ``score_budget`` bytes, the island runs the same three operations on runs of
-``chunk`` consecutive positions (``softmax_max_index_chunked``), keeping every code in each
-call: the scores in memory are bounded by the budget whatever the image size (the image
-itself is bounded by the server's pixel budget), and the indices are the same bits. Why
-the same: softmax and argmax work along the codebook axis, one position at a time, so a
-position's logits, probabilities and index depend on its own column only; the chunking
-never splits a column. What could differ is how PyTorch's kernels block their loops: the
-dot products (``einsum``) and, at one intra-op thread (how vqserve runs every model call),
-the softmax give every column bit for bit the same values in any run of positions
-(tests/unit/model/test_softmax_max_chunks.py checks chunked against whole with hypothesis,
-ties of equal and of softmax-rounded near-equal logits included). With several intra-op
-threads PyTorch's softmax itself splits columns across threads in a shape-dependent way
-(whole images differ from themselves at other thread counts in the last bit), which is
-one reason vqserve runs one thread per call. Chunking the *codebook* axis with a running
-max instead would give the argmax of the logits, which is not this rule: two codes whose
-logits differ by less than ~2^-22 can round to the same probability, and then the lower
-index wins even when its logit is smaller. Knowing which needs the column's exact softmax
-sum, i.e. the whole column. Traced and exported graphs compute the whole batch in one
+The memory plan (not in use). Done whole, an image costs ``positions x codebook_size``
+logits and as many probabilities (256 positions x 262,144 codes = 2 x 268 MB in fp32; a
+1-megapixel image at factor 16 with Emu3.5's 131,072 codes, 4,096 x 131,072 = 2 x 2.1 GB),
+bounded only by the server's pixel budget. Scoring runs of positions
+(``softmax_max_index_chunked``) bounds that memory but is NOT the same bits: the dot
+products' kernels block their loops by the number of positions, and hypothesis found a
+position whose index differs between a run of 32 positions and the whole 35-position image
+(one ulp between two tied codes). So the island always scores an image whole, as the
+original does; the chunked function stays for measurement only (``score_budget`` set by
+hand), never by default. Chunking the *codebook* axis with a running max is not this rule
+either: two codes whose logits differ by less than ~2^-22 can round to the same probability,
+and then the lower index wins even when its logit is smaller. Traced and exported graphs compute the whole batch in one
 product, unchunked (a traced loop would be unrolled to the example's size). Codes are the codebook rows, as the original's ``get_codebook_entry``
 returns them. A naive bf16 model runs this search in bf16, where the softmax of 262,144
 codes ties massively and the lowest index wins (docs/MODELS.md).
@@ -48,7 +39,7 @@ from vqserve.model.precision import Fp32StateModule, fp32_island
 from vqserve.model.quantizers.common import check_indices, check_last_dim, to_fp32
 from vqserve.model.quantizers.l2_nearest import in_graph_capture
 
-SCORE_BUDGET = 256 * 2**20  # bytes of fp32 logits + probabilities one island call may hold
+SCORE_BUDGET = 256 * 2**20  # bytes of fp32 logits + probabilities, for a hand-set score_budget (measurement)
 CHUNK_ALIGN = 16  # chunks are whole multiples of this many positions (one AVX-512 vector of fp32)
 
 
@@ -66,9 +57,16 @@ def softmax_max_index_chunked(z_nchw: torch.Tensor, codebook: torch.Tensor, chun
     """``softmax_max_index`` over runs of ``chunk`` positions (row-major), every code in each
     call: the same indices (module docstring), ``chunk x codebook_size`` scores at a time."""
     b, d, h, w = z_nchw.shape
-    flat = z_nchw.reshape(b, d, 1, h * w)
-    parts = [softmax_max_index(flat[..., start:start + chunk], codebook) for start in range(0, h * w, chunk)]
-    return torch.cat(parts, dim=-1).view(b, h, w)
+    positions = h * w
+    flat = z_nchw.reshape(b, d, 1, positions)
+    runs = -(-positions // chunk)
+    if runs * chunk > positions:  # the last run padded to a whole one: every call has one shape, so
+        # no run is scored by another kernel (a single column goes to a matrix-vector product,
+        # whose last bits differ: hypothesis found it)
+        flat = F.pad(flat, (0, runs * chunk - positions, 0, 0), mode="replicate")
+    parts = [softmax_max_index(flat[..., start:start + chunk].contiguous(), codebook)
+             for start in range(0, runs * chunk, chunk)]
+    return torch.cat(parts, dim=-1)[..., :positions].reshape(b, h, w)
 
 
 def softmax_max_index(z_nchw: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -84,18 +82,19 @@ class SoftmaxMaxVQ(Fp32StateModule):
     """``SoftmaxMaxVQ(codebook_size, dim)``: IBQ's code for ``z[..., dim]`` (channel-last).
 
     ``embedding`` holds the codebook as the checkpoint stores it. ``score_budget``: the bytes
-    of scores one call may hold before the image is scored in runs of positions (the same
-    indices; module docstring). Inference only."""
+    of scores one call may hold before the image is scored in runs of positions: None (the
+    default) scores every image whole, the exact rule; a number is for measurement only (not
+    the same bits; module docstring). Inference only."""
 
-    def __init__(self, codebook_size: int, dim: int, score_budget: int = SCORE_BUDGET):
+    def __init__(self, codebook_size: int, dim: int, score_budget: int | None = None):
         super().__init__()
         if codebook_size < 2 or dim < 1:
             raise ValueError(f"SoftmaxMaxVQ needs codebook_size >= 2 and dim >= 1, got {codebook_size}, {dim}")
         self.codebook_size = int(codebook_size)
         self.dim = int(dim)
-        if score_budget < 1:
+        if score_budget is not None and score_budget < 1:
             raise ValueError(f"SoftmaxMaxVQ score_budget must be a positive number of bytes, got {score_budget}")
-        self.score_budget = int(score_budget)
+        self.score_budget = None if score_budget is None else int(score_budget)  # None: whole, exact
         self.register_buffer("embedding", torch.zeros(self.codebook_size, self.dim))
 
     def extra_repr(self) -> str:
@@ -112,7 +111,9 @@ class SoftmaxMaxVQ(Fp32StateModule):
             z_nchw = to_fp32(z).permute(0, 3, 1, 2)
             if in_graph_capture():
                 indices = softmax_max_index(z_nchw, codebook)
-            else:
+            elif self.score_budget is None:  # the default: each image whole, exact
+                indices = torch.cat([softmax_max_index(one, codebook) for one in z_nchw.split(1)])
+            else:  # measurement only: runs of positions are not the same bits (module docstring)
                 positions = z_nchw.shape[2] * z_nchw.shape[3]
                 chunk = positions_per_chunk(positions, self.codebook_size, self.score_budget)
                 if chunk >= positions:

@@ -87,18 +87,13 @@ def test_indices_latents_and_pixels_equal_the_original(tok, cases, case):
     assert_matches_reference(one_by_one, cases[f"{case}_decoded1_uint8"], "pixels")
 
 
-def test_ties_and_the_memory_plan_keep_the_original_indices(tok, cases):
+def test_ties_and_whole_images_keep_the_original_indices(tok, cases):
     """Latents equal to a code with an exact and a near copy: the original's indices; and the
-    same images scored in runs of 16 positions (a budget far below the whole image) agree."""
+    images (scored whole, the island's default) give the original's indices."""
     _, indices = tok.quantizer(cases["tie_z"].permute(0, 2, 3, 1))
     assert torch.equal(indices, cases["tie_indices"])
-    budget = tok.quantizer.score_budget
-    try:
-        tok.quantizer.score_budget = 16 * 8 * tok.quantizer.codebook_size
-        for case in ("square", "rect"):
-            assert torch.equal(tok.encode(cases[f"{case}_images"]), cases[f"{case}_indices"])
-    finally:
-        tok.quantizer.score_budget = budget
+    for case in ("square", "rect"):
+        assert torch.equal(tok.encode(cases[f"{case}_images"]), cases[f"{case}_indices"])
 
 
 def test_import_writes_an_ibq_directory_from_every_released_form(imported, tmp_path, cases):

@@ -14,7 +14,7 @@ from vqserve.bench.profiling import find_py_spy
 def _small_run(model: str, dtypes: str, out) -> list[str]:
     """A short `bench gpu` of the tiny model on CPU: one batch size, one case, one split layout."""
     return ["--model", model, "--device", "cpu", "--dtypes", dtypes, "--size", "32", "--batches", "4",
-            "--seconds", "0.3", "--procs", "1", "--callers", "1", "--cases", "v1:raw:1",
+            "--seconds", "1.5", "--procs", "1", "--callers", "1", "--cases", "v1:raw:1",
             "--layouts", "split=--frontends 1", "--tokenize-seconds", "0", "--json", str(out)]
 
 
@@ -197,7 +197,7 @@ def test_a_run_stopped_at_its_time_limit_reports_what_it_finished(tmp_path, caps
     out = tmp_path / "gpu.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "vqserve", "bench", "gpu", "--model", "synthetic:20", "--device", "cpu",
-         "--batches", "4,8", "--seconds", "0.3", "--procs", "1", "--callers", "2",
+         "--batches", "4,8", "--seconds", "1.5", "--procs", "1", "--callers", "2",
          "--cases", "v1:raw:2,v1:decode:2", "--layouts", "split=--frontends 1", "--tokenize-seconds", "0",
          "--profile", "", "--json", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)
