@@ -7,6 +7,7 @@ against it, but run no model: they import this, never torch.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -59,9 +60,10 @@ class RuntimeInfo:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @property
+    @cached_property
     def layout(self) -> TokenLayout:
-        """The per-image token shape rule (:mod:`vqserve.core.token_layout`)."""
+        """The per-image token shape rule (:mod:`vqserve.core.token_layout`), made once per
+        info (every request asks it; a plan switch brings a new info)."""
         return TokenLayout.from_dict(self.token_layout, self.factor, self.codes_per_position)
 
     def identity(self) -> dict:

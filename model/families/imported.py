@@ -109,6 +109,22 @@ def read_safetensors_weights(path: Path, importer: str) -> dict[str, torch.Tenso
     return read_safetensors(path, f"import the checkpoint again with `vqserve import {importer}`")
 
 
+class LfqArchitecture:
+    """Mixed into an ``ImportedConfig`` of an LFQ tokenizer (Open-MAGVIT2, Show-o): one latent
+    channel per bit (``z_channels``), so 2^bits codes; the class names its ``FAMILY`` and
+    defines ``factor``."""
+
+    FAMILY: ClassVar[str] = ""
+
+    @property
+    def codebook_size(self) -> int:
+        return 2 ** self.z_channels
+
+    def family_config(self) -> FamilyConfig:
+        return FamilyConfig(family=self.FAMILY, factor=self.factor, codebook_size=self.codebook_size,
+                            latent_dim=self.z_channels, quantizer="lfq", source=self.to_dict())
+
+
 class ImportedFamily(Family):
     """A family whose directories ``vqserve import NAME`` writes (see the module docstring).
 

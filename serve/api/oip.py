@@ -230,16 +230,6 @@ def bytes_tensor(items: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(item)) + item for item in items)
 
 
-def bytes_elements(raw: bytes) -> list[bytes]:
-    """The elements of a BYTES tensor's raw contents (the inverse of :func:`bytes_tensor`)."""
-    out, at = [], 0
-    while at < len(raw):
-        (n,) = struct.unpack_from("<I", raw, at)
-        out.append(raw[at + 4: at + 4 + n])
-        at += 4 + n
-    return out
-
-
 def add_to_server(service: InferenceService, server) -> None:
     """Register every method of the service as the generated helper does, but with request
     parsers that never raise: bytes that are not the method's message get INVALID_ARGUMENT

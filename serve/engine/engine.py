@@ -102,12 +102,8 @@ class Engine:
 
     @property
     def layout(self) -> TokenLayout:
-        """The per-image token shape rule of the served model (grid or pyramid), made once per
-        ``info`` (a plan switch replaces it): every request asks it."""
-        cached = getattr(self, "_layout", None)
-        if cached is None or cached[0] is not self.info:
-            cached = self._layout = (self.info, self.info.layout)
-        return cached[1]
+        """The per-image token shape rule of the served model (grid or pyramid)."""
+        return self.info.layout
 
     @property
     def size_rule(self) -> str:

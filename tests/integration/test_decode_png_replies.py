@@ -10,11 +10,12 @@ import grpc
 import numpy as np
 import pytest
 from PIL import Image
+from tritonclient.utils import deserialize_bytes_tensor
 
 from tests.helpers import ServeProcess
 from vqserve.bench.calls import oip_request
 from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
-from vqserve.serve.api.oip import bytes_elements, bytes_tensor
+from vqserve.serve.api.oip import bytes_tensor
 from vqserve.serve.clients import TokenizerClient
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,7 +55,7 @@ def test_oip_png_replies_are_a_bytes_tensor_of_one_png_per_image(server):
     out = png.outputs[0]
     assert (out.name, out.datatype, list(out.shape)) == ("images", "BYTES", [len(indices)])
     assert png.parameters["output_format"].string_param == "png"
-    blobs = bytes_elements(png.raw_output_contents[0])
+    blobs = _elements(png.raw_output_contents[0])
     assert len(blobs) == len(indices) and all(b.startswith(b"\x89PNG") for b in blobs)
     pixels = np.frombuffer(raw.raw_output_contents[0], np.uint8).reshape(list(raw.outputs[0].shape))
     np.testing.assert_array_equal(_png_pixels(blobs), pixels)
@@ -76,9 +77,14 @@ def test_a_bad_output_format_is_one_line_before_the_model_runs(server, model, va
     assert "\n" not in err.value.details()
 
 
+def _elements(raw: bytes) -> list[bytes]:
+    """A BYTES tensor's elements as tritonclient reads them (what a Triton client gets)."""
+    return [bytes(item) for item in deserialize_bytes_tensor(raw)]
+
+
 def test_the_bytes_convention_round_trips():
     items = [b"", b"\x89PNG...", bytes(range(256)) * 3]
-    assert bytes_elements(bytes_tensor(items)) == items
+    assert _elements(bytes_tensor(items)) == items
 
 
 def test_pngs_are_made_where_grpc_is_answered_never_in_the_device_executor():

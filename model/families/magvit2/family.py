@@ -22,8 +22,12 @@ from typing import ClassVar
 
 import torch
 
-from vqserve.model.families.base import FamilyConfig
-from vqserve.model.families.imported import ImportedConfig, ImportedFamily, load_strict_weights
+from vqserve.model.families.imported import (
+    ImportedConfig,
+    ImportedFamily,
+    LfqArchitecture,
+    load_strict_weights,
+)
 from vqserve.model.families.magvit2.networks import GROUPS, Magvit2Decoder, Magvit2Encoder
 from vqserve.model.quantizers.lfq import LFQ
 from vqserve.model.tokenizer import TokenizerBase
@@ -53,11 +57,12 @@ def open_magvit2_lfq(dim: int) -> LFQ:
 
 
 @dataclass
-class Magvit2Config(ImportedConfig):
+class Magvit2Config(LfqArchitecture, ImportedConfig):
     """The ``ddconfig`` of Open-MAGVIT2's ``VQModel`` that shapes the weights: ``ch``,
     ``ch_mult``, ``num_res_blocks``, ``z_channels`` (= ``embed_dim`` = log2 ``n_embed``: one
     latent channel per LFQ bit). The defaults are the ImageNet 256 model; ``PRESETS`` has the rest."""
 
+    FAMILY: ClassVar[str] = FAMILY_NAME
     FORMAT: ClassVar[str] = FORMAT
     VERSION: ClassVar[int] = VERSION
     LABEL: ClassVar[str] = "Open-MAGVIT2"
@@ -87,14 +92,6 @@ class Magvit2Config(ImportedConfig):
     @property
     def factor(self) -> int:
         return 2 ** (len(self.ch_mult) - 1)
-
-    @property
-    def codebook_size(self) -> int:
-        return 2 ** self.z_channels
-
-    def family_config(self) -> FamilyConfig:
-        return FamilyConfig(family=FAMILY_NAME, factor=self.factor, codebook_size=self.codebook_size,
-                            latent_dim=self.z_channels, quantizer="lfq", source=self.to_dict())
 
 
 # The published checkpoints' configurations (configs/Open-MAGVIT2/gpu/*.yaml at REFERENCE_COMMIT).

@@ -21,8 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from vqserve.model.families.base import FamilyConfig
-from vqserve.model.families.imported import ImportedConfig, ImportedFamily
+from vqserve.model.families.imported import ImportedConfig, ImportedFamily, LfqArchitecture
 from vqserve.model.families.llamagen.networks import GROUPS
 from vqserve.model.families.showo.networks import ShowoDecoder, ShowoEncoder
 from vqserve.model.quantizers.lfq import LFQ
@@ -66,10 +65,11 @@ def _positive_ints(name: str, values: list, length: int | None = None) -> list[i
 
 
 @dataclass
-class ShowoConfig(ImportedConfig):
+class ShowoConfig(LfqArchitecture, ImportedConfig):
     """What shapes the weights. The defaults are ``MAGVITv2()``'s (its ``VQGANEncoder()`` and
     ``VQGANDecoder()`` defaults: ch 128, 13 latent channels), the only published configuration."""
 
+    FAMILY: ClassVar[str] = FAMILY_NAME
     FORMAT: ClassVar[str] = FORMAT
     VERSION: ClassVar[int] = VERSION
     LABEL: ClassVar[str] = LABEL
@@ -101,14 +101,6 @@ class ShowoConfig(ImportedConfig):
     @property
     def factor(self) -> int:
         return 2 ** (len(self.encoder_ch_mult) - 1)
-
-    @property
-    def codebook_size(self) -> int:
-        return 2 ** self.z_channels
-
-    def family_config(self) -> FamilyConfig:
-        return FamilyConfig(family=FAMILY_NAME, factor=self.factor, codebook_size=self.codebook_size,
-                            latent_dim=self.z_channels, quantizer="lfq", source=self.to_dict())
 
 
 # showlab/magvitv2: MAGVITv2() takes no arguments, so this is its one architecture (factor 16).

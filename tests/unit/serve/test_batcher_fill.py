@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import threading
 import time
 
@@ -52,7 +53,7 @@ def _scenario(plan: ExecutionPlan, info_device: str | None = None):
     inner = GatedDevice()
     runtime = PlannedRuntime(inner, plan)
     if info_device:  # the same stand-in presented as another kind of device
-        runtime.info = runtime.info.__class__(**{**runtime.info.__dict__, "device": info_device})
+        runtime.info = dataclasses.replace(runtime.info, device=info_device)
 
     async def main():
         b = Batcher(runtime, max_batch_size=16, max_delay_s=0.0)
