@@ -1,15 +1,15 @@
-"""Peak memory per megapixel of an Emu3.5-size IBQ encode on CPU, the quantizer whole vs chunked.
+"""Peak memory per megapixel of an Emu3.5-size IBQ encode on CPU: the island's plan vs the original's.
 
-The quantizer of Emu3.5's VisionTokenizer scores every position against 131,072 codes: done
-whole, a 1-megapixel image (4,096 positions at factor 16) holds 4,096 x 131,072 fp32 logits
-and as many probabilities (2 x 2.1 GB). ``SoftmaxMaxVQ`` scores runs of positions instead
-once the scores would pass its budget (256 MiB), with the same indices. This measures, each
-case in a fresh process so one peak does not hide another:
+The quantizer of Emu3.5's VisionTokenizer scores every position against 131,072 codes: as
+the original writes it, a 1-megapixel image (4,096 positions at factor 16) holds 4,096 x
+131,072 fp32 logits and as many probabilities (2 x 2.1 GB). ``SoftmaxMaxVQ`` writes the
+probabilities over the logits (the same kernel, the same bits): one score tensor. This
+measures, each case in a fresh process so one peak does not hide another:
 
-* ``island``: the quantizer alone on random latents of an image of ``--megapixels`` (whole,
-  then chunked), and whether the indices agree;
+* ``island``: the quantizer on random latents of an image of ``--megapixels``, the island's
+  plan (``plan``) and the original's two tensors (``original``), and whether the indices agree;
 * ``encode``: ``tokenizer.encode`` of a random image, the full-size architecture (random
-  weights: SEED-Voken IBQ's ddconfig with Emu3.5's 131,072 x 256 codebook), chunked.
+  weights: SEED-Voken IBQ's ddconfig with Emu3.5's 131,072 x 256 codebook).
 
 Peak = the highest resident set size seen (``/proc/self/statm`` sampled every 2 ms, and
 ``ru_maxrss``) minus the resident size just before the call: what the call adds. One
@@ -64,8 +64,9 @@ def side(megapixels: float) -> tuple[int, int]:
     return h, int(h * 4 / 3) // 16 * 16
 
 
-def one_case(kind: str, megapixels: float, chunked: bool) -> dict:
+def one_case(kind: str, megapixels: float, original: bool) -> dict:
     import torch
+    import torch.nn.functional as F
 
     from vqserve.model.families.ibq.family import IbqConfig, IbqTokenizer
     from vqserve.model.quantizers.softmax_max import SoftmaxMaxVQ
@@ -73,21 +74,24 @@ def one_case(kind: str, megapixels: float, chunked: bool) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     h, w = side(megapixels)
-    budget = 256 * 2**20 if chunked else 2**62
     if kind == "island":
-        q = SoftmaxMaxVQ(131072, 256, score_budget=budget)
+        q = SoftmaxMaxVQ(131072, 256)
         q.embedding.normal_()
         z = torch.randn(1, h // 16, w // 16, 256)
         with torch.no_grad(), Peak() as peak:
             t0 = time.perf_counter()
-            indices = q(z)[1]
+            if original:  # the original's expression: logits, then a second tensor of probabilities
+                logits = torch.einsum("b d h w, n d -> b n h w", z.permute(0, 3, 1, 2), q.embedding)
+                indices = F.softmax(logits, dim=1).max(dim=1)[1]
+                del logits
+            else:
+                indices = q(z)[1]
             seconds = time.perf_counter() - t0
         digest = int((indices.to(torch.int64) * torch.arange(indices.numel()).view(indices.shape)).sum())
     else:
         arch = IbqConfig(codebook_size=131072, codebook_dim=256, pixel_rule="emu3.5")
         tok = IbqTokenizer(arch).eval()
         tok.quantizer.embedding.normal_()  # a random codebook (the buffer starts at zeros)
-        tok.quantizer.score_budget = budget
         image = torch.randint(0, 256, (1, h, w, 3), dtype=torch.uint8)
         with torch.no_grad(), Peak() as peak:
             t0 = time.perf_counter()
@@ -95,7 +99,7 @@ def one_case(kind: str, megapixels: float, chunked: bool) -> dict:
             seconds = time.perf_counter() - t0
         digest = int((indices.to(torch.int64) * torch.arange(indices.numel()).view(indices.shape)).sum())
     mp = h * w / 1e6
-    return {"kind": kind, "chunked": chunked, "height": h, "width": w, "megapixels": mp,
+    return {"kind": kind, "plan": "original" if original else "island", "height": h, "width": w, "megapixels": mp,
             "peak_added_bytes": peak.added, "peak_added_gib_per_megapixel": peak.added / 2**30 / mp,
             "seconds": seconds, "indices_digest": digest}
 
@@ -104,9 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--megapixels", type=float, nargs="+", default=[0.25, 1.0])
     parser.add_argument("--kinds", nargs="+", default=["island", "encode"], choices=["island", "encode"])
-    parser.add_argument("--whole-encode", action="store_true", help="also the whole encode unchunked (slow)")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--case", nargs=3, default=None, help=argparse.SUPPRESS)  # kind megapixels chunked
+    parser.add_argument("--case", nargs=3, default=None, help=argparse.SUPPRESS)  # kind megapixels original
     args = parser.parse_args(argv)
     if args.case:
         print(json.dumps(one_case(args.case[0], float(args.case[1]), args.case[2] == "1")))
@@ -114,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mp in args.megapixels:
         for kind in args.kinds:
-            for chunked in ((True, False) if kind == "island" or args.whole_encode else (True,)):
-                out = subprocess.run([sys.executable, __file__, "--case", kind, str(mp), "1" if chunked else "0"],
+            for original in ((False, True) if kind == "island" else (False,)):
+                out = subprocess.run([sys.executable, __file__, "--case", kind, str(mp), "1" if original else "0"],
                                      capture_output=True, text=True, check=True)
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 rows.append(row)
-                print(f"{kind:6s} {'chunked' if chunked else 'whole  '} {row['width']}x{row['height']} "
+                print(f"{kind:6s} {row['plan']:8s} {row['width']}x{row['height']} "
                       f"({row['megapixels']:.2f} MP): +{row['peak_added_bytes'] / 2**30:.2f} GiB "
                       f"({row['peak_added_gib_per_megapixel']:.2f} GiB/MP), {row['seconds']:.1f} s, "
                       f"indices digest {row['indices_digest']}", flush=True)
