@@ -38,7 +38,13 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from make_taming_fixtures import SEED, int8_weights, photo_inputs, randomise_on_int8_grid  # noqa: E402
+from make_taming_fixtures import (  # noqa: E402  (a sibling script)
+    SEED,
+    compare_on_photos,
+    int8_weights,
+    photo_inputs,
+    randomise_on_int8_grid,
+)
 
 OUT = ROOT / "tests" / "fixtures" / "maskgit"
 OWN = ("encoder.", "decoder.", "quantize.")
@@ -160,36 +166,29 @@ def seed_photos(size: int = 256) -> np.ndarray:
 def full_size(cls, photos: list[str], size: int) -> None:
     """The released architecture (random weights, ``like_trained``) next to vqserve's rebuild on
     photographs: indices and decoded pixels compared."""
-    from vqserve.model.families.llamagen.precision import load_photo
     from vqserve.model.families.maskgit.family import PRESETS, MaskgitTokenizer
 
     torch.set_num_threads(2)
+    torch.manual_seed(SEED)
     model = cls().eval()
     like_trained(model, seed_photos())
     ours = MaskgitTokenizer(PRESETS["imagenet-f16-256"]).eval()
     ours.load_state_dict({("quantizer.embedding" if k == "quantize.embedding.weight" else k): v
                           for k, v in model.state_dict().items()})
-    same = total = px_same = px_total = 0
-    for path in photos:
-        image = load_photo(path, size)[None]
-        with torch.no_grad():
-            _, indices = model.encode(totensor_pixels(image))
-            indices = indices.view(1, size // 16, size // 16)
-            ref_px = to_pil_uint8(model.decode_code(indices.reshape(1, -1)))
-            got = ours.encode(torch.from_numpy(image))
-            got_px = ours.decode(indices).numpy()
-        n = int((got == indices).sum())
-        same, total = same + n, total + indices.numel()
-        px_same, px_total = px_same + int((got_px == ref_px).sum()), px_total + ref_px.size
-        print(f"{Path(path).name}: {n}/{indices.numel()} indices ({len(torch.unique(indices))} distinct codes), "
-              f"{int((got_px == ref_px).sum())}/{ref_px.size} pixels", flush=True)
-    print(f"imagenet-f16-256: indices {same}/{total} equal; decoded uint8 {px_same}/{px_total} equal")
+
+    def reference(image: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        _, indices = model.encode(totensor_pixels(image))
+        indices = indices.view(1, size // 16, size // 16)
+        return indices, to_pil_uint8(model.decode_code(indices.reshape(1, -1)))  # the original's own, square
+
+    compare_on_photos("imagenet-f16-256", photos, size, reference, ours)
 
 
 @torch.no_grad()
 def random_checkpoint(cls, out: Path) -> None:
     """The released architecture with random weights (``like_trained``), saved by the class's own
     ``save_pretrained``: the released folder's ``config.json`` + ``pytorch_model.bin``."""
+    torch.manual_seed(SEED)
     model = cls().eval()
     like_trained(model, seed_photos())
     model.save_pretrained(str(out))

@@ -30,7 +30,7 @@ import torch
 
 from vqserve.core.files import sha256_file
 from vqserve.model.families.base import CONFIG_NAME, read_json_file
-from vqserve.model.families.imported import key_mismatch
+from vqserve.model.families.ibq.importer import check_tensors as check_network_tensors
 from vqserve.model.families.importing import (
     CheckpointError,
     check_out,
@@ -150,22 +150,13 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
     return checkpoint
 
 
-def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str,
-                  config: str) -> None:
+def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str) -> None:
     """Another family's checkpoint named; then every tensor present, none extra, every shape right."""
     for marker, command in OTHER_FAMILIES:
         if any(k.startswith(marker) for k in state) and not maskgit_fingerprint(state):
             raise CheckpointError(f"{where}: has {marker}* tensors, which MaskGIT-VQGAN does not have; "
                                   f"this looks like another family's checkpoint: try `vqserve import {command}`")
-    mismatch = key_mismatch(expected, state)
-    if mismatch:
-        raise CheckpointError(f"{where} does not fit {config}: {mismatch}")
-    for key, shape in expected.items():
-        if tuple(state[key].shape) != shape:
-            raise CheckpointError(f"{where} does not fit {config}: {key} has shape {tuple(state[key].shape)}, "
-                                  f"the config needs {shape}")
-        if not state[key].is_floating_point():
-            raise CheckpointError(f"{where}: {key} must be a floating-point tensor, got {state[key].dtype}")
+    check_network_tensors(state, expected, where, LABEL)
 
 
 def import_maskgit(source: str | os.PathLike, out: str | os.PathLike, preset: str | None = None,
@@ -181,7 +172,7 @@ def import_maskgit(source: str | os.PathLike, out: str | os.PathLike, preset: st
     if preset is not None:
         check_preset(arch, PRESETS, preset, str(config_path))
     state = read_state(weights_path)
-    check_tensors(state, expected_shapes(arch), where, str(config_path))
+    check_tensors(state, expected_shapes(arch), where)
     tokenizer = MaskgitTokenizer(arch)
     tokenizer.load_state_dict({(CODEBOOK[1] if k == CODEBOOK[0] else k): v.to(torch.float32)
                                for k, v in state.items()}, strict=True)

@@ -155,7 +155,7 @@ def test_bad_inputs_get_one_line_errors_naming_the_file_and_write_nothing(releas
         "no config": (folder("bare", bare=True), r"pytorch_model.bin: no config.json beside it"),
         "no weights": (tmp_path, r"no pytorch_model.safetensors / model.safetensors / pytorch_model.bin"),
         "missing tensor": (folder("missing", state={k: v for k, v in weights.items() if k != "decoder.conv_out.bias"}),
-                           r"does not fit .*config.json: 1 missing \(first decoder.conv_out.bias\)"),
+                           r"does not fit the MaskGIT-VQGAN architecture: 1 missing \(first decoder.conv_out.bias\)"),
         "extra tensor": (folder("extra", state={**weights, "encoder.extra.weight": torch.zeros(2)}),
                          r"1 unexpected \(first encoder.extra.weight\)"),
         "wrong shape": (folder("codes", lambda c: c.update(num_embeddings=1024)),
