@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from make_taming_fixtures import (  # noqa: E402  (a sibling script)
     SEED,
+    compare_on_photos,
     given_case,
     int8_weights,
     like_trained,
@@ -128,7 +129,6 @@ def make_fixtures(out: Path) -> None:
 def full_size(name: str, photos: list[str], size: int) -> None:
     """A published architecture (random weights by the original classes, ``like_trained``) next
     to vqserve's rebuild on photographs: indices and decoded pixels compared."""
-    from vqserve.model.families.llamagen.precision import load_photo
     from vqserve.model.families.movqgan.family import PRESETS, MovqganTokenizer
     from vqserve.model.families.taming.layout import to_vqserve_name
 
@@ -138,23 +138,15 @@ def full_size(name: str, photos: list[str], size: int) -> None:
     like_trained(model, PUBLISHED[name], notebook_pixels)
     ours = MovqganTokenizer(PRESETS[name]).eval()
     ours.load_state_dict({to_vqserve_name(k, 4): v for k, v in model.state_dict().items()})
-    same = total = px_same = px_total = 0
-    for path in photos:
-        image = load_photo(path, size)[None]
-        with torch.no_grad():
-            quant, _, (_, _, indices) = model.encode(notebook_pixels(image))
-            b, d, h, w = quant.shape
-            indices = indices.view(b, h, w)
-            ref_px = notebook_uint8(model.decode(model.quantize.get_codebook_entry(indices.reshape(-1),
-                                                                                   (b, h, w, d))))
-            got = ours.encode(torch.from_numpy(image))
-            got_px = ours.decode(indices).numpy()
-        n = int((got == indices).sum())
-        same, total = same + n, total + indices.numel()
-        px_same, px_total = px_same + int((got_px == ref_px).sum()), px_total + ref_px.size
-        print(f"{Path(path).name}: {n}/{indices.numel()} indices ({len(torch.unique(indices))} distinct codes), "
-              f"{int((got_px == ref_px).sum())}/{ref_px.size} pixels", flush=True)
-    print(f"{name}: indices {same}/{total} equal; decoded uint8 {px_same}/{px_total} equal")
+
+    def reference(image: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        quant, _, (_, _, indices) = model.encode(notebook_pixels(image))
+        b, d, h, w = quant.shape
+        indices = indices.view(b, h, w)
+        return indices, notebook_uint8(model.decode(model.quantize.get_codebook_entry(indices.reshape(-1),
+                                                                                      (b, h, w, d))))
+
+    compare_on_photos(name, photos, size, reference, ours)
 
 
 def main() -> None:

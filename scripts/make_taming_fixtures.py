@@ -196,7 +196,6 @@ def make_fixtures(out: Path) -> None:
 def full_size(name: str, photos: list[str], size: int) -> None:
     """A published architecture (random weights by the original classes, ``like_trained``) next
     to vqserve's rebuild on photographs: indices and decoded pixels compared."""
-    from vqserve.model.families.llamagen.precision import load_photo
     from vqserve.model.families.taming.family import PRESETS, TamingTokenizer
     from vqserve.model.families.taming.layout import to_vqserve_name
 
@@ -206,16 +205,29 @@ def full_size(name: str, photos: list[str], size: int) -> None:
     like_trained(model, PUBLISHED[name])
     ours = TamingTokenizer(PRESETS[name]).eval()
     ours.load_state_dict({to_vqserve_name(k, 5): v for k, v in model.state_dict().items()})
+
+    def reference(image: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        quant, _, (_, _, indices) = model.encode(taming_pixels(image))
+        b, d, h, w = quant.shape
+        indices = indices.view(b, h, w)
+        return indices, to_uint8(model.decode(model.quantize.get_codebook_entry(indices.reshape(-1), (b, h, w, d))))
+
+    compare_on_photos(name, photos, size, reference, ours)
+
+
+@torch.no_grad()
+def compare_on_photos(name: str, photos: list[str], size: int, reference, ours) -> None:
+    """``reference(image) -> (indices [1, h, w], uint8 NHWC pixels)`` of the original next to
+    vqserve's tokenizer ``ours`` on each photograph (square crop of side ``size``): how many
+    indices and decoded pixels are equal, printed per photograph and in total."""
+    from vqserve.model.families.llamagen.precision import load_photo
+
     same = total = px_same = px_total = 0
     for path in photos:
         image = load_photo(path, size)[None]
-        with torch.no_grad():
-            quant, _, (_, _, indices) = model.encode(taming_pixels(image))
-            b, d, h, w = quant.shape
-            indices = indices.view(b, h, w)
-            ref_px = to_uint8(model.decode(model.quantize.get_codebook_entry(indices.reshape(-1), (b, h, w, d))))
-            got = ours.encode(torch.from_numpy(image))
-            got_px = ours.decode(indices).numpy()
+        indices, ref_px = reference(image)
+        got = ours.encode(torch.from_numpy(image))
+        got_px = ours.decode(indices).numpy()
         n = int((got == indices).sum())
         same, total = same + n, total + indices.numel()
         px_same, px_total = px_same + int((got_px == ref_px).sum()), px_total + ref_px.size

@@ -18,6 +18,7 @@ from vqserve.model.families.diffusers.family import DIFFUSERS_VQMODEL
 from vqserve.model.families.ibq.family import IBQ
 from vqserve.model.families.llamagen.family import LLAMAGEN
 from vqserve.model.families.magvit2.family import MAGVIT2
+from vqserve.model.families.maskgit.family import MASKGIT
 from vqserve.model.families.movqgan.family import MOVQGAN
 from vqserve.model.families.native.family import VQSERVE
 from vqserve.model.families.showo.family import SHOWO
@@ -37,6 +38,7 @@ FAMILIES: tuple[Family, ...] = (
     SHOWO,  # Show-o / MMaDA MAGVIT-v2 (showlab/magvitv2, LFQ msb-first), `vqserve import showo`
     TAMING,  # taming-transformers VQGANs, Meta's Chameleon VQGAN (.ckpt + yaml), `vqserve import taming`
     MOVQGAN,  # SBER-MoVQGAN 67M / 102M / 270M, `vqserve import movqgan`
+    MASKGIT,  # MaskGIT-VQGAN (open-muse MaskGitVQGAN), `vqserve import maskgit`
     *TRANSFORMERS_FAMILIES,  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
 )
 

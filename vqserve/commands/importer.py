@@ -51,6 +51,11 @@ yaml.safe_load and torch.load(weights_only=True)); an IBQ model with 131,072 x 2
 
 taming-transformers VQGANs and Meta's Chameleon VQGAN come as a .ckpt and the yaml that
 describes it; SBER-MoVQGAN (ai-forever/MoVQGAN) as a .ckpt alone.
+
+  vqserve import maskgit maskgit-vqgan-imagenet-f16-256/ --out models/maskgit-vqgan
+
+MaskGIT-VQGAN as open-muse released it (openMUSE/maskgit-vqgan-imagenet-f16-256: config.json and
+pytorch_model.bin, read with torch.load(weights_only=True)); 1,024 codes, factor 16.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     _add_emu35(families, parser)
     _add_taming(families, parser)
     _add_movqgan(families, parser)
+    _add_maskgit(families, parser)
 
 
 def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
@@ -309,6 +315,32 @@ def _run_movqgan(args: argparse.Namespace) -> int:
     out, arch = import_movqgan(args.checkpoint, args.out, args.config, preset=args.preset, force=args.force)
     return _report(out, f"SBER-MoVQGAN (factor {arch.factor}, {arch.codebook_size:,} codes x {arch.codebook_dim}",
                    args.quiet)
+
+
+def _add_maskgit(families, parser: argparse.ArgumentParser) -> None:
+    maskgit = families.add_parser(
+        "maskgit", help="MaskGIT-VQGAN (open-muse's MaskGitVQGAN): config.json + pytorch_model.bin",
+        description="Convert openMUSE/maskgit-vqgan-imagenet-f16-256 (open-muse's port of Google's MaskGIT "
+                    "tokenizer) into config.json + model.safetensors. SOURCE is the downloaded folder, or its "
+                    "weights file (pytorch_model.bin, or a .safetensors) with config.json beside it. The weights are "
+                    "read with torch.load(weights_only=True); every config key and tensor is checked before "
+                    "anything is written. Indices equal MaskGitVQGAN's own in fp32; docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    maskgit.add_argument("source", metavar="SOURCE",
+                         help="the downloaded folder, or its pytorch_model.bin (config.json beside it)")
+    _add_out(maskgit)
+    maskgit.add_argument("--config", choices=["imagenet-f16-256"], default=None,
+                         help="check the config is the published architecture; default: whatever it describes")
+    _add_force_quiet_debug(maskgit, "maskgit")
+    maskgit.set_defaults(_import=_run_maskgit)
+
+
+def _run_maskgit(args: argparse.Namespace) -> int:
+    from vqserve.model.families.maskgit.importer import import_maskgit
+
+    out, arch = import_maskgit(args.source, args.out, preset=args.config, force=args.force)
+    return _report(out, f"MaskGIT-VQGAN (factor {arch.factor}, {arch.num_embeddings:,} codes x "
+                        f"{arch.quantized_embed_dim}, pixels {arch.pixels}", args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,6 @@
+"""The MaskGIT-VQGAN family: Google's MaskGIT tokenizer as open-muse ported it, imported once.
+
+One folder per family: ``family`` is what ``load_tokenizer`` detects and loads; ``networks``
+the rebuilt encoder/decoder (TensorFlow "same" padding, the shortcut quirk); ``importer`` the
+``vqserve import maskgit`` converter.
+"""
