@@ -195,3 +195,23 @@ def test_wheel_stage_copies_every_package_folder():
     folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
     copied = {rest.split()[0] for instr, rest in stages()["wheels"] if instr == "COPY"}
     assert folders <= copied, f"not copied into the wheels stage: {sorted(folders - copied)}"
+
+
+def test_every_source_package_is_installed():
+    """pyproject lists the installed packages by hand (the top-level folders install only under
+    ``vqserve.``): a new subpackage missing from the list works from the checkout and is absent
+    from the wheel. Every folder with an ``__init__.py`` under a mapped folder must be listed."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    missing = []
+    for package, folder in setuptools["package-dir"].items():
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            if "__pycache__" in parts:
+                continue
+            name = ".".join((package, *parts))
+            if name not in listed:
+                missing.append(name)
+    assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {missing}"
