@@ -106,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
                           device=device).info.layout
     factor = layout.factor
     if not layout.is_grid:  # a pyramid (VAR) takes fixed sizes: the accepted ones nearest those asked
-        sizes = list(dict.fromkeys(layout.square_size_near(s) for s in sizes))
+        asked, sizes = sizes, list(dict.fromkeys(layout.square_size_near(s) for s in sizes))
+        if sizes != list(asked):
+            print(f"vqserve plan: this model tokenizes fixed image sizes ({layout.describe()}); --sizes "
+                  f"{','.join(map(str, asked))} are measured at {','.join(map(str, sizes))}", file=sys.stderr)
     bad = [s for s in sizes if s % factor]
     if bad:
         raise UsageError(f"--sizes {bad} must be multiples of the model's factor {factor}")

@@ -340,3 +340,20 @@ def test_torchserve_handler_checks_the_pyramid(imported, cases):
         dec.check_indices(np.zeros(84, np.uint16))
     with pytest.raises(th.BadRequest, match=r"\[0, 63\]"):
         dec.check_indices(np.full(85, 64, np.uint16))
+
+
+# ---- plan: the pyramid's own sizes ---------------------------------------------------------
+def test_plan_measures_the_pyramid_at_its_sizes_and_says_so(imported, tmp_path, capsys):
+    """``vqserve plan`` on a pyramid: the sizes asked are replaced, in one line, by the nearest
+    sizes the model tokenizes; fp32 eager qualifies (identical, batch-invariant) and the
+    export it cannot make is a refused row, not a failure."""
+    assert cli_main(["plan", "--model", imported, "--plan-cache", str(tmp_path / "cache"), "--sizes", "30,64",
+                     "--micro-batches", "1,2", "--seconds", "0.05", "--rounds", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert "--sizes 30,64 are measured at 32" in captured.err
+    assert result["sides"] == [32] and result["exact"] and result["backend"] == "eager"
+    fp32 = next(d for d in result["dtypes"] if d["backend"] == "eager")
+    assert fp32["agreement"] == 1.0 and fp32["pixels_equal"] and fp32["batch_invariant"]
+    onnx = next(d for d in result["dtypes"] if d["backend"] == "onnx")
+    assert not onnx["eligible"] and "VAR cannot export" in onnx["why_not"]
