@@ -379,6 +379,32 @@ def parse_layouts(text: str, common: list[str] | tuple = ()) -> dict[str, list[s
     return layouts
 
 
+BEFORE = "-before"  # the suffix of a layout served by an older install
+
+
+def with_baseline(layouts: dict[str, list[str]], pythonpath: str | None) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """``layouts`` plus, for a ``pythonpath`` (an older install), each layout again as
+    ``NAME-before`` from it: (layouts, {layout: pythonpath})."""
+    if not pythonpath:
+        return dict(layouts), {}
+    before = {f"{name}{BEFORE}": flags for name, flags in layouts.items()}
+    return {**layouts, **before}, dict.fromkeys(before, pythonpath)
+
+
+def before_ratios(rows: list[dict]) -> list[str]:
+    """One line per measured point that has a ``-before`` partner (same case and callers):
+    this install's img/s over the older one's, from the same interleaved rounds."""
+    by_key = {(r["layout"], r["case"], r.get("caller_kind")): r for r in rows if "error" not in r}
+    lines = []
+    for (layout, case, kind), row in by_key.items():
+        old = by_key.get((f"{layout}{BEFORE}", case, kind))
+        if old and old["throughput"] > 0:
+            lines.append(f"{layout} / {layout}{BEFORE}  {case:<14} {kind or '-':<9} "
+                         f"{row['throughput'] / old['throughput']:.3f} ({row['throughput']:.0f} / "
+                         f"{old['throughput']:.0f} img/s)")
+    return lines
+
+
 def reply_tokens(case: LoadCase, reply: bytes) -> np.ndarray | None:
     """The indices in a serialised Encode / ModelInfer reply (None for no reply)."""
     if not reply:
@@ -398,7 +424,8 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
                     dtype: str | None = None, floor: bool = False, log=print,
                     expected: np.ndarray | dict[str, np.ndarray] | None = None,
                     warmup: float = 0.5, kinds: tuple[str, ...] = ("asyncio",),
-                    profile: ProfileRequest | None = None) -> list[dict]:
+                    profile: ProfileRequest | None = None,
+                    pythonpaths: dict[str, str] | None = None) -> list[dict]:
     """Every layout's server started at once, then each case measured on each layout in
     interleaved rounds (the order rotates), keeping each point's best round: the ratios
     between layouts are taken under the same conditions. ``floor``: an echo server (gRPC
@@ -408,7 +435,9 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
     the callers measured (:data:`CALLER_KINDS`), each case with each kind in the same rounds.
     A layout whose server does not start is one row with its ``error``. ``profile``: after
     the rounds, one more window of that case on each layout it names, its servers sampled
-    by py-spy (bench/profiling.py); its summary is the ``profile`` of that case's row."""
+    by py-spy (bench/profiling.py); its summary is the ``profile`` of that case's row.
+    ``pythonpaths``: layouts served by the vqserve installed in another folder (an older
+    install: the same clients measure both, interleaved)."""
     import argparse
 
     for kind in kinds:
@@ -421,7 +450,8 @@ def compare_layouts(model: str, layouts: dict[str, list[str]], cases: list[LoadC
     try:
         for name, flags in layouts.items():
             try:
-                servers[name] = start_server(model, args, 32, None, extra=flags)
+                servers[name] = start_server(model, args, 32, None, extra=flags,
+                                             pythonpath=(pythonpaths or {}).get(name))
             except RuntimeError as exc:
                 failed.append({"layout": name, "error": str(exc)[-500:]})
                 log(f"  {name}: the server did not start: {str(exc)[-300:]}")

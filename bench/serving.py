@@ -70,12 +70,14 @@ from vqserve.bench.closed_loop import (
 )
 from vqserve.bench.inputs import bench_model, bench_photos
 from vqserve.bench.load import (
+    before_ratios,
     caller_kinds,
     capacity_of,
     compare_layouts,
     layouts_table,
     parse_cases,
     parse_layouts,
+    with_baseline,
 )
 from vqserve.bench.processes import pids_memory, tree_memory
 from vqserve.bench.profiling import ProfileRequest
@@ -136,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-modes", action="store_true",
                    help="also measure in-process-plan: the runtime run by the plan --plan auto chose")
     p.add_argument("--baseline-pythonpath", default=None,
-                   help="also serve with the vqserve installed in this directory (served-v1-before)")
+                   help="also serve with the vqserve installed in this directory (served-v1-before; with "
+                        "--client-procs, each layout NAME also as NAME-before, measured by the same clients)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for the in-process runtime and every server (0 = torch default)")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -330,6 +333,7 @@ def client_process_mode(args) -> int:
     image over all its processes, and the gRPC floor (an echo server) on the same machine."""
     cases = parse_cases(args.cases)
     layouts = parse_layouts(args.layouts, ["--plan", args.server_plan or "default"])
+    layouts, pythonpaths = with_baseline(layouts, args.baseline_pythonpath)
     profile = None
     if args.profile:
         if args.profile not in [c.label for c in cases]:
@@ -344,9 +348,12 @@ def client_process_mode(args) -> int:
     rows = compare_layouts(args.model, layouts, cases, photos, args.client_procs, args.client_callers,
                            args.duration, args.repeats, args.device, args.dtype, floor=args.floor,
                            log=lambda m: print(m, flush=True), kinds=args.client_kind, profile=profile,
-                           warmup=args.warmup)
+                           warmup=args.warmup, pythonpaths=pythonpaths)
     print()
     print(layouts_table(rows, capacity, args.size))
+    if pythonpaths:
+        print("\nthis install / the one in --baseline-pythonpath, same clients, interleaved rounds (best round each):")
+        print("\n".join(before_ratios(rows)))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "capacity": capacity, "rows": rows,
                                                "cpus": cores}, indent=1))

@@ -181,3 +181,33 @@ def test_the_baseline_server_runs_the_install_it_names(tmp_path, monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_with_client_processes_each_layout_is_also_served_by_the_baseline_install(tmp_path, monkeypatch):
+    """``--baseline-pythonpath DIR --client-procs P``: every layout NAME is also NAME-before,
+    started from DIR (here a stand-in ``vqserve`` that says which it is and exits, so that
+    layout's row is its error, carrying the stand-in's line), and the ratio lines pair each
+    point with its -before partner."""
+    from vqserve.bench.load import before_ratios, compare_layouts, parse_cases, with_baseline
+
+    stub = tmp_path / "before" / "vqserve"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "__main__.py").write_text("import sys\nprint('stand-in vqserve', sys.argv[1:3], file=sys.stderr)\n"
+                                      "sys.exit(3)\n")
+    monkeypatch.chdir(ROOT)
+    layouts, paths = with_baseline({"split": ["--frontends", "2"]}, str(tmp_path / "before"))
+    assert layouts == {"split": ["--frontends", "2"], "split-before": ["--frontends", "2"]}
+    assert paths == {"split-before": str(tmp_path / "before")}
+    assert with_baseline({"split": []}, None) == ({"split": []}, {})
+    only_before = {"split-before": layouts["split-before"]}
+    rows = compare_layouts("synthetic:4", only_before, parse_cases("v1:raw:1"), np.zeros((1, 16, 16, 3), np.uint8),
+                           1, 1, 0.1, rounds=1, log=lambda m: None, pythonpaths=paths)
+    assert [r["layout"] for r in rows] == ["split-before"] and "stand-in vqserve" in rows[0]["error"]
+
+    measured = [{"layout": "split", "case": "v1 raw x8", "caller_kind": "asyncio", "throughput": 300.0},
+                {"layout": "split-before", "case": "v1 raw x8", "caller_kind": "asyncio", "throughput": 250.0},
+                {"layout": "single", "case": "v1 raw x8", "caller_kind": "asyncio", "throughput": 90.0},
+                {"layout": "single-before", "error": "did not start"}]
+    lines = before_ratios(measured)
+    assert len(lines) == 1 and lines[0].startswith("split / split-before") and "1.200 (300 / 250 img/s)" in lines[0]
