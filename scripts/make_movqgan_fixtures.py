@@ -37,6 +37,7 @@ from make_taming_fixtures import (  # noqa: E402  (a sibling script)
     int8_weights,
     like_trained,
     photo_inputs,
+    published_shapes,
     random_checkpoint,
     randomise_on_int8_grid,
     run_case,
@@ -118,12 +119,7 @@ def make_fixtures(out: Path) -> None:
     for prefix, images in photo_inputs().items():
         cases.update(run_case(model, images, prefix, notebook_pixels, notebook_uint8))
     cases.update(given_case(model, notebook_uint8))
-    published = {}
-    for name, cfg in PUBLISHED.items():
-        with torch.device("meta"):
-            ref = Reference(cfg)
-        published[name] = {k: list(v.shape) for k, v in ref.state_dict().items()}
-    write(out, int8_weights(model), cases, SMALL, "movqgan.models.vqgan.MOVQ", published)
+    write(out, int8_weights(model), cases, SMALL, "movqgan.models.vqgan.MOVQ", published_shapes(Reference, PUBLISHED))
 
 
 def full_size(name: str, photos: list[str], size: int) -> None:

@@ -185,12 +185,18 @@ def make_fixtures(out: Path) -> None:
     for prefix, images in photo_inputs().items():
         cases.update(run_case(model, images, prefix))
     cases.update(given_case(model))
-    published = {}
-    for name, cfg in PUBLISHED.items():
+    write(out, int8_weights(model), cases, SMALL, "taming.models.vqgan.VQModel", published_shapes(Reference, PUBLISHED))
+
+
+def published_shapes(reference: type, published: dict) -> dict[str, dict[str, list[int]]]:
+    """Every tensor name and shape of each published architecture, as the reference class
+    builds it (on the meta device: no memory, no values)."""
+    shapes = {}
+    for name, cfg in published.items():
         with torch.device("meta"):
-            ref = Reference(cfg)
-        published[name] = {k: list(v.shape) for k, v in ref.state_dict().items()}
-    write(out, int8_weights(model), cases, SMALL, "taming.models.vqgan.VQModel", published)
+            ref = reference(cfg)
+        shapes[name] = {k: list(v.shape) for k, v in ref.state_dict().items()}
+    return shapes
 
 
 def full_size(name: str, photos: list[str], size: int) -> None:

@@ -26,6 +26,33 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be imported; the message is one line naming what is wrong."""
 
 
+# Checkpoints that another import takes, told apart by what only that family has, so any
+# import given one names the right command: a state dict by tensors (all of them present) ...
+FOREIGN_STATE_DICTS = (
+    ("maskgit", "MaskGIT-VQGAN state dict (open-muse's MaskGitVQGAN: decoder.up.N.upsample_conv, no quant_conv)",
+     ("decoder.up.1.upsample_conv.weight", "encoder.mid.0.conv1.weight")),
+)
+# ... and a Hugging Face style config.json by its ``_class_name``
+FOREIGN_CONFIG_CLASSES = {"MaskGitVQGAN": ("maskgit", "open-muse's MaskGitVQGAN"),
+                          "MAGVITv2": ("showo", "Show-o's MAGVITv2")}
+
+
+def family_of_state(state: dict) -> str | None:
+    """The import command whose family alone has this state dict's tensors, or None."""
+    return next((command for command, _, names in FOREIGN_STATE_DICTS if all(n in state for n in names)), None)
+
+
+def refuse_other_family(state: dict, where: str, command: str, label: str, config_json: dict | None = None) -> None:
+    """One line naming the right import when ``state`` (or the ``config.json`` beside it) is
+    another family's than ``vqserve import {command}``'s."""
+    for other, what, names in FOREIGN_STATE_DICTS:
+        if other != command and all(n in state for n in names):
+            raise CheckpointError(f"{where}: a {what}, not a {label}; use `vqserve import {other}`")
+    other, what = FOREIGN_CONFIG_CLASSES.get((config_json or {}).get("_class_name"), (command, ""))
+    if other != command:
+        raise CheckpointError(f"{where}: its config.json is {what}, not a {label}; use `vqserve import {other}`")
+
+
 def check_preset(inferred: ImportedConfig, presets: dict, preset: str, where: str) -> None:
     """``--config PRESET``: the architecture the weights describe must be that published one."""
     for name, value in asdict(presets[preset]).items():

@@ -15,7 +15,6 @@ device executor - off the event loop.
 
 from __future__ import annotations
 
-import json
 import struct
 
 import numpy as np
@@ -188,9 +187,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         for key in ("model_hash", "source_hash", "dtype", "backend"):  # which tokens these are
             response.parameters[key].string_param = engine.identity[key]
         response.parameters["exact"].bool_param = engine.identity["exact"]
-        if "token_layout" in engine.identity:  # a pyramid's scales, so a consumer can split it
-            response.parameters["token_layout"].string_param = json.dumps(engine.identity["token_layout"],
-                                                                          separators=(",", ":"))
+        if engine.token_layout_json:  # a pyramid's scales, so a consumer can split it
+            response.parameters["token_layout"].string_param = engine.token_layout_json
         if png:
             pngs = await codec.png_reply(out)
             response.outputs.add(name=out_name, datatype="BYTES", shape=[len(pngs)])

@@ -11,6 +11,7 @@ then decoding off the event loop under a decoded-bytes budget.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,8 +54,7 @@ class Engine:
         ``runtime`` (a front-end process: the executor's, through ``serve/split/frontend.py``);
         ``runtime`` then only needs its ``info``."""
         self.runtime = runtime
-        self.info = runtime.info if not max_pixels else dataclasses.replace(runtime.info, max_pixels=max_pixels)
-        self.identity = self.info.identity()  # which tokens it serves; every OIP answer carries it
+        self.adopt_info(runtime.info if not max_pixels else dataclasses.replace(runtime.info, max_pixels=max_pixels))
         self.metrics = metrics
         self.index_dtype = np.dtype(self.info.index_dtype)
         self.max_batch_size = max_batch_size
@@ -77,6 +77,14 @@ class Engine:
         return Batcher(runtime, observer=self.metrics.observe_batch, max_batch_pixels=self.max_batch_pixels,
                        pixels_per_item=self._pixels_per_item, **self._batching)
 
+    def adopt_info(self, info) -> None:
+        """The served model's facts, at start and after every plan switch: ``info``, the
+        ``identity`` every answer carries (which tokens these are), and the token layout as
+        the OIP parameter writes it (serialised once here, not per reply)."""
+        self.info = info
+        self.identity = info.identity()
+        self.token_layout_json = json.dumps(info.token_layout, separators=(",", ":")) if info.token_layout else ""
+
     async def use_runtime(self, runtime, determinism=None) -> None:
         """Run every call from now on by ``runtime`` (a measured plan replacing the safe one).
         Only for a runtime that gives the same tokens and pixels as the one it replaces: the
@@ -86,8 +94,7 @@ class Engine:
         self.batcher = self._batcher_for(runtime)
         self.batcher.start()
         self.runtime = runtime
-        self.info = dataclasses.replace(runtime.info, max_pixels=self.info.max_pixels)
-        self.identity = self.info.identity()
+        self.adopt_info(dataclasses.replace(runtime.info, max_pixels=self.info.max_pixels))
         self.determinism = determinism
         await old_batcher.close()  # what it had queued runs to the end; it takes nothing new
         if hasattr(old_runtime, "close"):

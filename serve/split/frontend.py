@@ -75,8 +75,7 @@ async def connect_engine(config, metrics):
     engine.determinism = _certificate(payload)
 
     def update(later: dict) -> None:  # a plan switch in the executor: its new identity
-        engine.info = dataclasses.replace(_runtime_info(later), max_pixels=engine.info.max_pixels)
-        engine.identity = engine.info.identity()
+        engine.adopt_info(dataclasses.replace(_runtime_info(later), max_pixels=engine.info.max_pixels))
         engine.determinism = _certificate(later)
 
     remote.on_info = update

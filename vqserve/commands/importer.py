@@ -260,6 +260,8 @@ def _run_emu35(args: argparse.Namespace) -> int:
     out, arch = import_emu35(args.sources, args.out, preset=args.config, force=args.force)
     return _report(out, f"Emu3.5 VisionTokenizer (IBQ; factor {arch.factor}, {arch.codebook_size:,} codes x "
                         f"{arch.codebook_dim}", args.quiet)
+
+
 def _add_taming(families, parser: argparse.ArgumentParser) -> None:
     taming = families.add_parser(
         "taming", help="a taming-transformers VQGAN or Meta's Chameleon VQGAN: .ckpt + its yaml",

@@ -16,8 +16,9 @@ anything written, each in one line naming the file:
   or as safetensors; a checkpoint of another family is named (``vqserve import taming`` /
   ``var`` / ...), then every tensor present, none extra, every shape what the config builds.
 
-``maskgit_fingerprint`` is also what ``vqserve import taming`` uses to refuse a MaskGIT-VQGAN
-state dict with a pointer here.
+The tensors that tell a MaskGIT-VQGAN state dict apart live with every family's in
+``importing.FOREIGN_STATE_DICTS``, so ``vqserve import taming`` (and any import that asks)
+refuses one with a pointer here.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ from vqserve.model.families.importing import (
     CheckpointError,
     check_out,
     check_preset,
+    family_of_state,
     write_imported,
 )
 from vqserve.model.families.llamagen.importer import read_checkpoint
 from vqserve.model.families.maskgit.family import (
+    FAMILY_NAME,
     FORMAT,
     LABEL,
     PRESETS,
@@ -64,13 +67,12 @@ OTHER_FAMILIES = (
     ("quantize.quant_resi.", "var"), ("ema_encoder.", "movqgan"), ("quant_conv.weight", "taming"),
     ("decoder.mid.block_1.", "taming"), ("loss.", "taming"), ("decoder.conv_blocks.", "llamagen"),
 )
-# tensors only a MaskGitVQGAN state dict has (the upsampling conv's and the shortcut's names)
-FINGERPRINT = ("decoder.up.1.upsample_conv.weight", "encoder.mid.0.conv1.weight")
 
 
 def maskgit_fingerprint(state: dict) -> bool:
-    """Whether a state dict is open-muse's MaskGitVQGAN (for other imports' refusals)."""
-    return all(k in state for k in FINGERPRINT)
+    """Whether a state dict is open-muse's MaskGitVQGAN (the tensors only it has, as every
+    import tells families apart: ``importing.FOREIGN_STATE_DICTS``)."""
+    return family_of_state(state) == FAMILY_NAME
 
 
 def find_sources(source: str | os.PathLike) -> tuple[Path, Path]:

@@ -30,10 +30,13 @@ import yaml
 from vqserve.core.files import sha256_file
 from vqserve.model.families.base import read_config_json
 from vqserve.model.families.imported import key_mismatch
-from vqserve.model.families.importing import CheckpointError, check_out, write_imported
+from vqserve.model.families.importing import (
+    CheckpointError,
+    check_out,
+    refuse_other_family,
+    write_imported,
+)
 from vqserve.model.families.llamagen.importer import read_checkpoint
-from vqserve.model.families.maskgit.importer import CLASS_NAME as MASKGIT_CLASS
-from vqserve.model.families.maskgit.importer import maskgit_fingerprint
 from vqserve.model.families.taming.family import (
     FORMAT,
     REFERENCE_COMMIT,
@@ -188,18 +191,13 @@ def import_vqgan(checkpoint: str | os.PathLike, out: str | os.PathLike, config: 
     if config is not None:
         arch = architecture_from_yaml(read_yaml(Path(config)), str(config), kind, pixels)
     elif infer is None:
-        beside = read_config_json(src if src.is_dir() else src.parent) or {}
-        if beside.get("_class_name") == MASKGIT_CLASS:
-            raise CheckpointError(f"{src}: its config.json is open-muse's {MASKGIT_CLASS}, not a {kind.label}; "
-                                  "use `vqserve import maskgit`")
+        refuse_other_family({}, str(src), kind.command, kind.label,
+                            read_config_json(src if src.is_dir() else src.parent))
         raise CheckpointError(f"{src}: no --config; a {kind.label} checkpoint carries no architecture, pass "
                               "the yaml published beside it (e.g. vqgan.yaml)")
     where = str(src)
     state, key = select_state(read_checkpoint(src, resave_hint=RESAVE_HINT), where)
-    if maskgit_fingerprint(state):
-        raise CheckpointError(f"{where}: a MaskGIT-VQGAN state dict (open-muse's {MASKGIT_CLASS}: "
-                              f"decoder.up.N.upsample_conv, no quant_conv), not a {kind.label}; use "
-                              "`vqserve import maskgit`")
+    refuse_other_family(state, where, kind.command, kind.label)
     if arch is None:
         arch = infer(state, where)
     dropped = check_tensors(state, expected_shapes(arch, kind), where, str(config or "the architecture"), kind)
