@@ -43,6 +43,10 @@ _FACE = {
 
 
 def __getattr__(name: str):
+    if name == "serve":
+        # the subpackage, which is callable (serve/__init__.py); not yet imported in a fresh
+        # interpreter, where Python's attribute lookup on the package lands here
+        return importlib.import_module("vqserve.serve")
     if name in _FACE:
         value = getattr(importlib.import_module(_FACE[name]), name)
         globals()[name] = value
