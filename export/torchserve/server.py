@@ -123,13 +123,29 @@ class TorchServe:
 
     def register(self, archive: str, batch_size: int, max_batch_delay_ms: int, workers: int = 1,
                  timeout: float = 180) -> None:
-        """Register ``<archive>.mar`` from the store, synchronously (its workers are up on return)."""
+        """Register ``<archive>.mar`` from the store; on return all ``workers`` are READY.
+
+        ``synchronous=true`` alone is not that: TorchServe answers once the registration is
+        done, and a second worker can still be starting (seen: the model described 1 of 2
+        workers READY right after the answer). So the workers are awaited here, within the
+        same ``timeout``, and their absence is an error naming how many came up."""
+        deadline = time.monotonic() + timeout
         status, _, body = http(self.url(
             f"/models?url={archive}.mar&batch_size={batch_size}&max_batch_delay={max_batch_delay_ms}"
             f"&initial_workers={workers}&synchronous=true", management=True), method="POST",
             timeout=timeout)
         if status != 200:
             raise RuntimeError(f"registering {archive}: {status} {body!r}\n{self.tail()}")
+        ready = 0
+        while True:
+            described = self.describe(archive)
+            ready = sum(w.get("status") == "READY" for w in described.get("workers", []))
+            if ready >= workers:
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"registering {archive}: {ready}/{workers} worker(s) READY after "
+                                   f"{timeout:.0f} s\n{self.tail()}")
+            time.sleep(0.2)
 
     def describe(self, archive: str) -> dict:
         """The management API's description of a registered model (batching, workers)."""
