@@ -162,6 +162,42 @@ def test_ray_runs_the_drivers_plan_and_either_engine_resumes_the_other(ray_local
     assert folder_bytes(local) == want
 
 
+_SIGTERM_IN_SHUTDOWN = """
+import os, signal, sys
+import ray
+real_shutdown = ray.shutdown
+def shutdown(*args, **kwargs):  # a scheduler's SIGTERM lands as the run shuts Ray down
+    os.kill(os.getpid(), signal.SIGTERM)
+    real_shutdown(*args, **kwargs)
+    print("ray shut down whole", file=sys.stderr, flush=True)
+ray.shutdown = shutdown
+from vqserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_in_rays_shutdown_exits_143_with_ray_shut_down(photos_dir, tiny_checkpoint, tmp_path):
+    """Regression: a SIGTERM that landed near the end of a Ray run, while the driver shut Ray
+    down, broke the shutdown and the run exited 1 ("The core worker has already been
+    shutdown") instead of 143. The clean-up now runs with the signal deferred: Ray shuts
+    down whole, then the run stops as Ctrl-C stops it. Made certain here by sending the
+    signal from inside ``ray.shutdown``."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    args = ["tokenize", str(photos_dir), "--out", str(out), "--model", tiny_checkpoint, "--device", "cpu",
+            "--size", "32", "--shard-size", "4", "--engine", "ray", "--workers", "0", "--ray-actors", "1",
+            "--no-progress"]
+    _give_ray_time_to_start()
+    proc = subprocess.run([sys.executable, "-c", _SIGTERM_IN_SHUTDOWN, *args], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "ray shut down whole" in proc.stderr
+    assert "terminated (SIGTERM):" in proc.stderr and "run the same command again to resume" in proc.stderr
+    assert "core worker" not in proc.stderr
+
+
 def test_sigterm_stops_a_ray_run_as_ctrl_c_does(photos_dir, tiny_checkpoint, tmp_path):
     """``ray.init`` replaced the SIGTERM handler: a scheduler's SIGTERM ended the driver with
     Ray's fault log and exit status 15, in the middle of a shard. The driver now takes the
