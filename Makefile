@@ -14,6 +14,9 @@ HOST   = [::]
 MODEL  = default
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+# `make test` runs the suite in TEST_WORKERS pytest processes (pytest-xdist; 0: in this one).
+# Most tests wait on servers and child processes, so 2 workers pay off on a 2-core machine too.
+TEST_WORKERS ?= 2
 BENCH_OUT ?= /tmp/vqserve-bench
 # `make fuzz FUZZ_EXAMPLES=200` (examples per fuzz test; `make test` runs 25), counts -> FUZZ_REPORT;
 # FUZZ_FRONTENDS=2 fuzzes the server split into 2 front-end processes before one executor
@@ -23,13 +26,15 @@ FUZZ_REPORT ?= /tmp/vqserve-fuzz.json
 # `make soak SOAK_ARGS="--duration 1 --clients 16"`; the model is MODEL
 SOAK_ARGS ?=
 SOAK_FRONTENDS ?= 2
+SEED ?=
 
 IMAGE  ?= vqserve:latest
 
-.PHONY: help venv test lint importlint pytest serve protos bench bench-quick bench-quantizers bench-tokenize bench-gpu fuzz soak soak-split docker docker-cpu clean
+.PHONY: help venv test test-reverse test-random lint importlint pytest serve protos bench bench-quick bench-quantizers bench-tokenize bench-gpu fuzz soak soak-split docker docker-cpu clean
 
 help:
 	@echo "make test    - create .venv (CPU torch), lint, import contracts, run the test suite"
+	@echo "make test-reverse / make test-random SEED=N - the suite in another order (one process)"
 	@echo "make serve   - serve MODEL=$(MODEL) on $(HOST):$(PORT) (metrics :$(METRICS_PORT));"
 	@echo "               override with make serve HOST= MODEL= PORT= METRICS_PORT= SERVE_ARGS="
 	@echo "make protos  - regenerate the gRPC stubs from protos/"
@@ -69,7 +74,15 @@ importlint: $(STAMP)
 	VENV=$(VENV) scripts/lint_imports.sh
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# the same suite in reverse, or shuffled (SEED=: that order again): a test that passes only
+# where it lands in the order is a bug (tests/plugins/process_state.py)
+test-reverse: $(STAMP)
+	VQSERVE_TEST_ORDER=reverse $(BIN)/python -m pytest -q -p no:xdist $(PYTEST_ARGS)
+
+test-random: $(STAMP)
+	VQSERVE_TEST_ORDER=random:$(SEED) $(BIN)/python -m pytest -q -p no:xdist $(PYTEST_ARGS)
 
 test: lint importlint pytest
 

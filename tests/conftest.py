@@ -20,6 +20,8 @@ os.environ.setdefault("VQSERVE_PLAN", "default")
 os.environ.setdefault("VQSERVE_PLAN_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                          f"vqserve-test-plans-{os.getpid()}"))
 
+pytest_plugins = ["tests.plugins.process_state"]
+
 TINY = dict(channels=[16, 16, 16], num_res_blocks=1)  # factor 8, fast on CPU
 
 

@@ -22,6 +22,9 @@ from vqserve.export.runtimes.loader import load_runtime
 from vqserve.serve.config import ServerConfig
 from vqserve.serve.launcher import ServerThread
 
+# one TorchServe at a time: its ports come from one range (make test runs two pytest workers)
+pytestmark = pytest.mark.xdist_group("torchserve")
+
 SIZE = 32
 
 

@@ -14,7 +14,8 @@ from tests.helpers import folder_bytes, stop_after_first_shard
 from vqserve.cli import main
 
 ray = pytest.importorskip("ray")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
+# one local Ray at a time (make test runs two pytest workers): the Ray tests share one worker
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("ray"),
               pytest.mark.filterwarnings(r"ignore::DeprecationWarning:ray\..*")]
 
 SIZES = ((40, 48), (48, 40), (32, 32), (56, 64), (64, 56), (33, 47), (48, 48), (40, 64))

@@ -333,6 +333,9 @@ import grpc
 from google.protobuf import empty_pb2
 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
+# one TorchServe at a time: its ports come from one range (make test runs two pytest workers)
+pytestmark = pytest.mark.xdist_group("torchserve")
+
 calls = json.load(open(sys.argv[3]))
 with grpc.insecure_channel(sys.argv[2]) as channel:
     stub = pb_grpc.InferenceAPIsServiceStub(channel)

@@ -15,6 +15,9 @@ import pytest
 from vqserve.bench.report import document, machine, targets
 from vqserve.cli import main as cli_main
 
+# one TorchServe at a time: its ports come from one range (make test runs two pytest workers)
+pytestmark = pytest.mark.xdist_group("torchserve")
+
 SECTIONS = ("## Machine", "## Settings", "## Targets", "## 1. Runtimes per backend and dtype",
             "## 2. Served vs in-process, v1 and OIP v2", "## 3. Dynamic batching on vs off",
             "## 4. The same tokenizer in TorchServe", "### Memory", "## Reproduce")

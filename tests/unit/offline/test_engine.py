@@ -192,6 +192,7 @@ def test_bench_tokenize_json(tmp_path):
     assert np.isclose(result["ratio_median"], result["end_to_end_images_per_s"] / result["raw_images_per_s"])
 
 
+@pytest.mark.xdist_group("ray")  # beside the other Ray tests: one local Ray at a time
 def test_ray_engine_writes_the_overlapped_engines_bytes_with_the_simulated_device(tmp_path, capsys):
     """The Ray driver names the simulated device as the local engine does, so the two
     folders (manifest included) are the same bytes."""

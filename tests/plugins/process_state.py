@@ -1,0 +1,115 @@
+"""Every test starts from the same process state, whatever ran before it.
+
+A test that runs a command in this process (``main([...])``, a benchmark driver, ``ray.init``)
+can leave behind what every later child process inherits or every later test runs with:
+environment variables (``bench serve --threads`` set ``OMP_NUM_THREADS`` for the servers it
+starts), stop-signal handlers, a blocked signal, torch's thread count. Then a test passes or
+fails by where it lands in the order: with the integration tests collected first, 7
+SIGINT/SIGTERM tests failed. This plugin snapshots that state before each test, puts it back
+after, and lists at the end of the run which tests changed what, so a leak is named, not
+just undone. It also ends the run with its 15 slowest tests, each test's phases together.
+
+Order itself is a setting: ``VQSERVE_TEST_ORDER=reverse`` or ``random:SEED`` (``make
+test-reverse``, ``make test-random``) runs the collected tests in that order.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+
+import pytest
+
+SLOWEST = 15
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_LEAK = "process state put back"
+_before: dict[str, dict] = {}
+_leaks: list[tuple[str, str]] = []
+_seconds: dict[str, float] = {}  # test -> setup + call + teardown
+
+
+def _snapshot() -> dict:
+    state = {"environ": dict(os.environ), "handlers": {s: signal.getsignal(s) for s in _SIGNALS},
+             "mask": signal.pthread_sigmask(signal.SIG_BLOCK, set())}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["threads"] = torch.get_num_threads()
+    return state
+
+
+def _restore(before: dict) -> list[str]:
+    """Put ``before`` back; returns what had changed."""
+    changed = []
+    env, old_env = os.environ, before["environ"]
+    if dict(env) != old_env:
+        names = sorted(set(env) ^ set(old_env) | {k for k in env if k in old_env and env[k] != old_env[k]})
+        changed.append("environment " + ", ".join(names))
+        env.clear()
+        env.update(old_env)
+    for signum, handler in before["handlers"].items():
+        if handler is not None and signal.getsignal(signum) is not handler:
+            changed.append(f"{signal.Signals(signum).name} handler")
+            signal.signal(signum, handler)
+    if signal.pthread_sigmask(signal.SIG_BLOCK, set()) != before["mask"]:
+        changed.append("blocked signals")
+        signal.pthread_sigmask(signal.SIG_SETMASK, before["mask"])
+    torch = sys.modules.get("torch")
+    if torch is not None and "threads" in before and torch.get_num_threads() != before["threads"]:
+        changed.append(f"torch threads {before['threads']} -> {torch.get_num_threads()}")
+        torch.set_num_threads(before["threads"])
+    return changed
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if threading.current_thread() is threading.main_thread():
+        _before[item.nodeid] = _snapshot()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    before = _before.pop(item.nodeid, None)
+    if before is not None:
+        changed = _restore(before)
+        if changed:  # travels in the teardown report: to the controller of a run in workers too
+            item.user_properties.append((_LEAK, "; ".join(changed)))
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+    _leaks.extend((report.nodeid, what) for key, what in report.user_properties if key == _LEAK)
+
+
+def pytest_collection_modifyitems(config, items):
+    order = os.environ.get("VQSERVE_TEST_ORDER", "")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("random"):
+        seed = int(order.partition(":")[2] or random.randrange(10**6))
+        random.Random(seed).shuffle(items)
+        config.stash[_ORDER] = f"random:{seed}"
+    elif order:
+        raise pytest.UsageError(f"VQSERVE_TEST_ORDER must be reverse or random[:SEED], got {order!r}")
+
+
+_ORDER = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    order = config.stash.get(_ORDER, os.environ.get("VQSERVE_TEST_ORDER", ""))
+    if order:
+        terminalreporter.write_line(f"test order: {order} (VQSERVE_TEST_ORDER={order} repeats it)")
+    if _leaks:
+        terminalreporter.section("process state put back after these tests")
+        for nodeid, what in _leaks:
+            terminalreporter.write_line(f"{nodeid}: {what}")
+    slowest = sorted(_seconds.items(), key=lambda kv: -kv[1])[:SLOWEST]
+    if slowest:
+        terminalreporter.section(f"the {len(slowest)} slowest tests (setup + call + teardown)")
+        for nodeid, seconds in slowest:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
