@@ -113,7 +113,7 @@ bench-gpu:
 
 fuzz: $(STAMP)
 	VQSERVE_FUZZ_EXAMPLES='$(FUZZ_EXAMPLES)' VQSERVE_FUZZ_FRONTENDS='$(FUZZ_FRONTENDS)' FUZZ_REPORT='$(FUZZ_REPORT)' \
-		$(BIN)/python -m pytest -q -s tests/integration/test_fuzz.py
+		$(BIN)/python -m pytest -q -s tests/integration/fuzz/
 
 soak: $(STAMP)
 	$(BIN)/python -m vqserve.bench.soak --model '$(MODEL)' $(SOAK_ARGS)

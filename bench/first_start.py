@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vqserve.bench.client_procs import parse_cases, run_load
 from vqserve.bench.inputs import bench_model, bench_photos
-from vqserve.bench.load import parse_cases, run_load
 from vqserve.bench.servers import log_events, start_server
 
 TARGET = 0.8           # each first-minute window against the measured plan's rate

@@ -26,42 +26,30 @@ and a writer, each stage running beside the others.
   main process's CPU; :func:`Stages.bottleneck` names the stage that kept the others waiting.
 
 Bounded memory: at most ``slots`` tasks are anywhere between decoding and writing.
+
+This module is the run itself (the devices, the executors, the writer, the main loop); the
+decode workers and their arena are ``offline/slot_workers.py``, the stage times
+``offline/stages.py``.
 """
 
 from __future__ import annotations
 
-import os
 import queue
-import selectors
-import signal
-import socket
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from vqserve.core import images
-from vqserve.core.lifetime import Stopped, lower_priority
-from vqserve.core.shm import Arena, round_up
+from vqserve.core.shm import round_up
 from vqserve.offline import shards
 from vqserve.offline.committer import Committer
-from vqserve.offline.errors import TokenizeError
 from vqserve.offline.job import Job, Settings
-from vqserve.offline.tasks import (
-    Task,
-    _decode_worker_start,
-    decode_task,
-    encode_groups,
-    encode_task,
-    shape_groups,
-)
+from vqserve.offline.slot_workers import ALIGN, SlotResult, _ArenaServer, _DecodePool
+from vqserve.offline.stages import Stages, _Busy
+from vqserve.offline.tasks import decode_task, encode_groups, encode_task
 
 EXECUTORS_PER_DEVICE = 2
-SHORT_RUN_S = 2.0  # shorter runs get no bottleneck verdict: start-up and the end dominate them
 SLOT_IMAGE_BYTES = 4 << 20  # per image of a slot when the size is not fixed (--keep-size, exact)
-_ALIGN = 64
 
 
 # ---- devices ----------------------------------------------------------------------------------
@@ -110,306 +98,6 @@ def device_kind(devices: list[str]) -> str:
     return ",".join(devices)
 
 
-# ---- where the time goes -------------------------------------------------------------------
-@dataclass
-class Stages:
-    """Busy seconds of each stage of one run (see the module docstring)."""
-
-    workers: int = 0
-    devices: list = field(default_factory=list)
-    wall_s: float = 0.0
-    images: int = 0
-    decode_s: float = 0.0          # decode wall seconds summed over workers (inline: this process)
-    decode_images: int = 0
-    device_s: dict = field(default_factory=dict)   # device -> seconds with a call in flight
-    write_s: float = 0.0
-    main_cpu_s: float = 0.0
-    thread_cpu_s: dict = field(default_factory=dict)  # where main_cpu_s went: main, executors, writer
-    marks: list = field(default_factory=list)  # (seconds since start, images written so far), per task
-
-    @property
-    def first_s(self) -> float | None:
-        """Seconds from the start until the first tokens were written: workers spawned, the
-        first tasks decoded and run (on a device, its first call's warm-up too)."""
-        return self.marks[0][0] if self.marks else None
-
-    @property
-    def steady_rate(self) -> float | None:
-        """Images/s between the tasks that wrote the first 10 % and the last 10 % of the
-        images: the rate a long run keeps, without start-up and the drain at the end (None
-        when the run had too few tasks to tell)."""
-        if len(self.marks) < 4:
-            return None
-        total = self.marks[-1][1]
-        inner = [m for m in self.marks if 0.1 * total <= m[1] <= 0.9 * total]
-        if len(inner) < 2 or inner[-1][0] <= inner[0][0]:
-            return None
-        return (inner[-1][1] - inner[0][1]) / (inner[-1][0] - inner[0][0])
-
-    @property
-    def decode_capacity(self) -> float:
-        """Images/s the decode workers can deliver: workers x their measured per-image rate."""
-        if not self.decode_s:
-            return float("inf")
-        return max(1, self.workers) * self.decode_images / self.decode_s
-
-    def shares(self) -> dict:
-        """Each stage's busy time as a share of the run's wall time (decode: per worker)."""
-        wall = self.wall_s or 1.0
-        device = max(self.device_s.values(), default=0.0)
-        return {"decode": self.decode_s / max(1, self.workers) / wall, "device": device / wall,
-                "write": self.write_s / wall}
-
-    def bottleneck(self) -> tuple[str, str]:
-        """(stage, advice): the stage with the largest busy share; below 60 % for all, the
-        pipeline between them (this process) is the limit; a run shorter than
-        ``SHORT_RUN_S`` is ``start-up``-bound."""
-        shares = self.shares()
-        stage = max(shares, key=shares.get)
-        if self.wall_s < SHORT_RUN_S:
-            return "start-up", (f"a run under {SHORT_RUN_S:.0f} s is mostly starting the workers and "
-                                "writing the manifest; a longer one shows its bottleneck")
-        if shares[stage] < 0.6:
-            return "pipeline", ("no stage is busy most of the time: the main process is the limit "
-                                "(try a larger --batch-size)")
-        return stage, {"decode": "add --workers or cores" if self.workers else
-                       "decoding runs inline (--workers 0): add --workers",
-                       "device": self._device_advice(),
-                       "write": "the output folder's disk (or Parquet encoding) is the limit"}[stage]
-
-    def _device_advice(self) -> str:
-        if any(d.startswith("cpu") for d in self.devices):
-            return "the model on the CPU is the limit (a GPU: --device cuda)"
-        if len(self.devices) > 1:
-            return "the accelerators are the limit"
-        return "the accelerator is the limit (more of them: --device cuda:0,1,...)"
-
-    def line(self) -> str:
-        """The closing line: the time split into decode, device and write, and the bottleneck."""
-        shares = self.shares()
-        stage, advice = self.bottleneck()
-        per_image = 1e6 * self.main_cpu_s / max(1, self.images)
-        decode = (f"decode {shares['decode']:.0%} ({self.workers} workers, "
-                  f"{self.decode_capacity:,.0f} img/s capacity)" if self.workers else
-                  f"decode {shares['decode']:.0%} (inline)")
-        devices = ",".join(self.devices) or "device"
-        return (f"time: {decode}, device {shares['device']:.0%} ({devices}), write {shares['write']:.0%}"
-                + (f", first tokens after {self.first_s:.1f} s" if self.first_s is not None else "") + "; "
-                f"main process {per_image:.0f} µs CPU/image; {stage}-bound: {advice}")
-
-    def to_dict(self) -> dict:
-        stage, advice = self.bottleneck()
-        return {"workers": self.workers, "devices": self.devices, "wall_s": self.wall_s, "images": self.images,
-                "decode_s": self.decode_s, "decode_images": self.decode_images,
-                "decode_capacity_images_per_s": (None if self.decode_capacity == float("inf")
-                                                 else self.decode_capacity),
-                "device_s": self.device_s, "write_s": self.write_s, "main_cpu_s": self.main_cpu_s,
-                "main_cpu_us_per_image": 1e6 * self.main_cpu_s / max(1, self.images),
-                "thread_cpu_us_per_image": {k: 1e6 * v / max(1, self.images) for k, v in self.thread_cpu_s.items()},
-                "first_tokens_s": self.first_s, "steady_images_per_s": self.steady_rate,
-                "shares": self.shares(), "bottleneck": stage, "advice": advice}
-
-
-class _Busy:
-    """Seconds during which at least one call is in flight (one device, several threads)."""
-
-    def __init__(self) -> None:
-        self.lock, self.inflight, self.since, self.seconds = threading.Lock(), 0, 0.0, 0.0
-
-    def __enter__(self):
-        with self.lock:
-            if not self.inflight:
-                self.since = time.perf_counter()
-            self.inflight += 1
-
-    def __exit__(self, *exc):
-        with self.lock:
-            self.inflight -= 1
-            if not self.inflight:
-                self.seconds += time.perf_counter() - self.since
-
-
-# ---- decode workers ---------------------------------------------------------------------------
-_ARENA = None
-
-
-def _worker_start(address: str | None) -> None:
-    """A decode worker: dies with its parent (``tasks._decode_worker_start``), runs below
-    its priority, then maps the parent's arena, whose descriptor it receives over the Unix
-    socket at ``address``."""
-    global _ARENA
-    _decode_worker_start()
-    lower_priority(5)  # the main process feeds the device: it must get a core whenever it asks
-    if address:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.connect(address)
-            header, fd = Arena.receive(sock)
-        _ARENA = Arena.attach(fd, int(header))
-
-
-@dataclass
-class SlotResult:
-    """What a worker sends back: per record an error string or ``(orig_h, orig_w, crop)``;
-    per image shape ``(shape, offset or None, indices)``; pixels that missed the slot. The
-    task itself stays in the main process (``task`` is filled in there: unpickling its
-    records again cost the main thread ~6 µs per image)."""
-
-    task: Task | None
-    metas: list
-    groups: list
-    overflow: dict          # group number -> stacked pixels (did not fit the slot)
-    seconds: float
-
-
-def decode_into_slot(task: Task, pre: images.Preprocess, image_column: str, slot: int,
-                     slot_bytes: int) -> SlotResult:
-    t0 = time.perf_counter()
-    items = decode_task(task, pre, image_column).items
-    metas, order = shape_groups(items)
-    groups, overflow, used = [], {}, 0
-    for g, (shape, idx) in enumerate(order.items()):
-        nbytes = int(np.prod(shape)) * len(idx)
-        if _ARENA is not None and used + nbytes <= slot_bytes:
-            block = _ARENA.view(slot + used, (len(idx), *shape), np.uint8)
-            for j, i in enumerate(idx):
-                block[j] = items[i].pixels
-            groups.append((shape, slot + used, idx))
-            used += round_up(nbytes, _ALIGN)
-        else:
-            groups.append((shape, None, idx))
-            overflow[g] = np.stack([items[i].pixels for i in idx])
-    return SlotResult(None, metas, groups, overflow, time.perf_counter() - t0)
-
-
-def _worker_main(conn, address: str | None, pre: images.Preprocess, image_column: str) -> None:
-    """A decode worker's life: map the arena, then decode each ``(task, slot, slot_bytes)``
-    received into its slot and send back the :class:`SlotResult`, until ``None`` or EOF."""
-    _worker_start(address)
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        task, slot, slot_bytes = msg
-        try:
-            conn.send(decode_into_slot(task, pre, image_column, slot, slot_bytes))
-        except Exception as exc:  # noqa: BLE001 - a worker bug: one line to the parent
-            conn.send(f"decode worker failed on shard {task.shard} task {task.index}: "
-                      f"{type(exc).__name__}: {exc}")
-
-
-class _DecodePool:
-    """``workers`` spawned processes, each with its own pipe; the main thread sends tasks and
-    reads results itself (no helper threads: a ProcessPoolExecutor spent ~100 µs of this
-    process's CPU per image on its management and feeder threads). Each worker holds up to
-    ``depth`` tasks so it never waits between two."""
-
-    def __init__(self, workers: int, address: str | None, pre: images.Preprocess, image_column: str,
-                 depth: int = 2):
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")  # never fork a process holding torch threads
-        self.depth, self.conns, self.procs = depth, [], []
-        self.queued: list[deque] = []                  # per worker: (task, slot) sent, in order
-        for i in range(workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, address, pre, image_column),
-                               name=f"vqserve-decode-{i}", daemon=True)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-            self.queued.append(deque())
-        self.selector = selectors.DefaultSelector()
-        for i, conn in enumerate(self.conns):
-            self.selector.register(conn, selectors.EVENT_READ, i)
-
-    def room(self) -> int | None:
-        """A worker with the fewest tasks queued, if it has room."""
-        i = min(range(len(self.conns)), key=lambda k: len(self.queued[k]))
-        return i if len(self.queued[i]) < self.depth else None
-
-    def send(self, worker: int, task: Task, slot: int, slot_bytes: int) -> None:
-        self.conns[worker].send((task, max(0, slot), slot_bytes if slot >= 0 else 0))
-        self.queued[worker].append((task, slot))
-
-    @property
-    def busy(self) -> bool:
-        return any(self.queued)
-
-    def results(self, timeout: float) -> list:
-        """``(SlotResult, slot)`` of every worker that has one ready (waiting up to ``timeout``)."""
-        out = []
-        # one selector for the run (multiprocessing.connection.wait builds one per call); a
-        # worker with nothing queued is readable only when it died, which is reported at once
-        for key, _ in self.selector.select(timeout):
-            i = key.data
-            conn = self.conns[i]
-            try:
-                got = conn.recv()
-            except (EOFError, OSError):
-                proc = self.procs[i]
-                proc.join(1)
-                if proc.exitcode in (-signal.SIGINT, -signal.SIGTERM):
-                    # the stop signal sent to the whole process group, which reached this
-                    # worker while it started, before it could leave the signal to us
-                    raise Stopped(-proc.exitcode) from None
-                raise TokenizeError(f"decode worker {i} (pid {proc.pid}) died "
-                                             f"(exit code {proc.exitcode})") from None
-            if isinstance(got, str):
-                raise TokenizeError(got)
-            got.task, slot = self.queued[i].popleft()
-            out.append((got, slot))
-        return out
-
-    def close(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(5)
-            if proc.is_alive():  # it ignores SIGTERM (its parent handles stopping)
-                proc.kill()
-                proc.join(5)
-        self.selector.close()
-        for conn in self.conns:
-            conn.close()
-
-
-class _ArenaServer:
-    """The arena and the socket its descriptor is handed over on, to every worker that asks."""
-
-    def __init__(self, size: int):
-        self.arena = Arena(size, name="vqserve-tokenize")
-        self.address = f"\0vqserve-tokenize-{os.getpid()}-{id(self):x}-{time.monotonic_ns()}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(self.address)
-        self.sock.listen(64)
-        self.thread = threading.Thread(target=self._serve, name="vqserve-arena", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:  # closed
-                return
-            with conn:
-                try:
-                    self.arena.send_to(conn, str(self.arena.size).encode())
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -420,7 +108,7 @@ class _Failed(Exception):
 def _slot_bytes(settings: Settings) -> int:
     pre = settings.preprocess
     per_image = pre.size * pre.size * 3 if pre.mode == "size" and pre.size else SLOT_IMAGE_BYTES
-    return round_up(settings.batch_size * round_up(per_image, _ALIGN))  # the arena hands out whole pages
+    return round_up(settings.batch_size * round_up(per_image, ALIGN))  # the arena hands out whole pages
 
 
 def run_overlapped(job: Job, runtimes: dict, workers: int, fail_fast: bool = False,

@@ -24,9 +24,10 @@ from vqserve.core.machine import available_cores
 from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
 from vqserve.offline import shards
 from vqserve.offline.committer import Committer
-from vqserve.offline.engine import Stages, run_overlapped
+from vqserve.offline.engine import run_overlapped
 from vqserve.offline.errors import TokenizeError
 from vqserve.offline.job import Job
+from vqserve.offline.stages import Stages
 from vqserve.offline.tasks import DecodedTask, decode_pool, decode_task, encode_task
 
 

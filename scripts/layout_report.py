@@ -1,9 +1,13 @@
 """How readable the tree is, in numbers: the figures the layout step is judged by.
 
 Prints modules over 600 lines (generated stubs aside), ``vqserve`` imports made inside
-functions rather than at module top, and import circles between modules (strongly connected
-components of the module import graph, counting in-function imports too). Reads the source
-tree with ``ast`` through the package-dir mapping in pyproject.toml; imports nothing of it.
+functions rather than at module top, import circles between modules (strongly connected
+components of the module import graph, counting in-function imports too), and rings between
+folders: the same graph with each folder inside a room (``serve/api/``, ``serve/engine/``,
+``model/families/``, ...) taken as one node and each module directly in a room as its own
+(``serve/grpc_server.py``), so ``serve/api/`` <-> ``serve/engine/`` is a ring even where no
+two modules import each other. Reads the source tree with ``ast`` through the package-dir
+mapping in pyproject.toml; imports nothing of it.
 
     python scripts/layout_report.py          # the figures
     python scripts/layout_report.py --list   # and what they count
@@ -109,19 +113,12 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--list", action="store_true", help="also list what each figure counts")
-    args = parser.parse_args(argv)
-    modules = module_files()
-    long_modules, in_function, graph = [], [], {}
-    statements = 0  # in-function import statements naming a project module
+def import_graph(modules: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str, str]], int]:
+    """The module import graph (every import, in functions too), the (module, target) pairs
+    imported inside a function, and the count of in-function import statements."""
+    graph, in_function, statements = {}, [], 0
     for name, path in modules.items():
-        text = path.read_text()
-        lines = text.count("\n")
-        if lines > LIMIT and "_proto" not in name:
-            long_modules.append((lines, name))
-        tree = ast.parse(text)
+        tree = ast.parse(path.read_text())
         statements += count_in_function_statements(tree)
         edges = set()
         for target, nested in imports_of(tree, name, path.stem == "__init__"):
@@ -130,19 +127,59 @@ def main(argv=None) -> int:
                 if nested:
                     in_function.append((name, target))
         graph[name] = edges
+    return graph, in_function, statements
+
+
+def folder_of(name: str, packages: set[str]) -> str:
+    """The node a module counts as among folders: its folder inside a room
+    (``vqserve.serve.api.codec`` -> ``vqserve.serve.api``), or itself where it lies directly
+    in a room (``vqserve.serve.grpc_server``) or is one (``vqserve.serve``)."""
+    parts = name.split(".")
+    folder = ".".join(parts[:3])
+    return folder if len(parts) >= 3 and folder in packages else name
+
+
+def folder_rings(graph: dict[str, set[str]], modules: dict[str, Path]) -> list[list[str]]:
+    """Import rings between folders (see the module docstring), each sorted."""
+    packages = {name for name, path in modules.items() if path.stem == "__init__"}
+    folders: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        node = folder_of(name, packages)
+        edges = folders.setdefault(node, set())
+        edges.update(folder_of(target, packages) for target in targets)
+        edges.discard(node)
+    return strongly_connected(folders)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--list", action="store_true", help="also list what each figure counts")
+    args = parser.parse_args(argv)
+    modules = module_files()
+    long_modules = []
+    for name, path in modules.items():
+        lines = path.read_text().count("\n")
+        if lines > LIMIT and "_proto" not in name:
+            long_modules.append((lines, name))
+    # statements: in-function import statements naming a project module
+    graph, in_function, statements = import_graph(modules)
     # an import of a package is an import of its __init__ only; a circle through one is real
     circles = strongly_connected(graph)
+    rings = folder_rings(graph, modules)
     unique_in_function = sorted(set(in_function))
     print(f"modules: {len(modules)}")
     print(f"modules over {LIMIT} lines: {len(long_modules)}")
     print(f"in-function vqserve import statements: {statements} "
           f"({len(unique_in_function)} distinct module -> module pairs)")
     print(f"import circles: {len(circles)}")
+    print(f"folder rings: {len(rings)}")
     if args.list:
         for lines, name in sorted(long_modules, reverse=True):
             print(f"  long  {lines:5d} {name}")
         for circle in circles:
             print("  circle " + " <-> ".join(circle))
+        for ring in rings:
+            print("  ring   " + " <-> ".join(ring))
         for name, target in unique_in_function:
             print(f"  lazy  {name} -> {target}")
     return 0

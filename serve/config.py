@@ -74,7 +74,7 @@ class ServerConfig:
     #                                  (serve/split/executor.py default_frontends). `vqserve serve`: auto.
     executor_socket: str | None = None  # set in a front-end process: the executor it forwards to
     arena_mb: int = 0                # a front-end's shared pixel memory; 0: default_arena_bytes
-    listeners: int = 8               # gRPC servers per front-end process, on its port (serve/split/listeners.py)
+    listeners: int = 8               # gRPC servers per front-end process, on its port (serve/grpc_listeners.py)
 
     def section(self, name: str) -> dict:
         """The settings of one section (``grpc``, ``engine``, ``model``, ``split``) by name."""

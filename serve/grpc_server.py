@@ -7,7 +7,7 @@ front-end process, the device executor reached through shared memory
 
 The parts live beside it: auth and the stream cap in ``serve/api/gates.py``, health and
 reflection in ``serve/api/discovery.py``, the JSON logs in ``serve/logs.py``, the gRPC servers
-themselves (one, or ``--listeners`` sharing a front-end's port) in ``serve/split/listeners.py``,
+themselves (one, or ``--listeners`` sharing a front-end's port) in ``serve/grpc_listeners.py``,
 the port and TLS checks made before anything starts in ``serve/preflight.py``, the
 ``/metrics`` endpoint in ``serve/metrics.py``; this module wires them and runs the lifecycle.
 
@@ -38,11 +38,11 @@ from vqserve.serve.api.discovery import (
 )
 from vqserve.serve.api.gates import BearerTokenAuth, StreamGate
 from vqserve.serve.config import ServerConfig
+from vqserve.serve.grpc_listeners import Listeners
 from vqserve.serve.liveness import HealthWatch, check_interval
 from vqserve.serve.logs import event as _event
 from vqserve.serve.metrics import Metrics, start_metrics_endpoint, stop_metrics_endpoint
 from vqserve.serve.preflight import PortInUseError, check_before_start
-from vqserve.serve.split.listeners import Listeners
 from vqserve.serve.state import ServerState
 
 __all__ = ["ServerConfig", "ServerState", "StreamGate", "TokenizerServer"]

@@ -14,16 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vqserve.core import images
-
-
-class BadInput(ValueError):
-    """A request field broke a rule. ``str(exc)`` is the message the client sees."""
-
-    def __init__(self, field: str, rule: str):
-        super().__init__(f"{field}: {rule}")
-        self.field = field
-        self.rule = rule
-
+from vqserve.serve.error_codes import BadInput  # its home (serve/error_codes.py); named here too
 
 # dtypes accepted on the wire (numpy names, little-endian), by kind.
 WIRE_DTYPES = {

@@ -29,7 +29,7 @@ import numpy as np
 from vqserve.core import images
 from vqserve.core.machine import available_cores
 from vqserve.serve.api.codec import WIRE_IMAGE_FORMATS, BadInput, size_mismatch
-from vqserve.serve.engine.batcher import DeadlineExpired
+from vqserve.serve.error_codes import DeadlineExpired
 
 
 def default_decode_threads() -> int:

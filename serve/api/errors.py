@@ -1,40 +1,28 @@
-"""Map failures to gRPC status codes, and record each request in the metrics.
+"""Answer failures with gRPC status codes, and record each request in the metrics.
 
-One table for both protocol adapters: bad input (unparseable protobuf bytes included) ->
-INVALID_ARGUMENT, full queue, device out of memory or an answer too big for the message limit ->
-RESOURCE_EXHAUSTED, passed deadline -> DEADLINE_EXCEEDED, loading or draining ->
-UNAVAILABLE, anything else -> INTERNAL (logged with its traceback, never sent).
+How both protocol adapters apply the one table of ``serve/error_codes.py`` (bad input,
+unparseable protobuf bytes included -> INVALID_ARGUMENT, full queue, device out of memory or
+an answer too big for the message limit -> RESOURCE_EXHAUSTED, passed deadline ->
+DEADLINE_EXCEEDED, loading or draining -> UNAVAILABLE, anything else -> INTERNAL, logged with
+its traceback, never sent): aborting a call, counting its outcome, and answering a message
+that did not parse.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 
 import grpc
 
-from vqserve.serve.api.codec import BadInput
-from vqserve.serve.engine.batcher import BatcherClosed, DeadlineExpired, QueueFull
-from vqserve.serve.engine.device_faults import DeviceOutOfMemory
+# the errors and their table live in serve/error_codes.py; the adapters' names stay here too
+from vqserve.serve.error_codes import BadInput, status_for
+from vqserve.serve.error_codes import NotFound as NotFound
+from vqserve.serve.error_codes import NotReady as NotReady
+from vqserve.serve.error_codes import ReplyTooLarge as ReplyTooLarge
 
 log = logging.getLogger("vqserve.serve")
-
-
-class NotReady(Exception):
-    """The model is still loading (UNAVAILABLE)."""
-
-
-class NotFound(Exception):
-    """An unknown model or tensor name (NOT_FOUND)."""
-
-
-class ReplyTooLarge(Exception):
-    """The answer could not fit the gRPC message limit (RESOURCE_EXHAUSTED).
-
-    Raised before the model runs wherever the size follows from the request's shapes, so
-    the work is not done only for gRPC to drop the answer (and count it as OK)."""
 
 
 class BadMessage:
@@ -73,22 +61,6 @@ def reject_unparsed(request) -> None:
     """Raise INVALID_ARGUMENT for a request that did not parse (see :class:`BadMessage`)."""
     if isinstance(request, BadMessage):
         raise request.error()
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, BadInput | ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, QueueFull | ReplyTooLarge | DeviceOutOfMemory):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, DeadlineExpired):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
-    if isinstance(exc, BatcherClosed | NotReady):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, NotFound):
-        return grpc.StatusCode.NOT_FOUND, str(exc)
-    if isinstance(exc, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED, "cancelled"
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
 class Tracker:

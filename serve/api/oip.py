@@ -23,15 +23,8 @@ from vqserve import __version__
 from vqserve.serve._proto import grpc_predict_v2_pb2 as pb
 from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from vqserve.serve.api import codec
-from vqserve.serve.api.codec import BadInput
-from vqserve.serve.api.errors import (
-    NotFound,
-    NotReady,
-    abort_for,
-    deadline_of,
-    reject_unparsed,
-    safe_deserializer,
-)
+from vqserve.serve.api.errors import abort_for, deadline_of, reject_unparsed, safe_deserializer
+from vqserve.serve.error_codes import BadInput, NotFound, NotReady
 
 ENCODE_MODEL = "vqserve-encode"
 DECODE_MODEL = "vqserve-decode"

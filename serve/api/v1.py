@@ -12,15 +12,9 @@ from vqserve import __version__
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve._proto import tokenizer_pb2_grpc as pb_grpc
 from vqserve.serve.api import codec
-from vqserve.serve.api.errors import (
-    NotReady,
-    abort_for,
-    deadline_of,
-    reject_unparsed,
-    safe_deserializer,
-    status_for,
-)
+from vqserve.serve.api.errors import abort_for, deadline_of, reject_unparsed, safe_deserializer
 from vqserve.serve.api.rawrequest import parse_encode_request
+from vqserve.serve.error_codes import NotReady, status_for
 
 STREAM_WINDOW = 32  # requests a stream may have in flight before the server stops reading
 

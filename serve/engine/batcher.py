@@ -65,19 +65,10 @@ import numpy as np
 from vqserve.serve.engine import device_faults
 from vqserve.serve.engine.model_threads import ModelThreads
 
+# the batcher's errors, at home in serve/error_codes.py with their status codes; named here too
+from vqserve.serve.error_codes import BatcherClosed, DeadlineExpired, QueueFull
+
 _MAX_KEYS_REMEMBERED = 256  # (method, shape, dtype) queues whose call time and last call are kept
-
-
-class QueueFull(Exception):
-    """The batcher's queue has no room; the client should back off (RESOURCE_EXHAUSTED)."""
-
-
-class DeadlineExpired(Exception):
-    """The request's deadline passed before its batch could run (DEADLINE_EXCEEDED)."""
-
-
-class BatcherClosed(Exception):
-    """The batcher is draining or closed and takes no new work (UNAVAILABLE)."""
 
 
 @dataclass(eq=False)

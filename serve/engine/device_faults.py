@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 
+from vqserve.serve.error_codes import DeviceOutOfMemory  # its home, with its status code
 from vqserve.serve.logs import event
 
 # EX_SOFTWARE (sysexits.h): not a usage error, not a clean stop; anything non-zero restarts a pod
@@ -45,10 +46,6 @@ _POISONED = (
 )
 _OUT_OF_MEMORY = ("cuda out of memory", "cuda error: out of memory", "cuda failure 2: out of memory",
                   "cudaerrormemoryallocation", "cuda_error_out_of_memory")
-
-
-class DeviceOutOfMemory(Exception):
-    """The device ran out of memory on the call that held this request (RESOURCE_EXHAUSTED)."""
 
 
 def _text(exc: BaseException) -> str:

@@ -23,10 +23,9 @@ from vqserve.core.input_rules import (
     index_range_rule,
 )
 from vqserve.core.token_layout import TokenLayout
-from vqserve.serve.api.codec import BadInput
 from vqserve.serve.api.decoding import ImageDecoder
-from vqserve.serve.api.errors import ReplyTooLarge
 from vqserve.serve.engine.batcher import Batcher
+from vqserve.serve.error_codes import BadInput, ReplyTooLarge
 
 # Bytes a response adds around a tensor's data: field tags, lengths, shape, dtype, names.
 REPLY_OVERHEAD = 1024

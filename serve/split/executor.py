@@ -27,7 +27,7 @@ import tempfile
 import threading
 
 from vqserve.core.shm import Arena
-from vqserve.serve.engine.batcher import BatcherClosed
+from vqserve.serve.error_codes import BatcherClosed
 from vqserve.serve.liveness import DEFAULT_STALL_TIMEOUT_S, batcher_stall
 from vqserve.serve.split import wire
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from vqserve.core.shm import Arena, ArenaFull, round_up
 from vqserve.core.token_layout import TokenLayout
-from vqserve.serve.engine.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from vqserve.serve.error_codes import BatcherClosed, DeadlineExpired, QueueFull
 from vqserve.serve.split import wire
 
 

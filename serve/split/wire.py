@@ -19,10 +19,7 @@ import struct
 
 import numpy as np
 
-from vqserve.serve.api.codec import BadInput
-from vqserve.serve.api.errors import ReplyTooLarge
-from vqserve.serve.engine.batcher import BatcherClosed, DeadlineExpired, QueueFull
-from vqserve.serve.engine.device_faults import DeviceOutOfMemory
+from vqserve.serve.error_codes import BadInput, wire_error, wire_status
 
 # request: id, kind, dtype, ndim, deadline (monotonic; 0 = none), block offset, answer offset,
 # answer capacity (bytes), shape
@@ -34,7 +31,9 @@ ENCODE, DECODE, CANCEL, READY, PING = 1, 2, 3, 4, 5  # READY: a front-end now se
 KINDS = {"encode": ENCODE, "decode": DECODE}
 METHODS = {v: k for k, v in KINDS.items()}
 
-OK, BAD_INPUT, QUEUE_FULL, DEADLINE, CLOSED, TOO_LARGE, CANCELLED, FAILED, VALUE_ERROR, OUT_OF_MEMORY = range(10)
+# a reply's status: these three, or an error's own byte from the one table (serve/error_codes.py:
+# bad input 1, queue full 2, deadline 3, closed 4, too large 5, ValueError 8, out of memory 9)
+OK, CANCELLED, FAILED = 0, 6, 7
 INFO = 255  # executor -> front-end, unsolicited: the served model's identity (JSON follows)
 PONG = 254  # executor -> front-end, the answer to PING: why its model is stalled, or nothing (serve/liveness.py)
 
@@ -85,24 +84,20 @@ def info_message(payload: dict) -> bytes:
 
 def status_of(exc: BaseException) -> tuple[int, str]:
     """The wire status of an exception raised on the executor's side."""
-    if isinstance(exc, BadInput):
-        return BAD_INPUT, json.dumps([exc.field, exc.rule])
-    for kind, status in ((QueueFull, QUEUE_FULL), (DeadlineExpired, DEADLINE), (BatcherClosed, CLOSED),
-                         (ReplyTooLarge, TOO_LARGE), (DeviceOutOfMemory, OUT_OF_MEMORY), (ValueError, VALUE_ERROR)):
-        if isinstance(exc, kind):
-            return status, str(exc)
+    status = wire_status(exc)
+    if status is not None:
+        return status, json.dumps([exc.field, exc.rule]) if isinstance(exc, BadInput) else str(exc)
     return FAILED, f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
 
 
 def error_of(status: int, message: str) -> BaseException:
     """The exception a front-end raises for a non-OK reply (same gRPC code as in-process)."""
-    if status == BAD_INPUT:
+    kind = wire_error(status)
+    if kind is BadInput:
         field, rule = json.loads(message)
         return BadInput(field, rule)
-    kinds = {QUEUE_FULL: QueueFull, DEADLINE: DeadlineExpired, CLOSED: BatcherClosed,
-             TOO_LARGE: ReplyTooLarge, OUT_OF_MEMORY: DeviceOutOfMemory, VALUE_ERROR: ValueError}
-    if status in kinds:
-        return kinds[status](message)
+    if kind is not None:
+        return kind(message)
     return RuntimeError(f"the executor failed: {message}")
 
 

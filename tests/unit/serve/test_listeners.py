@@ -1,4 +1,4 @@
-"""Several grpc.aio servers on one port in one process (serve/split/listeners.py), and
+"""Several grpc.aio servers on one port in one process (serve/grpc_listeners.py), and
 ``vqserve serve --listeners N`` giving each front-end that many.
 
 Real gRPC servers and clients on loopback; the served model is ``synthetic:N``, the
@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tests.helpers import ServeProcess, child_pids
 from vqserve.export.runtimes.synthetic import block_tokens
 from vqserve.serve.clients.sync import TokenizerClient
-from vqserve.serve.split.listeners import Listeners
+from vqserve.serve.grpc_listeners import Listeners
 
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # not the process's shared one
 

@@ -1,7 +1,10 @@
 """Modules the layout step moved keep their old import names for one release, with a
-DeprecationWarning naming the new home, and give the very same module object."""
+DeprecationWarning naming the new home, and give the very same module object; from 0.2.0
+on, a test fails while ``vqserve/_moved.py`` still exists, so they go on time."""
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -60,3 +63,33 @@ def test_the_users_old_homes_still_give_their_public_names():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == str(sorted(["vqserve.data", "vqserve.export.runtime",
                                                 "vqserve.serve.client", "vqserve.serve.server"]))
+
+
+REMOVED_IN = (0, 2)  # the release that drops the old names: "kept for one release" after 0.1
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``0.1.0`` or ``0.2.0rc1``."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def _old_names_overdue(version: str, moved_module_exists: bool) -> bool:
+    return moved_module_exists and _release(version) >= REMOVED_IN
+
+
+def test_the_old_names_go_with_the_release_that_drops_them():
+    """From 0.2.0 on, vqserve/_moved.py (and its finder in vqserve/__init__.py, its table in
+    docs/ARCHITECTURE.md and the tests above) must be gone: the old names were kept for one
+    release only."""
+    import vqserve
+
+    exists = importlib.util.find_spec("vqserve._moved") is not None
+    assert not _old_names_overdue(vqserve.__version__, exists), (
+        f"vqserve {vqserve.__version__} still ships vqserve/_moved.py: remove the old import names")
+
+
+def test_the_rule_itself():
+    assert not _old_names_overdue("0.1.0", True) and not _old_names_overdue("0.1.9", True)
+    assert _old_names_overdue("0.2.0", True) and _old_names_overdue("0.2.0rc1", True)
+    assert _old_names_overdue("1.0", True) and not _old_names_overdue("0.2.0", False)

@@ -18,6 +18,10 @@ to 0.47-0.48 at 64 callers and from 0.33-0.35 to 0.37-0.39 at 16, the front-end'
 from 7 to 12 requests; 8-image and device-bound figures did not move (docs/SERVING.md,
 "Accept loops"). A connection lands on one server, so a single client gains nothing and
 loses nothing.
+
+It lies beside ``serve/grpc_server.py``, which builds the listeners of every layout (one in a
+single-process server), not in ``serve/split/``, whose front-end builds a ``TokenizerServer``:
+there the two imported each other.
 """
 
 from __future__ import annotations
