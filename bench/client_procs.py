@@ -128,23 +128,31 @@ def check_kind(kind: str) -> None:
         raise ValueError(f"callers are one of {', '.join(CALLER_KINDS)}; got {kind!r}")
 
 
-def _blocking_callers(target: str, method: str, request: bytes, callers: int, start_at: float,
-                      stop_at: float) -> tuple[list[list[float]], list[bytes], list[str]]:
+def _blocking_callers(target: str, method: str, request: bytes, callers: int,
+                      window) -> tuple[list[list[float]], list[bytes], list[str]]:
     """``callers`` threads, each a blocking stub with one call in flight: what most users'
-    clients are, and their threads share the process's GIL."""
+    clients are, and their threads share the process's GIL. Each makes its first call, then
+    all wait for the window (:class:`~vqserve.bench.processes.Window`)."""
     import grpc
 
     lats: list[list[float]] = [[] for _ in range(callers)]
     first: list[bytes] = []
     errors: list[str] = []
+    connected = threading.Barrier(callers + 1)
+    edges: list[float] = []
 
     def caller(k: int) -> None:
         channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         call = channel.unary_unary(method)  # bytes in, bytes out
         try:
-            reply = call(request, timeout=60)
-            if k == 0:
-                first.append(reply)
+            try:
+                reply = call(request, timeout=60)
+                if k == 0:
+                    first.append(reply)
+            finally:
+                connected.wait()  # the window opens for the others even if this call failed
+                connected.wait()  # ... and the edges are set
+            start_at, stop_at = edges
             while time.time() < start_at:
                 call(request, timeout=60)
             while time.time() < stop_at:
@@ -159,18 +167,21 @@ def _blocking_callers(target: str, method: str, request: bytes, callers: int, st
     workers = [threading.Thread(target=caller, args=(k,)) for k in range(callers)]
     for w in workers:
         w.start()
+    connected.wait()
+    edges.extend(window.ready())
+    connected.wait()
     for w in workers:
         w.join()
     return lats, first, errors
 
 
-def _asyncio_callers(target: str, method: str, request: bytes, callers: int, start_at: float,
-                     stop_at: float) -> tuple[list[list[float]], list[bytes], list[str]]:
+def _asyncio_callers(target: str, method: str, request: bytes, callers: int,
+                     window) -> tuple[list[list[float]], list[bytes], list[str]]:
     """``callers`` coroutines on one event loop, each with one call in flight over its own
     channel: the same closed loop as blocking callers at less CPU per call (measured on 2
     cores against an echo server: 2,600 calls/s from 2 processes x 8 blocking callers, 3,400
     from 1 process x 16 of these), so on a small machine the load takes less of the CPU the
-    server is measured on."""
+    server is measured on. Each makes its first call, then all wait for the window."""
     import asyncio
 
     import grpc
@@ -179,13 +190,18 @@ def _asyncio_callers(target: str, method: str, request: bytes, callers: int, sta
     first: list[bytes] = []
     errors: list[str] = []
 
-    async def caller(k: int) -> None:
+    async def caller(k: int, connected: asyncio.Event, edges: list[float], opened: asyncio.Event) -> None:
         channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         call = channel.unary_unary(method)
         try:
-            reply = await call(request, timeout=60)
-            if k == 0:
-                first.append(reply)
+            try:
+                reply = await call(request, timeout=60)
+                if k == 0:
+                    first.append(reply)
+            finally:
+                connected.set()
+                await opened.wait()
+            start_at, stop_at = edges
             while time.time() < start_at:
                 await call(request, timeout=60)
             while time.time() < stop_at:
@@ -198,19 +214,25 @@ def _asyncio_callers(target: str, method: str, request: bytes, callers: int, sta
             await channel.close()
 
     async def all_callers() -> None:
-        await asyncio.gather(*(caller(k) for k in range(callers)))
+        connected = [asyncio.Event() for _ in range(callers)]
+        opened, edges = asyncio.Event(), []
+        tasks = [asyncio.ensure_future(caller(k, connected[k], edges, opened)) for k in range(callers)]
+        for event in connected:
+            await event.wait()
+        edges.extend(await asyncio.to_thread(window.ready))
+        opened.set()
+        await asyncio.gather(*tasks)
 
     asyncio.run(all_callers())
     return lats, first, errors
 
 
-def _client_process(target: str, method: str, request: bytes, callers: int, kind: str, start_at: float,
-                    stop_at: float, out) -> None:
+def _client_process(target: str, method: str, request: bytes, callers: int, kind: str, window, out) -> None:
     """One client process of ``callers`` callers of ``kind``; sends (latencies of the calls
     made in the window, the first reply, up to 3 errors)."""
     die_with_parent()  # a killed bench leaves no clients calling its server
     run = _asyncio_callers if kind == "asyncio" else _blocking_callers
-    lats, first, errors = run(target, method, request, callers, start_at, stop_at)
+    lats, first, errors = run(target, method, request, callers, window)
     out.send(([x for lat in lats for x in lat], first[0] if first else b"", errors[:3]))
     out.close()
 
@@ -254,9 +276,9 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, caller
     check_kind(kind)
     indices = served_tokens(target, images) if case.method == "decode" else None
     method, request = request_bytes(case, images, indices)
-    start_at = time.time() + warmup + 1.0  # spawn takes a moment
-    stop_at = start_at + duration
-    clients = spawn_reporters(_client_process, (target, method, request, callers, kind, start_at, stop_at), procs)
+    clients, window = spawn_reporters(_client_process, (target, method, request, callers, kind), procs,
+                                      window=True)
+    start_at, stop_at = window.open(clients, warmup, duration)  # once every client made its first call
     cpu0 = cpu1 = 0.0
     batching0 = batching1 = {}
     if server_pid or metrics_port:

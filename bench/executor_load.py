@@ -31,14 +31,18 @@ ARENA_BYTES = 64 << 20
 
 
 def _stand_in_main(socket_path: str, method: str, request: np.ndarray, callers: int, group_rows: int,
-                   start_at: float, stop_at: float, send) -> None:
-    """One stand-in front-end: ``callers`` coroutines sending ``request`` back to back."""
+                   window, send) -> None:
+    """One stand-in front-end: ``callers`` coroutines sending ``request`` back to back, in the
+    window that opens once every stand-in is connected (:class:`~vqserve.bench.processes.Window`)."""
     die_with_parent()
     from vqserve.serve.split.remote_batcher import RemoteBatcher
 
     async def run() -> tuple[int, int, int, list[str]]:
         batcher = RemoteBatcher(socket_path, ARENA_BYTES, max_group_rows=group_rows)
-        await batcher.connect(60)
+        try:
+            await batcher.connect(60)
+        finally:
+            start_at, stop_at = await asyncio.to_thread(window.ready)
         counted, errors = [0], []
 
         async def caller() -> None:
@@ -69,10 +73,9 @@ def run_executor_load(socket_path: str, request: np.ndarray, procs: int, callers
     """``procs`` stand-in front-ends x ``callers`` callers, each sending ``request`` (one
     request's rows) to the executor at ``socket_path`` for ``seconds`` after ``warmup``:
     images/s, requests per group and the first errors."""
-    start_at = time.time() + warmup + 1.0  # a spawned process takes a moment to start
-    stop_at = start_at + seconds
-    stand_ins = spawn_reporters(_stand_in_main, (socket_path, method, request, callers, group_rows, start_at,
-                                                 stop_at), procs)
+    stand_ins, window = spawn_reporters(_stand_in_main, (socket_path, method, request, callers, group_rows), procs,
+                                        window=True)
+    window.open(stand_ins, warmup, seconds)  # once every stand-in is connected
     reports = gather_reports(stand_ins, lambda code: (0, 0, 0, [f"stand-in front-end ended with exit code {code}"]))
     calls, groups, requests = (sum(r[i] for r in reports) for i in range(3))
     errors = [e for r in reports for e in r[3]]

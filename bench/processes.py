@@ -6,6 +6,7 @@ Linux only.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
@@ -62,22 +63,61 @@ def pids_memory(pids: list[int]) -> dict:
             "processes": [p for t in trees for p in t["processes"]]}
 
 
-def spawn_reporters(target, args: tuple, procs: int) -> list[tuple]:
+class Window:
+    """The measured window of spawned load processes, opened once all of them are ready.
+
+    The window used to start a fixed second after the spawn ("spawn takes a moment"): on a
+    loaded machine starting a process and its first call took longer, and a window closed
+    with 0 calls counted (seen at load 7-10, every bench serve row 0 img/s). Now each process
+    says it is ready after its first call (:meth:`ready`) and waits; the parent
+    (:meth:`open`) waits for them all, then sets the window's edges, ``warmup`` s ahead, and
+    lets every process go. A process that died before it was ready opens the window for the
+    others (its report says why it is missing)."""
+
+    def __init__(self, ctx, procs: int) -> None:
+        self.procs = procs
+        self._ready, self._go, self._edges = ctx.Semaphore(0), ctx.Event(), ctx.Array("d", 2)
+
+    def ready(self) -> tuple[float, float]:
+        """In a load process, after its first call: wait for the window; its (start, stop) in
+        ``time.time()`` seconds."""
+        self._ready.release()
+        self._go.wait()
+        return self._edges[0], self._edges[1]
+
+    def open(self, started: list[tuple], warmup: float, duration: float) -> tuple[float, float]:
+        """In the parent: once every process of ``started`` is ready (or dead), the window
+        starts ``warmup`` s from now and lasts ``duration`` s; returns its (start, stop)."""
+        waiting = self.procs
+        while waiting:
+            if self._ready.acquire(timeout=0.2):
+                waiting -= 1
+            elif any(child.exitcode is not None for _, child in started):
+                break
+        start = time.time() + warmup
+        self._edges[0], self._edges[1] = start, start + duration
+        self._go.set()
+        return start, start + duration
+
+
+def spawn_reporters(target, args: tuple, procs: int, window: bool = False):
     """``procs`` spawned processes (no inherited gRPC or torch state) running ``target(*args,
     send)``, each sending one report on its pipe; returns ``(receiving end, process)`` pairs.
     Each child holds the only sending end of its pipe, so its death ends ``recv()`` with
-    EOFError instead of a wait."""
+    EOFError instead of a wait. With ``window``, ``target(*args, window, send)`` gets a
+    :class:`Window`, and ``(pairs, window)`` is returned."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
+    shared = Window(ctx, procs) if window else None
     started = []
     for _ in range(procs):
         recv, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=target, args=(*args, send), daemon=True)
+        child = ctx.Process(target=target, args=(*args, *((shared,) if window else ()), send), daemon=True)
         child.start()
         send.close()
         started.append((recv, child))
-    return started
+    return (started, shared) if window else started
 
 
 def gather_reports(started: list[tuple], gone) -> list:
