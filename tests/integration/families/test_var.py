@@ -69,7 +69,12 @@ def test_indices_equal_img_to_idxBl_and_decode_equals_idxBl_to_img(tok, cases, s
     with torch.no_grad():
         decoded = tok.decoder(tok.indices_to_codes(cases[f"s{size}.indices"]))
     assert_matches_reference(decoded, cases[f"s{size}.decoded"], "decoded")
-    assert torch.equal(tok.decode(cases[f"s{size}.indices"]), float_to_pixels(cases[f"s{size}.decoded"]))
+    # the pixels are VAR's rule applied to the decoder's floats, exactly; against the pixels of
+    # the machine that made the fixtures a float an ulp from a rounding boundary may round the
+    # other way on another CPU (one pixel of 32x32 did on an AMD EPYC), as for every family
+    pixels = tok.decode(cases[f"s{size}.indices"])
+    assert torch.equal(pixels, float_to_pixels(decoded))
+    assert_matches_reference(pixels, float_to_pixels(cases[f"s{size}.decoded"]), "decoded pixels")
 
 
 def test_tokens_are_batch_invariant(tok, cases):
@@ -228,7 +233,7 @@ def test_grpc_server_v1_and_oip_carry_the_pyramid(imported, cases, tmp_path):
         assert cli_main(["decode", str(tmp_path / "tok"), "--server", server.target, "--out",
                          str(tmp_path / "img"), "--no-progress"]) == 0
         decoded = np.asarray(Image.open(tmp_path / "img" / "a.png"))
-        np.testing.assert_array_equal(decoded, float_to_pixels(cases["s32.decoded"][:1]).numpy()[0])
+        assert_matches_reference(decoded, float_to_pixels(cases["s32.decoded"][:1]).numpy()[0], "decoded PNG")
         np.save(tmp_path / "bad.npy", tokens[:-1])
         assert cli_main(["decode", str(tmp_path / "bad.npy"), "--server", server.target, "--out",
                          str(tmp_path / "img2"), "--no-progress"]) != 0
