@@ -152,3 +152,10 @@ def import_emu35(sources: list[str | os.PathLike], out: str | os.PathLike, prese
             "reference": f"baaivision/Emu3.5@{REFERENCE_COMMIT}", **({"preset": preset} if preset else {})}
     write_imported(out, arch, meta, tokenizer, LABEL)
     return out, arch
+
+
+def run_import(args) -> tuple:
+    """``vqserve import emu35`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_emu35(args.sources, args.out, preset=args.config, force=args.force)
+    return out, (f"Emu3.5 VisionTokenizer (IBQ; factor {arch.factor}, {arch.codebook_size:,} codes x "
+                 f"{arch.codebook_dim}")

@@ -224,3 +224,10 @@ def import_llamagen(checkpoint: str | os.PathLike, out: str | os.PathLike, prese
             **({"preset": preset} if preset else {}), **({"prefix": prefix} if prefix else {})}
     write_imported(out, arch, meta, tokenizer, "LlamaGen")
     return out, arch
+
+
+def run_import(args) -> tuple:
+    """``vqserve import llamagen`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_llamagen(args.checkpoint, args.out, preset=args.config,
+                                state_key=args.state_key, force=args.force, prefix=args.prefix)
+    return out, f"LlamaGen VQ (factor {arch.factor}, {arch.codebook_size} codes x {arch.codebook_dim}"

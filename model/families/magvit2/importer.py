@@ -214,3 +214,11 @@ def lightning_meta(src: Path, checkpoint: object, key: str, used: str, dropped: 
             **{k: info[k] for k in ("pytorch-lightning_version", "global_step", "epoch")
                if isinstance(info.get(k), (int, str))},
             **({"preset": preset} if preset else {})}
+
+
+def run_import(args) -> tuple:
+    """``vqserve import magvit2`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch, used = import_magvit2(args.checkpoint, args.out, preset=args.config, weights=args.weights,
+                                     force=args.force)
+    return out, (f"Open-MAGVIT2 ({used} weights; factor {arch.factor}, LFQ {arch.z_channels} bits = "
+                 f"{arch.codebook_size:,} codes")

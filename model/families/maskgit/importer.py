@@ -184,3 +184,9 @@ def import_maskgit(source: str | os.PathLike, out: str | os.PathLike, preset: st
     write_imported(out, arch, meta, tokenizer, LABEL)
     return out, arch
 
+
+def run_import(args) -> tuple:
+    """``vqserve import maskgit`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_maskgit(args.source, args.out, preset=args.config, force=args.force)
+    return out, (f"MaskGIT-VQGAN (factor {arch.factor}, {arch.num_embeddings:,} codes x "
+                 f"{arch.quantized_embed_dim}, pixels {arch.pixels}")

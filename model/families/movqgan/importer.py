@@ -62,3 +62,9 @@ def import_movqgan(checkpoint: str | os.PathLike, out: str | os.PathLike, config
         raise ValueError("give --config or --preset, not both")
     return import_vqgan(checkpoint, out, config, MOVQGAN_KIND, force=force,
                         infer=lambda state, where: published_architecture(state, where, preset))
+
+
+def run_import(args) -> tuple:
+    """``vqserve import movqgan`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_movqgan(args.checkpoint, args.out, args.config, preset=args.preset, force=args.force)
+    return out, f"SBER-MoVQGAN (factor {arch.factor}, {arch.codebook_size:,} codes x {arch.codebook_dim}"

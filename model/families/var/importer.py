@@ -175,3 +175,12 @@ def import_var(checkpoint: str | os.PathLike, out: str | os.PathLike, scales: di
             "reference": f"FoundationVision/VAR@{REFERENCE_COMMIT}"}
     write_imported(out, arch, meta, tokenizer, "VAR")
     return out, arch
+
+
+def run_import(args) -> tuple:
+    """``vqserve import var`` (its ``declare.py``): the directory written, the summary printed."""
+    scales = dict(parse_scales(text) for text in args.scales) if args.scales else None
+    out, arch = import_var(args.checkpoint, args.out, scales=scales, force=args.force)
+    sizes = ", ".join(f"{s[-1] * arch.factor}" for s in arch.schedules)
+    return out, (f"VAR (factor {arch.factor}, {arch.vocab_size:,} codes x {arch.z_channels}, pyramid "
+                 f"tokens for {sizes} pixel images")
