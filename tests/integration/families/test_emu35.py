@@ -11,7 +11,6 @@ middle level, 512 x 8 codes, factor 4).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from tests.helpers import (
     assert_matches_reference,
     assert_served_and_tokenized_like_reference,
 )
+from tests.integration.families.kit import CodePayload
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -112,16 +112,6 @@ def test_import_writes_an_ibq_directory_from_every_released_form(imported, tmp_p
     save_file(reference_state(), str(st / "model.safetensors"))
     out, _ = import_emu35([st], tmp_path / "s")
     assert torch.equal(load_tokenizer(out).encode(cases["rect_images"]), cases["rect_indices"])
-
-
-class CodePayload:
-    """Unpickling this would create a directory: proof of code execution if it appears."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (str(self.marker),))
 
 
 def _bad_sources(tmp_path: Path) -> dict[str, tuple[list[Path], str, str | None]]:
