@@ -194,6 +194,31 @@ def maskgit_release(folder: Path, config: dict | None = None, state: dict | None
     return folder
 
 
+# what Show-o's ConfigMixin writes for MAGVITv2 (no arguments: only its bookkeeping)
+SHOWO_CONFIG = {"_class_name": "MAGVITv2", "_diffusers_version": "0.30.1"}
+
+
+def showo_state() -> dict[str, torch.Tensor]:
+    """The reference model's state dict as ``MAGVITv2.save_pretrained`` writes it: the
+    parameters and the quantizer's buffers (10 bits: the fixture model's)."""
+    from vqserve.model.families.showo.importer import lfq_buffers
+
+    return {**fixture_weights(FIXTURES_DIR / "showo"), **lfq_buffers(10)}
+
+
+def showo_release(folder: Path, state: dict | None = None, config: dict | None = None) -> Path:
+    """showlab/magvitv2 as published: config.json + pytorch_model.safetensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(SHOWO_CONFIG if config is None else config))
+    save_file(showo_state() if state is None else state, str(folder / "pytorch_model.safetensors"),
+              metadata={"format": "pt"})
+    return folder
+
+
 KITS: tuple[FamilyKit, ...] = (
     FamilyKit("taming", "taming",
               lambda folder: str(taming_checkpoint(folder / "last.ckpt", fixture_weights(FIXTURES_DIR / "taming"))),
@@ -206,4 +231,8 @@ KITS: tuple[FamilyKit, ...] = (
     FamilyKit("maskgit", "maskgit", lambda folder: str(maskgit_release(folder) / "pytorch_model.bin"),
               "imported MaskGIT-VQGAN (factor 2, 512 codes x 16, pixels maskgit",
               {"codebook_size": 512, "factor": 2, "quantizer": "vq"}),
+    FamilyKit("showo", "showo", lambda folder: str(showo_release(folder / "magvitv2")),
+              "imported Show-o MAGVIT-v2 (factor 4, LFQ 10 bits = 1,024 codes, most significant bit first",
+              {"codebook_size": 1024, "factor": 4, "quantizer": "lfq"},
+              exports=()),  # its own test exports it (the LFQ island has no argmin)
 )

@@ -118,10 +118,10 @@ class FamilyContract:
 
     def test_other_imports_refuse_this_checkpoint_in_one_line(self, release, tmp_path, capsys):
         """Each other import of the kit, given this family's release, refuses in one line and
-        writes nothing; where this family declares marks, the line names its import."""
+        writes nothing; where this family declares tensors as its mark, the line names its import."""
         from vqserve.model.families.table import foreign_marks
 
-        marked = any(mark.command == self.kit.command for mark in foreign_marks())
+        marked = any(mark.command == self.kit.command and mark.tensors for mark in foreign_marks())
         for other in KITS:
             if other.command == self.kit.command:
                 continue
