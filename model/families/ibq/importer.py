@@ -39,6 +39,14 @@ IBQ_OWN = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "quantize.
 to_ibq_name = to_taming_name  # IBQ keeps taming-transformers' names (model/families/taming/layout.py)
 
 
+def run_import(args) -> tuple:
+    """``vqserve import ibq`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch, used = import_ibq(args.checkpoint, args.out, preset=args.config, weights=args.weights,
+                                 force=args.force)
+    return out, (f"IBQ ({used} weights; factor {arch.factor}, {arch.codebook_size:,} codes x "
+                 f"{arch.codebook_dim}")
+
+
 def _shape(state: dict, key: str, where: str) -> tuple[int, ...]:
     if key not in state:
         magvit2 = any(k.startswith("encoder.mid_block.") for k in state)
@@ -120,11 +128,3 @@ def import_ibq(checkpoint: str | os.PathLike, out: str | os.PathLike, preset: st
     meta = lightning_meta(src, checkpoint_obj, key, used, dropped, preset)
     write_imported(out, arch, meta, tokenizer, "IBQ")
     return out, arch, used
-
-
-def run_import(args) -> tuple:
-    """``vqserve import ibq`` (its ``declare.py``): the directory written, the summary printed."""
-    out, arch, used = import_ibq(args.checkpoint, args.out, preset=args.config, weights=args.weights,
-                                 force=args.force)
-    return out, (f"IBQ ({used} weights; factor {arch.factor}, {arch.codebook_size:,} codes x "
-                 f"{arch.codebook_dim}")

@@ -54,6 +54,13 @@ FIXED_DDCONFIG = {"in_channels": 3, "out_ch": 3, "double_z": False, "give_pre_en
                   "resamp_with_conv": True, "attn_type": "vanilla"}
 
 
+def run_import(args) -> tuple:
+    """``vqserve import taming`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_taming(args.checkpoint, args.out, args.config, pixels=args.pixels, force=args.force)
+    return out, (f"taming VQGAN (factor {arch.factor}, {arch.codebook_size:,} codes x {arch.codebook_dim}, "
+                 f"pixels {arch.pixels}")
+
+
 @dataclass(frozen=True)
 class VqganKind:
     """What differs between the taming-layout families one importer serves."""
@@ -216,10 +223,3 @@ def import_taming(checkpoint: str | os.PathLike, out: str | os.PathLike, config:
                   pixels: str | None = None, force: bool = False) -> tuple[Path, TamingConfig]:
     """``vqserve import taming CKPT --config YAML --out DIR [--pixels RULE]``."""
     return import_vqgan(checkpoint, out, config, TAMING_KIND, pixels=pixels, force=force)
-
-
-def run_import(args) -> tuple:
-    """``vqserve import taming`` (its ``declare.py``): the directory written, the summary printed."""
-    out, arch = import_taming(args.checkpoint, args.out, args.config, pixels=args.pixels, force=args.force)
-    return out, (f"taming VQGAN (factor {arch.factor}, {arch.codebook_size:,} codes x {arch.codebook_dim}, "
-                 f"pixels {arch.pixels}")

@@ -37,11 +37,6 @@ pytestmark = pytest.mark.timeout(300)
 FIXTURES = FIXTURES_DIR / "emu35"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 def reference_state() -> dict[str, torch.Tensor]:
     """The reference IBQ's state dict, exact fp32 (stored as int8 x 2^-exp)."""
     stored = load_file(str(FIXTURES / "weights.safetensors"))

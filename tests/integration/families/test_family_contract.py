@@ -38,11 +38,6 @@ from vqserve.model.families.table import import_specs
 pytestmark = pytest.mark.timeout(900)  # hang guards: servers and CLI clients on a loaded 2-core box
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 @pytest.mark.parametrize("spec", import_specs(), ids=lambda spec: spec.command)
 def test_a_file_that_is_no_checkpoint_is_refused_in_one_line(spec, tmp_path, capsys):
     junk = tmp_path / "junk.ckpt"

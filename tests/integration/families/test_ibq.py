@@ -39,11 +39,6 @@ pytestmark = pytest.mark.timeout(300)
 FIXTURES = FIXTURES_DIR / "ibq"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 @pytest.fixture(scope="module")
 def weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(trained, EMA) weights of the reference model under IBQ's names, exact fp32."""

@@ -37,11 +37,6 @@ pytestmark = pytest.mark.timeout(300)
 FIXTURES = FIXTURES_DIR / "llamagen"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 @pytest.fixture(scope="module")
 def reference_state() -> dict[str, torch.Tensor]:
     """The reference model's state dict, LlamaGen's names, exact fp32 (stored as fp16)."""

@@ -39,11 +39,6 @@ FIXTURES = FIXTURES_DIR / "magvit2"
 SMALL = Magvit2Config(base_channels=32, ch_mult=[2, 1, 1], num_res_blocks=1, z_channels=10)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 def _fixture_weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(trained, EMA) weights of the reference model, exact fp32 (stored as int8 x 2^-exp)."""
     stored = load_file(str(FIXTURES / "weights.safetensors"))

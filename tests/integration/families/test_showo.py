@@ -41,11 +41,6 @@ pytestmark = pytest.mark.timeout(300)
 FIXTURES = FIXTURES_DIR / "showo"
 SMALL = ShowoConfig(base_channels=32, encoder_ch_mult=[1, 2, 1], encoder_blocks=[1, 2, 1],
                     decoder_ch_mult=[2, 1, 1], decoder_blocks=[1, 1, 2], z_channels=10)
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 @pytest.fixture(scope="module")
 def cases() -> dict[str, torch.Tensor]:
     return load_file(str(FIXTURES / "cases.safetensors"))

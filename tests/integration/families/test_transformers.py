@@ -46,11 +46,6 @@ FAMILY = {k.model_type: k.family for k in KINDS}
 DECODES = ("janus_vqgan", "emu3_vqgan")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 @pytest.fixture(scope="module")
 def photos() -> np.ndarray:
     """Centre crops of four scikit-image photographs, 32x32 (an 8x8 token grid)."""
