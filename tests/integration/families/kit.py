@@ -159,8 +159,8 @@ class FamilyKit:
     (its path); ``options`` are the import's other arguments (a yaml); ``summary`` starts the line the import prints; ``info`` is part of what the
     server's GetModelInfo says; ``exports`` the formats the contract exports it to."""
 
-    family: str
-    command: str
+    family: str  # the name the loaded directory's family has
+    command: str  # `vqserve import {command}`; names the contract's test class
     release: Callable[[Path], str]
     summary: str
     info: dict
@@ -219,6 +219,15 @@ def showo_release(folder: Path, state: dict | None = None, config: dict | None =
     return folder
 
 
+def emu35_release(folder: Path, state: object = None, config: str | None = None) -> Path:
+    """Emu3.5-VisionTokenizer's layout: config.yaml + model.ckpt (``torch.save`` of the state dict)."""
+    fixtures = FIXTURES_DIR / "emu35"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text((fixtures / "config.yaml").read_text() if config is None else config)
+    torch.save(fixture_weights(fixtures) if state is None else state, folder / "model.ckpt")
+    return folder
+
+
 KITS: tuple[FamilyKit, ...] = (
     FamilyKit("taming", "taming",
               lambda folder: str(taming_checkpoint(folder / "last.ckpt", fixture_weights(FIXTURES_DIR / "taming"))),
@@ -235,4 +244,7 @@ KITS: tuple[FamilyKit, ...] = (
               "imported Show-o MAGVIT-v2 (factor 4, LFQ 10 bits = 1,024 codes, most significant bit first",
               {"codebook_size": 1024, "factor": 4, "quantizer": "lfq"},
               exports=()),  # its own test exports it (the LFQ island has no argmin)
+    FamilyKit("ibq", "emu35", lambda folder: str(emu35_release(folder / "Emu3.5-VisionTokenizer")),
+              "imported Emu3.5 VisionTokenizer (IBQ; factor 4, 512 codes x", {"codebook_size": 512, "factor": 4},
+              exports=(), fixtures=FIXTURES_DIR / "emu35"),  # its own test exports it (softmax island)
 )

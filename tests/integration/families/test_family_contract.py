@@ -60,12 +60,12 @@ def cases(kit):
 
 @pytest.fixture(scope="class")
 def release(kit, tmp_path_factory) -> str:
-    return kit.release(tmp_path_factory.mktemp(f"{kit.family}-release"))
+    return kit.release(tmp_path_factory.mktemp(f"{kit.command}-release"))
 
 
 @pytest.fixture(scope="class")
 def imported(kit, release, tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp(f"{kit.family}-imported") / "model"
+    out = tmp_path_factory.mktemp(f"{kit.command}-imported") / "model"
     assert cli_main(["import", kit.command, release, *kit.options, "--out", str(out), "--quiet"]) == 0
     return str(out)
 
@@ -85,14 +85,14 @@ def server(imported):
 
 @pytest.fixture(scope="class")
 def photos(kit, cases, tmp_path_factory) -> tuple[Path, dict]:
-    folder = tmp_path_factory.mktemp(f"{kit.family}-photos") / "photos"
+    folder = tmp_path_factory.mktemp(f"{kit.command}-photos") / "photos"
     return folder, write_case_photos(cases, CASES, folder, "{case}_indices")
 
 
 @pytest.fixture(scope="class")
 def tokens(kit, imported, photos, tmp_path_factory) -> tuple[Path, dict]:
     """One `vqserve tokenize` output a family."""
-    out = tmp_path_factory.mktemp(f"{kit.family}-tokens") / "tokens"
+    out = tmp_path_factory.mktemp(f"{kit.command}-tokens") / "tokens"
     return out, tokenize_grids(imported, photos[0], out)
 
 
@@ -189,5 +189,5 @@ class FamilyContract:
 
 # one test class per kit entry (kit.KITS is the list; nothing to add here for a new family)
 for _kit in KITS:
-    globals()[f"Test{_kit.family.title()}"] = type(f"Test{_kit.family.title()}", (FamilyContract,), {"kit": _kit})
+    globals()[f"Test{_kit.command.title()}"] = type(f"Test{_kit.command.title()}", (FamilyContract,), {"kit": _kit})
 del _kit
