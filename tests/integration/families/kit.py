@@ -157,7 +157,8 @@ class FamilyKit:
     ``release(folder)`` writes the checkpoint as the family publishes it (from its fixture
     weights) into the existing ``folder`` and returns what ``vqserve import {command}`` takes
     (its path); ``options`` are the import's other arguments (a yaml); ``summary`` starts the line the import prints; ``info`` is part of what the
-    server's GetModelInfo says; ``exports`` the formats the contract exports it to."""
+    server's GetModelInfo says; ``exports`` the formats the contract exports it to (of
+    torchscript and onnx; onnx is marked slow)."""
 
     family: str  # the name the loaded directory's family has
     command: str  # `vqserve import {command}`; names the contract's test class
@@ -165,7 +166,7 @@ class FamilyKit:
     summary: str
     info: dict
     options: tuple[str, ...] = ()
-    exports: tuple[str, ...] = ("torchscript",)
+    exports: tuple[str, ...] = ("torchscript", "onnx")
     fixtures: Path = field(default=None)
 
     def __post_init__(self):

@@ -182,9 +182,15 @@ class FamilyContract:
                          "--tile", "0", "--no-learnability", "--json"]) == 0
 
     # ---- exports -------------------------------------------------------------------------------
-    def test_exports_keep_the_reference_tokens(self, imported, cases, tmp_path):
-        for fmt in self.kit.exports:
-            export_keeps_the_tokens(imported, fmt, tmp_path, cases)
+    def test_exports_keep_the_reference_tokens(self, fmt, imported, cases, tmp_path):
+        export_keeps_the_tokens(imported, fmt, tmp_path, cases)
+
+
+def pytest_generate_tests(metafunc):
+    """``fmt``: each export format of the class's kit (onnx marked slow)."""
+    if "fmt" in metafunc.fixturenames:
+        metafunc.parametrize("fmt", [pytest.param(fmt, marks=pytest.mark.slow) if fmt == "onnx" else fmt
+                                     for fmt in metafunc.cls.kit.exports])
 
 
 # one test class per kit entry (kit.KITS is the list; nothing to add here for a new family)
