@@ -23,6 +23,7 @@ from vqserve.model.families.movqgan.family import MOVQGAN
 from vqserve.model.families.native.family import VQSERVE
 from vqserve.model.families.showo.family import SHOWO
 from vqserve.model.families.taming.family import TAMING
+from vqserve.model.families.titok.family import TITOK
 from vqserve.model.families.transformers.family import TRANSFORMERS_FAMILIES
 from vqserve.model.families.var.family import VAR
 
@@ -39,6 +40,7 @@ FAMILIES: tuple[Family, ...] = (
     TAMING,  # taming-transformers VQGANs, Meta's Chameleon VQGAN (.ckpt + yaml), `vqserve import taming`
     MOVQGAN,  # SBER-MoVQGAN 67M / 102M / 270M, `vqserve import movqgan`
     MASKGIT,  # MaskGIT-VQGAN (open-muse MaskGitVQGAN), `vqserve import maskgit`
+    TITOK,  # TiTok 1-D tokenizer (bytedance/1d-tokenizer VQ; sequence tokens), released folder or `vqserve import titok`
     *TRANSFORMERS_FAMILIES,  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
 )
 

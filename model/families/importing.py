@@ -31,6 +31,8 @@ class CheckpointError(ValueError):
 FOREIGN_STATE_DICTS = (
     ("maskgit", "MaskGIT-VQGAN state dict (open-muse's MaskGitVQGAN: decoder.up.N.upsample_conv, no quant_conv)",
      ("decoder.up.1.upsample_conv.weight", "encoder.mid.0.conv1.weight")),
+    ("titok", "TiTok state dict (bytedance/1d-tokenizer: latent_tokens, a ViT encoder and decoder)",
+     ("latent_tokens", "encoder.latent_token_positional_embedding")),
 )
 # ... and a Hugging Face style config.json by its ``_class_name``
 FOREIGN_CONFIG_CLASSES = {"MaskGitVQGAN": ("maskgit", "open-muse's MaskGitVQGAN"),

@@ -56,6 +56,11 @@ describes it; SBER-MoVQGAN (ai-forever/MoVQGAN) as a .ckpt alone.
 
 MaskGIT-VQGAN as open-muse released it (openMUSE/maskgit-vqgan-imagenet-f16-256: config.json and
 pytorch_model.bin, read with torch.load(weights_only=True)); 1,024 codes, factor 16.
+
+  vqserve import titok tokenizer_titok_l32_imagenet/ --out models/titok-l32
+
+TiTok's VQ tokenizers as released (yucornetto/tokenizer_titok_*: config.json and model.safetensors;
+the folder also serves as it is); 1-D sequence tokens, 256x256 images.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     _add_taming(families, parser)
     _add_movqgan(families, parser)
     _add_maskgit(families, parser)
+    _add_titok(families, parser)
 
 
 def _add_magvit2(families, parser: argparse.ArgumentParser) -> None:
@@ -343,6 +349,31 @@ def _run_maskgit(args: argparse.Namespace) -> int:
     out, arch = import_maskgit(args.source, args.out, preset=args.config, force=args.force)
     return _report(out, f"MaskGIT-VQGAN (factor {arch.factor}, {arch.num_embeddings:,} codes x "
                         f"{arch.quantized_embed_dim}, pixels {arch.pixels}", args.quiet)
+
+
+def _add_titok(families, parser: argparse.ArgumentParser) -> None:
+    from vqserve.model.families.titok.family import PRESETS
+
+    titok = families.add_parser(
+        "titok", help="TiTok 1-D tokenizer (bytedance/1d-tokenizer VQ): config.json + model.safetensors",
+        description="Convert a released TiTok VQ tokenizer folder (yucornetto/tokenizer_titok_l32_imagenet, "
+                    "b64, s128, bl64/bl128/sl256_vq8k) into config.json + model.safetensors. Its tokens are a 1-D "
+                    "sequence [B,L] for 256x256 images; indices equal TiTok's own in fp32; docs/MODELS.md.",
+        formatter_class=parser.formatter_class)
+    titok.add_argument("source", metavar="FOLDER", help="the downloaded folder (config.json + model.safetensors)")
+    _add_out(titok)
+    titok.add_argument("--config", choices=sorted(PRESETS), default=None,
+                       help="check the config is this published architecture; default: whatever it describes")
+    _add_force_quiet_debug(titok, "titok")
+    titok.set_defaults(_import=_run_titok)
+
+
+def _run_titok(args: argparse.Namespace) -> int:
+    from vqserve.model.families.titok.importer import import_titok
+
+    out, arch = import_titok(args.source, args.out, preset=args.config, force=args.force)
+    return _report(out, f"TiTok ({arch.num_latent_tokens} tokens per {arch.image_size}x{arch.image_size} image, "
+                        f"{arch.codebook_size:,} codes x {arch.token_size}", args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
