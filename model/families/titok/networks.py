@@ -42,7 +42,13 @@ PIXEL_CODES = 1024  # the legacy decoder's logits: MaskGIT-VQGAN's codebook size
 
 
 class ResidualAttentionBlock(nn.Module):
-    """The original's block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; sequence-first."""
+    """The original's block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; sequence-first.
+
+    ``branch_layers``: what vqserve's bf16/fp16 policy (``mixed_precision``) runs in low
+    precision while the residual stream stays fp32; each branch's input is cast to its dtype
+    here (a no-op when the block runs in one dtype, as the original)."""
+
+    branch_layers = ("attn", "mlp")
 
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -53,9 +59,9 @@ class ResidualAttentionBlock(nn.Module):
                                               ("c_proj", nn.Linear(width * 4, width))]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln_1(x)
+        h = cast_to(self.ln_1(x), self.attn.out_proj.weight.dtype)
         x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.ln_2(x))
+        return x + self.mlp(cast_to(self.ln_2(x), self.mlp.c_fc.weight.dtype))
 
 
 def _expand(token: torch.Tensor, batch: int) -> torch.Tensor:
@@ -85,6 +91,8 @@ class _Transformer(nn.Module):
 
 class TitokEncoder(_Transformer):
     """float pixels NCHW in [0, 255] -> latents ``[B, token_size, 1, L]`` (the original's layout)."""
+
+    residual_block_types = (ResidualAttentionBlock,)  # for vqserve.model.mixed_precision
 
     def __init__(self, width: int, layers: int, heads: int, image_size: int, patch_size: int,
                  num_latent_tokens: int, token_size: int, is_legacy: bool):

@@ -116,3 +116,18 @@ def test_released_names_map_onto_vqserves():
         "encoder.latent_tokens": 0, "quantizer.embedding": 1, "decoder.pixel_quantize.embedding.weight": 2,
         "decoder.pixel_decoder.conv_in.weight": 3, "encoder.ln_pre.weight": 4}
     assert {"encoder.latent_tokens", "quantizer.embedding", "decoder.pixel_quantize.embedding.weight"} <= set(ours)
+
+
+def test_bf16_runs_the_attention_and_mlp_branches_only_the_residual_stream_stays_fp32():
+    from vqserve.model.mixed_precision import low_precision_encoder
+
+    enc = _random(TitokEncoder(**SMALL, is_legacy=True))
+    low, kept = low_precision_encoder(enc, "bf16")
+    dtypes = {n: p.dtype for n, p in low.named_parameters()}
+    assert kept == ["patch_embed", "conv_out"]
+    assert dtypes["transformer.0.attn.in_proj_weight"] == dtypes["transformer.0.mlp.c_fc.weight"] == torch.bfloat16
+    assert dtypes["transformer.0.ln_1.weight"] == dtypes["ln_post.weight"] == torch.float32
+    x = torch.randint(0, 256, (2, 3, 32, 32)).float()
+    with torch.no_grad():
+        out = low(x)
+    assert out.dtype == torch.float32 and torch.allclose(out, enc(x), atol=0.1)
