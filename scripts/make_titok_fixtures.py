@@ -13,11 +13,12 @@ the generators) is never run; those modules need ``einops``, ``omegaconf``, ``ac
         accelerate huggingface_hub
     python scripts/make_titok_fixtures.py --reference /tmp/ref-titok --deps /tmp/titok-deps
 
-writes tests/fixtures/titok/ (README.md there): ``weights_legacy.safetensors`` and
-``weights_vq8k.safetensors`` (two small models in the released layout, int8 grid as
-tests/fixtures/taming), their ``config_*.json`` (what ``TiTok.save_pretrained`` writes),
-``cases.safetensors`` (inputs and the reference's outputs) and ``published_keys.json`` (the
-released architectures' tensor names and shapes, and the six released VQ configs).
+writes tests/fixtures/titok/ (README.md there): a folder per small model, ``legacy/`` and
+``vq8k/``, each laid out as every family's fixtures are: ``weights.safetensors`` (the released
+layout's tensors, int8 grid as tests/fixtures/taming), ``config.json`` (what
+``TiTok.save_pretrained`` writes) and ``cases.safetensors`` (``square_*`` inputs and the
+reference's outputs, ``given_*``); and ``published_keys.json`` (the released architectures'
+tensor names and shapes, and the six released VQ configs).
 
 Small models: the original's size tables (``{"small": 512, "base": 768, "large": 1024}`` for
 the width, layers and heads, inside ``TiTokEncoder`` / ``TiTokDecoder.__init__``) get one more
@@ -164,18 +165,20 @@ def randomise(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def run_case(model, name: str, images: np.ndarray) -> dict:
+def run_case(model, images: np.ndarray) -> dict:
+    """``square_*`` (TiTok takes its one size only: no ``rect`` case) and ``given_*``, under the
+    names every family's fixtures use."""
     latents, indices = encode(model, images)
     decoded = model.decode_tokens(indices.unsqueeze(1))
     g = torch.Generator().manual_seed(SEED + 1)
     given = torch.randint(0, model.config.model.vq_model.codebook_size, (2, indices.shape[1]), generator=g)
-    return {f"{name}_images": torch.from_numpy(images), f"{name}_latents": latents.contiguous(),
-            f"{name}_indices": indices.contiguous(), f"{name}_decoded_uint8": torch.from_numpy(to_uint8(decoded)),
+    return {"square_images": torch.from_numpy(images), "square_latents": latents.contiguous(),
+            "square_indices": indices.contiguous(), "square_decoded_uint8": torch.from_numpy(to_uint8(decoded)),
             # one image per call: what a server that batches requests its own way must give
-            f"{name}_decoded1_uint8": torch.from_numpy(np.concatenate(
+            "square_decoded1_uint8": torch.from_numpy(np.concatenate(
                 [to_uint8(model.decode_tokens(indices[i:i + 1].unsqueeze(1))) for i in range(len(indices))])),
-            f"{name}_given_indices": given,
-            f"{name}_given_decoded_uint8": torch.from_numpy(to_uint8(model.decode_tokens(given.unsqueeze(1))))}
+            "given_indices": given,
+            "given_decoded_uint8": torch.from_numpy(to_uint8(model.decode_tokens(given.unsqueeze(1))))}
 
 
 def saved_config(model) -> dict:
@@ -190,16 +193,16 @@ def make_fixtures(checkout: Path, deps: Path | None, out: Path) -> None:
     titok = load_reference(checkout, deps, tiny=True)
     small_pixel_decoder(titok)
     images = test_images()
-    cases: dict[str, torch.Tensor] = {}
-    out.mkdir(parents=True, exist_ok=True)
     for name, vq in SMALL.items():
         torch.manual_seed(SEED)
         model = titok.TiTok(full_config(vq, 32)).eval()
         randomise(model)
-        cases.update(run_case(model, name, images))
-        save_file(int8_weights(model), str(out / f"weights_{name}.safetensors"))
-        (out / f"config_{name}.json").write_text(json.dumps(saved_config(model), indent=4) + "\n")
-    save_file({k: v.clone().contiguous() for k, v in cases.items()}, str(out / "cases.safetensors"))
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.clone().contiguous() for k, v in run_case(model, images).items()},
+                  str(folder / "cases.safetensors"))
+        save_file(int8_weights(model), str(folder / "weights.safetensors"))
+        (folder / "config.json").write_text(json.dumps(saved_config(model), indent=4) + "\n")
     configs = released_configs(checkout)
     shapes = {}
     titok = load_reference(checkout, deps, tiny=False)  # the original's own pixel decoder again
@@ -207,7 +210,8 @@ def make_fixtures(checkout: Path, deps: Path | None, out: Path) -> None:
         with torch.device("meta"):
             shapes[name] = {k: list(v.shape) for k, v in titok.TiTok(configs[name]).state_dict().items()}
     (out / "published_keys.json").write_text(json.dumps({"configs": configs, "keys": shapes}) + "\n")
-    print(f"wrote {out}: " + ", ".join(f"{p.name} {p.stat().st_size:,} B" for p in sorted(out.iterdir())))
+    print(f"wrote {out}: " + ", ".join(f"{p.relative_to(out)} {p.stat().st_size:,} B"
+                                       for p in sorted(out.rglob("*")) if p.is_file()))
 
 
 @torch.no_grad()

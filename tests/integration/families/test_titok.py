@@ -8,6 +8,13 @@ like BL/SL VQ-8k (pixels from the ViT decoder), with the README's ``encode`` ind
 ``decode_tokens`` pixels. The small models use a size ``"tiny"`` that the released size tables do
 not have, so it is added to vqserve's tables here while the released folders are read; the
 imported directories spell the architecture out and serve without it.
+
+Shaped for the family kit (``tests/integration/families/kit.py`` on branch ``family``): each
+model's fixtures are a folder of their own in the common layout (``weights.safetensors``,
+``config.json``, ``cases.safetensors`` with ``square_*`` and ``given_*``), and
+``released_folder(folder, "legacy")`` is the entry's ``release``. The contract would need four
+things the grid families do not: the cases ``("square",)`` only (one image size, no ``rect``),
+``--size 32`` for ``vqserve tokenize``, no export formats, and ``tiny_sizes`` around the import.
 """
 
 from __future__ import annotations
@@ -55,19 +62,21 @@ def tiny_sizes(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cases() -> dict[str, torch.Tensor]:
-    return load_file(str(FIXTURES / "cases.safetensors"))
+    """``{kind}_{key}``: each model's ``square_*`` and ``given_*`` (tests/fixtures/titok/{kind}/)."""
+    return {f"{kind}_{k.removeprefix('square_')}": v for kind in KINDS
+            for k, v in load_file(str(FIXTURES / kind / "cases.safetensors")).items()}
 
 
 def fixture_state(kind: str) -> dict[str, torch.Tensor]:
     """The reference model's tensors under its own names, exact fp32 (int8 grid x 2^-exp)."""
-    stored = load_file(str(FIXTURES / f"weights_{kind}.safetensors"))
+    stored = load_file(str(FIXTURES / kind / "weights.safetensors"))
     return {k: stored[k].to(torch.float32) * 2.0 ** -int(stored[f"{k}#exp"]) for k in stored if "#" not in k}
 
 
 def released_folder(folder: Path, kind: str, config: dict | None = None, state: dict | None = None) -> Path:
     """What ``TiTok.save_pretrained`` writes: config.json + model.safetensors."""
     folder.mkdir(parents=True, exist_ok=True)
-    text = (FIXTURES / f"config_{kind}.json").read_text() if config is None else json.dumps(config)
+    text = (FIXTURES / kind / "config.json").read_text() if config is None else json.dumps(config)
     (folder / "config.json").write_text(text)
     save_file(fixture_state(kind) if state is None else state, str(folder / "model.safetensors"))
     return folder
@@ -159,7 +168,7 @@ def test_import_records_what_it_read(imported):
 
 
 def test_bad_folders_get_one_line_errors_and_write_nothing(tiny_sizes, tmp_path):
-    config = json.loads((FIXTURES / "config_legacy.json").read_text())
+    config = json.loads((FIXTURES / "legacy" / "config.json").read_text())
     state = fixture_state("legacy")
 
     def changed(**vq) -> dict:
