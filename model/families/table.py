@@ -27,6 +27,7 @@ TABLE: tuple[str, ...] = (
     "taming",        # taming-transformers VQGANs, Meta's Chameleon VQGAN, `vqserve import taming`
     "movqgan",       # SBER-MoVQGAN 67M / 102M / 270M, `vqserve import movqgan`
     "maskgit",       # MaskGIT-VQGAN (open-muse MaskGitVQGAN), `vqserve import maskgit`
+    "titok",         # TiTok 1-D tokenizer (bytedance/1d-tokenizer VQ; sequence tokens), as it is or `vqserve import titok`
     "transformers",  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
 )
 
