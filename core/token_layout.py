@@ -1,4 +1,4 @@
-"""The shape of one image's tokens, in one place: a grid, or a pyramid of scales.
+"""The shape of one image's tokens, in one place: a grid, a pyramid of scales, or a sequence.
 
 Why: until VAR every tokenizer gave a grid, ``[h, w]`` (``[h, w, Q]`` for residual
 quantizers) with ``h = H/f``, and every reader of tokens (the server's checks, the clients,
@@ -15,11 +15,13 @@ the layout:
 * :meth:`TokenLayout.split` - a flat pyramid cut into its scales, for a consumer;
 * :meth:`TokenLayout.to_dict` - what identities, manifests and shard schemas record: ``{}``
   for a grid (files of grid models stay byte for byte what they were), ``{"kind":
-  "pyramid", "schedules": [...]}`` otherwise.
+  "pyramid", "schedules": [...]}`` or ``{"kind": "sequence", "length": L, "size": [H, W]}``
+  otherwise.
 
-Room is left for later shapes: ``"sequence"`` (1-D tokenizers: TiTok, FlexTok: a fixed
-length per image) and ``"video"`` (``[t, h, w]``) are further kinds with their own
-``token_shape`` / ``image_size``; readers that go through this class need no change.
+A ``"sequence"`` (1-D tokenizers: TiTok) is a fixed number of tokens per image with no
+spatial order at all, for one image size (``size``): flat ``[L]`` like a pyramid, and
+read by the same non-grid paths (``is_grid`` False), with one "scale" of ``L`` tokens
+where a consumer asks for scales. Room is left for ``"video"`` (``[t, h, w]``).
 
 Torch-free: serving front-ends, clients and offline readers import it.
 """
@@ -33,7 +35,8 @@ import numpy as np
 
 GRID = "grid"
 PYRAMID = "pyramid"
-KINDS = (GRID, PYRAMID)
+SEQUENCE = "sequence"
+KINDS = (GRID, PYRAMID, SEQUENCE)
 
 Scale = tuple[int, int]
 Schedule = tuple[Scale, ...]
@@ -65,12 +68,15 @@ def as_schedule(scales: Iterable) -> Schedule:
 class TokenLayout:
     """How one image's tokens are shaped. ``factor``: the spatial downsampling (an image of
     ``H x W`` has a latent of ``H/f x W/f``). A pyramid has one ``schedule`` per latent size
-    it accepts, each ending at that latent size."""
+    it accepts, each ending at that latent size. A sequence has ``length`` tokens for an
+    image of ``size`` (H, W), the only size it takes."""
 
     factor: int
     kind: str = GRID
     codes_per_position: int = 1
     schedules: tuple[Schedule, ...] = ()
+    length: int = 0
+    size: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -81,6 +87,9 @@ class TokenLayout:
             lengths = [schedule_length(s) for s in self.schedules]
             if len(set(lengths)) != len(lengths):
                 raise ValueError(f"pyramid schedules must have distinct lengths, got {lengths}")
+        if self.kind == SEQUENCE and (self.length < 1 or len(self.size) != 2 or min(self.size) < 1):
+            raise ValueError(f"a sequence token layout needs a positive length and image size, got "
+                             f"{self.length} tokens for {self.size}")
 
     # ---- records --------------------------------------------------------------------
     @classmethod
@@ -94,6 +103,9 @@ class TokenLayout:
     def from_dict(cls, data: Mapping, factor: int, codes_per_position: int = 1) -> TokenLayout:
         if not data or data.get("kind", GRID) == GRID:
             return cls(factor=factor, codes_per_position=codes_per_position)
+        if data.get("kind") == SEQUENCE:
+            return cls(factor=factor, kind=SEQUENCE, length=int(data.get("length", 0)),
+                       size=tuple(int(v) for v in data.get("size", ())))
         if data.get("kind") != PYRAMID:
             raise ValueError(f"unknown token layout {data.get('kind')!r}: this vqserve reads {KINDS}")
         return cls(factor=factor, kind=PYRAMID,
@@ -103,17 +115,38 @@ class TokenLayout:
         """What files record: nothing for a grid (old files stay as they were)."""
         if self.kind == GRID:
             return {}
+        if self.kind == SEQUENCE:
+            return {"kind": SEQUENCE, "length": self.length, "size": list(self.size)}
         return {"kind": self.kind, "schedules": [[list(s) for s in sch] for sch in self.schedules]}
 
     @property
     def is_grid(self) -> bool:
         return self.kind == GRID
 
+    @property
+    def noun(self) -> str:
+        """What the tokens are, in words (refusals)."""
+        return {GRID: "a token grid", PYRAMID: "a multi-scale pyramid (flat [L] per image)",
+                SEQUENCE: f"a 1-D sequence ({self.length} tokens per image, no spatial grid)"}[self.kind]
+
+    def square_sides(self) -> list[int]:
+        """The square image sides a fixed-size layout (pyramid, sequence) takes."""
+        if self.kind == SEQUENCE:
+            return [self.size[0]] if self.size[0] == self.size[1] else []
+        return [s[-1][0] * self.factor for s in self.schedules if s[-1][0] == s[-1][1]]
+
+    def shard_grid(self, h: int, w: int) -> tuple[int, int]:
+        """What a shard row records as ``grid_height, grid_width`` for an ``h x w`` image of a
+        non-grid layout: a pyramid's finest scale (the latent), a sequence's ``1 x L``."""
+        return (1, self.length) if self.kind == SEQUENCE else (h // self.factor, w // self.factor)
+
     # ---- the rules ------------------------------------------------------------------
     def describe(self) -> str:
         """The per-batch token shape in words (errors, help, GetModelInfo's size rule)."""
         if self.kind == GRID:
             return "[B,h,w]" if self.codes_per_position == 1 else f"[B,h,w,{self.codes_per_position}]"
+        if self.kind == SEQUENCE:
+            return f"[B,L] with L={self.length} (a 1-D sequence, {self.size[0]}x{self.size[1]} images)"
         return "[B,L] with " + "; ".join(f"L={schedule_length(s)} (scales {scales_text(s)}, "
                                         f"{s[-1][0] * self.factor}x{s[-1][1] * self.factor} images)"
                                         for s in self.schedules)
@@ -126,6 +159,9 @@ class TokenLayout:
         f = self.factor
         if h == 0 or w == 0 or h % f or w % f:
             return f"H and W must be positive multiples of the downsampling factor {f}, got {h}x{w}"
+        if self.kind == SEQUENCE and (h, w) != tuple(self.size):
+            return (f"this 1-D tokenizer takes {self.size[0]}x{self.size[1]} images only ({self.length} tokens "
+                    f"each), got {h}x{w}")
         if self.kind == PYRAMID and self.schedule_for_latent(h // f, w // f) is None:
             sizes = ", ".join(f"{s[-1][0] * f}x{s[-1][1] * f}" for s in self.schedules)
             return (f"this multi-scale model has scale schedules for {sizes} images only (its scales must end "
@@ -138,6 +174,8 @@ class TokenLayout:
         if rule:
             raise ValueError(f"images: {rule}")
         f = self.factor
+        if self.kind == SEQUENCE:
+            return (self.length,)
         if self.kind == PYRAMID:
             return (schedule_length(self.schedule_for_latent(h // f, w // f)),)
         return (h // f, w // f) if self.codes_per_position == 1 else (h // f, w // f, self.codes_per_position)
@@ -148,20 +186,26 @@ class TokenLayout:
         f = self.factor
         if self.kind == GRID:
             return f * max(1, -(-target // f))
-        sides = [s[-1][0] * f for s in self.schedules if s[-1][0] == s[-1][1]]
+        sides = self.square_sides()
         if not sides:
-            raise ValueError(f"this pyramid has no square image size ({self.describe()})")
+            raise ValueError(f"this {self.kind} has no square image size ({self.describe()})")
         return min(sides, key=lambda side: (abs(side - target), side))
 
     def item_rank(self) -> int:
         """The rank of one image's tokens."""
-        if self.kind == PYRAMID:
+        if self.kind != GRID:
             return 1
         return 2 if self.codes_per_position == 1 else 3
 
     def schedule_of(self, item_shape: tuple[int, ...]) -> Schedule:
-        """The scales of a flat pyramid of this per-image shape; one line naming the accepted ones."""
+        """The scales of a flat pyramid of this per-image shape (a sequence: one scale ``1 x L``);
+        one line naming the accepted ones."""
         length = int(item_shape[0]) if len(item_shape) == 1 else -1
+        if self.kind == SEQUENCE:
+            if length != self.length:
+                raise ValueError(f"must be [B,{self.length}] (a 1-D sequence of {self.length} tokens per image), "
+                                 f"got per-image shape {list(item_shape)}")
+            return ((1, self.length),)
         for s in self.schedules:
             if schedule_length(s) == length:
                 return s
@@ -172,7 +216,7 @@ class TokenLayout:
         """Why a batch of tokens of ``shape`` (batch first) cannot be decoded, or None."""
         if len(shape) != 1 + self.item_rank():
             return f"must be {self.describe()}, got {list(shape)}"
-        if self.kind == PYRAMID:
+        if self.kind != GRID:
             try:
                 self.schedule_of(tuple(shape[1:]))
             except ValueError as exc:
@@ -185,6 +229,9 @@ class TokenLayout:
 
     def image_size(self, item_shape: tuple[int, ...]) -> tuple[int, int]:
         """The ``(H, W)`` one image's tokens of ``item_shape`` decode to (shape checked first)."""
+        if self.kind == SEQUENCE:
+            self.schedule_of(tuple(item_shape))
+            return tuple(self.size)
         if self.kind == PYRAMID:
             h, w = self.schedule_of(tuple(item_shape))[-1]
             return h * self.factor, w * self.factor

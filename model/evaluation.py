@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from vqserve.core.codebook import codebook_stats as core_codebook_stats
 from vqserve.core.machine import cpu_info
+from vqserve.core.token_layout import PYRAMID
 from vqserve.model import learnability as learn
 from vqserve.model import ties
 from vqserve.model.mixed_precision import low_precision_encoder
@@ -224,7 +225,7 @@ class _TokenFigures:
         # a pyramid (VAR): agreement per scale too, since an early-scale flip changes every later
         # scale; the grid learnability figures (shifts, crops) do not apply to it
         self.layout = tokenizer.token_layout
-        if not self.layout.is_grid:
+        if not self.layout.is_grid:  # a pyramid or a sequence: no grid to shift or crop
             self.learnability = False
         self.scale_agree: dict[str, list[list[int]]] = {}
 
@@ -277,7 +278,7 @@ class _TokenFigures:
                 self.agree[key][0] += same
                 self.agree[key][1] += idx.numel()
                 row[f"agreement_{key}"] = same / idx.numel()
-                if not self.layout.is_grid:
+                if self.layout.kind == PYRAMID:
                     row[f"agreement_{key}_per_scale"] = self._per_scale(key, low, idx)
 
     def _per_scale(self, key: str, low: torch.Tensor, idx: torch.Tensor) -> list[float]:
@@ -367,7 +368,7 @@ def evaluate_tokenizer(tokenizer, images: Sequence[np.ndarray], names: Sequence[
     figures = _TokenFigures(tokenizer, precisions, channels_last, learnability)
     f = tokenizer.factor
     if not figures.layout.is_grid:
-        tile = 0  # a pyramid's image sizes are fixed: no smaller tiles
+        tile = 0  # a pyramid's or sequence's image sizes are fixed: no smaller tiles
     names = list(names) if names is not None else [f"image{i}" for i in range(len(images))]
     per_image = []
     sq_err, n_px = 0.0, 0
@@ -448,7 +449,7 @@ PYRAMID_EVAL_SIDE = 256  # the image size a pyramid model is evaluated at (VAR's
 
 def model_sized(tokenizer, img: np.ndarray) -> np.ndarray:
     """An image the tokenizer takes: a grid model's centre crop to a multiple of its factor;
-    for a pyramid (VAR), VAR's own validation transform to its accepted size nearest 256
+    for a pyramid (VAR) or a sequence (TiTok), VAR's own validation transform to its accepted size nearest 256
     (shorter side LANCZOS-resized to 1.125 x that size, then centre-cropped)."""
     layout = tokenizer.token_layout
     if layout.is_grid:

@@ -73,11 +73,13 @@ def branch_convolutions(encoder: nn.Module, which: tuple[str, ...] = BRANCH_CONV
     A model family's encoder names its own residual block classes in
     ``residual_block_types`` (diffusers' ``ResnetBlock2D`` has the same ``norm1 -> conv1 ->
     norm2 -> conv2`` branch added to an untouched input), so foreign encoders get the same
-    fp32 residual stream; an encoder with no known blocks has no branch convolutions and
-    runs wholly in fp32 under this policy."""
+    fp32 residual stream; a block whose branch layers have other names lists them in
+    ``branch_layers`` (TiTok's transformer block: ``attn``, ``mlp``; it casts their inputs
+    itself); an encoder with no known blocks has no branch convolutions and runs wholly in
+    fp32 under this policy."""
     blocks = (ResBlock, *getattr(encoder, "residual_block_types", ()))
     return [f"{name}.{conv}" for name, m in encoder.named_modules() if isinstance(m, blocks)
-            for conv in which]
+            for conv in getattr(m, "branch_layers", which)]
 
 
 def mixed_encoder(encoder: nn.Module, dtype: str | torch.dtype,

@@ -19,6 +19,7 @@ from vqserve.core.input_rules import (  # noqa: F401 - re-exported: the model's 
     check_index_shape,
     check_spatial,
     decode_unsupported,
+    index_range_text,
 )
 from vqserve.core.token_layout import TokenLayout
 from vqserve.model.config import TokenizerConfig
@@ -172,15 +173,33 @@ class TokenizerBase(nn.Module):
         images = _as_tensor(images, "images")
         check_image_batch(tuple(images.shape), images.dtype == torch.uint8, str(images.dtype),
                           self.factor, hint=" (use encode_float for float pixels)")
+        if not self.token_layout.is_grid:  # a pyramid / sequence takes its own sizes only
+            self._check_spatial(images.shape[1], images.shape[2])
         return images
 
     def _check_spatial(self, h: int, w: int) -> None:
-        check_spatial(h, w, self.factor)
+        layout = self.token_layout
+        if layout.is_grid:
+            check_spatial(h, w, self.factor)
+        elif rule := layout.size_rule(h, w):
+            raise ValueError(f"images: {rule}")
 
     def check_indices(self, indices) -> torch.Tensor:
         indices = _as_tensor(indices, "indices")
-        check_index_shape(tuple(indices.shape), self.config.codes_per_position)
-        self.quantizer.check_indices(indices)
+        layout = self.token_layout
+        if layout.is_grid:
+            check_index_shape(tuple(indices.shape), self.config.codes_per_position)
+            self.quantizer.check_indices(indices)
+            return indices
+        # a pyramid / sequence: [B, L] with an L the layout accepts
+        if indices.is_floating_point() or indices.dtype == torch.bool:
+            raise ValueError(f"indices must be an integer tensor, got {indices.dtype}")
+        if rule := layout.shape_rule(tuple(indices.shape)):
+            raise ValueError(f"indices {rule}")
+        if indices.shape[0] == 0:
+            raise ValueError(f"indices is empty, got shape {tuple(indices.shape)}")
+        if rule := index_range_text(int(indices.min()), int(indices.max()), self.codebook_size):
+            raise ValueError(f"indices: {rule}")
         return indices
 
     @torch.no_grad()

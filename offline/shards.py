@@ -106,8 +106,8 @@ class TokenRow:
         t, left, h, w = self.crop
         if layout is None or layout.is_grid:
             grid = int(self.tokens.shape[0]), int(self.tokens.shape[1])
-        else:  # a pyramid's finest scale: the latent of the image the model saw
-            grid = self.height // layout.factor, self.width // layout.factor
+        else:  # a pyramid's finest scale (the latent of the image the model saw), a sequence's 1 x L
+            grid = layout.shard_grid(self.height, self.width)
         return {"key": self.key, "source": self.source, "orig_height": self.orig_height,
                 "orig_width": self.orig_width, "crop_top": t, "crop_left": left, "crop_height": h,
                 "crop_width": w, "height": self.height, "width": self.width,

@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from vqserve.core.token_layout import TokenLayout
+from vqserve.core.token_layout import PYRAMID, TokenLayout
 from vqserve.offline import reader
 
 STATE_VERSION = 1
@@ -81,8 +81,8 @@ class TokenShards(IterableDataset):
         # the token shape: a pyramid's rows are flat [L], each with its ``scales`` [S, 2]
         self.layout = TokenLayout.from_info(self.manifest["model"])
         if self.crop and not self.layout.is_grid:
-            raise ValueError("crop takes a window of a token grid; these tokens are a multi-scale pyramid "
-                             "(flat [L] per image), which has no such window")
+            raise ValueError(f"crop takes a window of a token grid; these tokens are {self.layout.noun}, "
+                             "which has no such window")
         self._files = [shard for f in self.folders for shard in f.shards]
         self.total_rows = sum(n for _, n in self._files)
         self.epoch = 0
@@ -126,7 +126,7 @@ class TokenShards(IterableDataset):
             grid = grid[top:top + ch, left:left + cw]
             row["grid_height"], row["grid_width"] = ch, cw
         row["tokens"] = torch.from_numpy(np.ascontiguousarray(grid, dtype=np.int64))
-        if not self.layout.is_grid:  # coarse to fine: split with tokens[start:end] per scale
+        if self.layout.kind == PYRAMID:  # coarse to fine: split with tokens[start:end] per scale
             row["scales"] = torch.tensor(self.layout.schedule_of(tuple(grid.shape)), dtype=torch.int64)
         return row
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from make_magvit2_fixtures import photo_inputs, to_int8_grid
+from fixture_kit import photo_inputs, to_int8_grid
 from make_showo_fixtures import fixture_cli, randomise
 from safetensors.torch import save_file
 from torch import nn

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from fixture_kit import photo_inputs, to_int8_grid, to_uint8
 from PIL import Image
 from safetensors.torch import save_file
 from torch import nn
@@ -82,16 +83,8 @@ def build_reference(cfg: dict, use_ema: bool):
                    sample_minimization_weight=1.0, batch_maximization_weight=1.0, use_ema=use_ema)
 
 
-def int8_exponent(t: torch.Tensor) -> int:
-    """The largest e with max|t| * 2^e <= 127 (so round(t * 2^e) fits in int8)."""
-    peak = float(t.abs().max())
-    return 0 if peak == 0 else int(np.floor(np.log2(127.0 / peak)))
 
 
-def to_int8_grid(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    e = int8_exponent(t)
-    q = torch.round(t * 2.0 ** e).clamp(-127, 127)
-    return q.to(torch.int8), e
 
 
 MAGVIT2_OWN = ("encoder.", "decoder.")
@@ -151,24 +144,8 @@ def dataset_pixels(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy((images / 127.5 - 1.0).astype(np.float32))
 
 
-def to_uint8(y: torch.Tensor) -> np.ndarray:
-    """``custom_to_pil`` of reconstruct_image.py / evaluation_image.py, batched: clamp, (y+1)/2,
-    then numpy ``(255 * x).astype(np.uint8)``. NHWC."""
-    x = torch.clamp(y.detach(), -1.0, 1.0)
-    x = ((x + 1.0) / 2.0).permute(0, 2, 3, 1).numpy()
-    with np.errstate(invalid="ignore"):
-        return (255 * x).astype(np.uint8)
 
 
-def photo_inputs() -> dict[str, np.ndarray]:
-    """Two 64x64 images (a scikit-image photograph downscaled, uniform noise), one 48x80 crop."""
-    from skimage import data as skdata
-
-    rng = np.random.default_rng(SEED)
-    astronaut = np.asarray(Image.fromarray(skdata.astronaut()).resize((64, 64), Image.BICUBIC))
-    noise = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    coffee = np.asarray(Image.fromarray(skdata.coffee()).resize((80, 53), Image.BICUBIC))[:48]
-    return {"square": np.stack([astronaut, noise]), "rect": coffee[None].copy()}
 
 
 def codes_of(model, indices: torch.Tensor, b: int, h: int, w: int) -> torch.Tensor:

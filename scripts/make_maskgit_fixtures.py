@@ -33,18 +33,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from fixture_kit import SEED, int8_weights, photo_inputs
+from make_taming_fixtures import (  # a sibling script, like fixture_kit
+    compare_on_photos,
+    randomise_on_int8_grid,
+)
 from safetensors.torch import save_file
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from make_taming_fixtures import (  # noqa: E402  (a sibling script)
-    SEED,
-    compare_on_photos,
-    int8_weights,
-    photo_inputs,
-    randomise_on_int8_grid,
-)
 
 OUT = ROOT / "tests" / "fixtures" / "maskgit"
 OWN = ("encoder.", "decoder.", "quantize.")
@@ -124,7 +121,7 @@ def make_fixtures(cls, out: Path) -> None:
     model = cls(**SMALL).eval()
     randomise_on_int8_grid(model, OWN)
     cases: dict[str, torch.Tensor] = {}
-    for prefix, images in photo_inputs().items():
+    for prefix, images in photo_inputs(32).items():
         cases.update(run_case(model, images, prefix))
     cases.update(given_case(model))
     with torch.device("meta"):

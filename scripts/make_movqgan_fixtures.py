@@ -21,28 +21,24 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from make_taming_fixtures import (  # noqa: E402  (a sibling script)
-    SEED,
+from fixture_kit import SEED, int8_weights, photo_inputs
+from make_taming_fixtures import (  # a sibling script, like fixture_kit
     compare_on_photos,
     given_case,
-    int8_weights,
     like_trained,
-    photo_inputs,
     published_shapes,
     random_checkpoint,
     randomise_on_int8_grid,
     run_case,
     write,
 )
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
 
 OUT = ROOT / "tests" / "fixtures" / "movqgan"
 # ch 32, ch_mult [1, 2] (factor 2), one block per level, attention at the lowest resolution
@@ -116,7 +112,7 @@ def make_fixtures(out: Path) -> None:
     model = Reference(SMALL).eval()
     randomise_on_int8_grid(model)
     cases: dict[str, torch.Tensor] = {}
-    for prefix, images in photo_inputs().items():
+    for prefix, images in photo_inputs(32).items():
         cases.update(run_case(model, images, prefix, notebook_pixels, notebook_uint8))
     cases.update(given_case(model, notebook_uint8))
     write(out, int8_weights(model), cases, SMALL, "movqgan.models.vqgan.MOVQ", published_shapes(Reference, PUBLISHED))

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from make_magvit2_fixtures import photo_inputs, to_int8_grid
+from fixture_kit import int8_weights, photo_inputs, to_int8_grid
 from safetensors.torch import save_file
 from torch import nn
 
@@ -102,13 +102,6 @@ def randomise(model: nn.Module) -> None:
             p.copy_(q.float() * 2.0 ** -e)
 
 
-def weights_file(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        q, e = to_int8_grid(p.detach())
-        assert torch.equal(q.float() * 2.0 ** -e, p.detach()), name
-        tensors[name], tensors[f"{name}#exp"] = q, torch.tensor([e], dtype=torch.int8)
-    return tensors
 
 
 def image_transform(images: np.ndarray) -> torch.Tensor:
@@ -190,7 +183,7 @@ def make_fixtures(root: Path, out: Path) -> None:
         cases.update(run_case(model, images, prefix))
     cases.update(extra_cases(model))
     out.mkdir(parents=True, exist_ok=True)
-    save_file(weights_file(model), str(out / "weights.safetensors"))
+    save_file(int8_weights(model), str(out / "weights.safetensors"))
     save_file({k: v.contiguous() for k, v in cases.items()}, str(out / "cases.safetensors"))
     keys = published_keys(ref)
     (out / "published_keys.json").write_text(

@@ -32,13 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from fixture_kit import int8_weights, photo_inputs, to_int8_grid, to_uint8
 from PIL import Image
 from safetensors.torch import save_file
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from make_magvit2_fixtures import to_int8_grid, to_uint8  # noqa: E402  (a sibling script)
 
 OUT = ROOT / "tests" / "fixtures" / "taming"
 SEED = 0
@@ -101,14 +100,6 @@ def randomise_on_int8_grid(model: nn.Module, own: tuple[str, ...] = OWN) -> None
                 p.copy_(q.float() * 2.0 ** -e)
 
 
-def int8_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``NAME`` (int8) and ``NAME#exp`` per parameter: the value is ``NAME * 2^-exp`` exactly."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        q, e = to_int8_grid(p.detach())
-        assert torch.equal(q.float() * 2.0 ** -e, p.detach()), name
-        out[name], out[f"{name}#exp"] = q, torch.tensor([e], dtype=torch.int8)
-    return out
 
 
 def taming_pixels(images: np.ndarray) -> torch.Tensor:
@@ -116,15 +107,6 @@ def taming_pixels(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy((images / 127.5 - 1.0).astype(np.float32)).permute(0, 3, 1, 2).contiguous()
 
 
-def photo_inputs() -> dict[str, np.ndarray]:
-    """Two 32x32 images (scikit-image's astronaut resized, uniform noise) and a 24x40 crop of coffee."""
-    from skimage import data as skdata
-
-    rng = np.random.default_rng(SEED)
-    astronaut = np.asarray(Image.fromarray(skdata.astronaut()).resize((32, 32), Image.BICUBIC))
-    noise = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
-    coffee = np.asarray(Image.fromarray(skdata.coffee()).resize((40, 27), Image.BICUBIC))[:24]
-    return {"square": np.stack([astronaut, noise]), "rect": coffee[None].copy()}
 
 
 @torch.no_grad()
@@ -182,7 +164,7 @@ def make_fixtures(out: Path) -> None:
     model = Reference(SMALL).eval()
     randomise_on_int8_grid(model)
     cases: dict[str, torch.Tensor] = {}
-    for prefix, images in photo_inputs().items():
+    for prefix, images in photo_inputs(32).items():
         cases.update(run_case(model, images, prefix))
     cases.update(given_case(model))
     write(out, int8_weights(model), cases, SMALL, "taming.models.vqgan.VQModel", published_shapes(Reference, PUBLISHED))

@@ -182,60 +182,6 @@ def tokenize_grids(model: str, folder, out, *flags: str) -> dict:
     return {r["key"]: r["tokens"] for s in manifest["shards"] for r in shards.read_rows(out / s["name"])}
 
 
-def assert_served_and_tokenized_like_reference(model: str, cases, tmp_path, info: dict,
-                                                case_names=("square", "rect")) -> None:
-    """A real gRPC server on 127.0.0.1 (port 0) encodes each fixture case into the reference's
-    indices (v1, and OIP's ``vqserve-encode`` one image at a time) and decodes them into its
-    one-image-at-a-time pixels (``{case}_decoded1_uint8``), its model info holds ``info``;
-    then `vqserve tokenize` of the same images as PNGs gives the same grids, `vqserve verify`
-    passes, ``TokenShards`` reads them back and `vqserve detokenize` writes one image each."""
-    from pathlib import Path
-
-    import grpc
-    import numpy as np
-
-    from vqserve.cli import main
-    from vqserve.offline.token_shards import TokenShards
-    from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
-    from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
-    from vqserve.serve.api import codec
-    from vqserve.serve.clients.sync import TokenizerClient
-    from vqserve.serve.config import ServerConfig
-    from vqserve.serve.launcher import ServerThread
-
-    cfg = ServerConfig(model=model, backend="eager", device="cpu", host="127.0.0.1", port=0,
-                       metrics_port=0, max_batch_size=4, max_delay_ms=5, grace_s=5)
-    with ServerThread(cfg) as server, TokenizerClient(server.target, timeout=60) as client, \
-            grpc.insecure_channel(server.target) as channel:
-        served = client.model_info()
-        assert {k: served[k] for k in info} == info
-        inference = oip_grpc.GRPCInferenceServiceStub(channel)
-        for case in case_names:
-            indices = client.encode(cases[f"{case}_images"].numpy())
-            reference = cases[f"{case}_indices"].numpy().astype(indices.dtype)
-            assert_matches_reference(indices, reference, "indices")
-            assert_matches_reference(client.decode(reference), cases[f"{case}_decoded1_uint8"].numpy(), "pixels")
-            image = cases[f"{case}_images"].numpy()[:1]
-            request = oip.ModelInferRequest(model_name="vqserve-encode")
-            request.inputs.add(name="images", datatype="UINT8", shape=list(image.shape))
-            request.raw_input_contents.append(image.tobytes())
-            out = inference.ModelInfer(request, timeout=60)
-            got = codec.array_from_bytes(out.outputs[0].shape, codec.OIP_TO_NUMPY[out.outputs[0].datatype],
-                                         out.raw_output_contents[0], "indices")
-            assert_matches_reference(got, reference[:1], "OIP indices")
-    expected = write_case_photos(cases, case_names, tmp_path / "photos", "{case}_indices")
-    grids = tokenize_grids(model, tmp_path / "photos", tmp_path / "tokens")
-    assert len(grids) == len(expected)
-    for key, grid in grids.items():
-        assert_matches_reference(grid, np.asarray(expected[Path(key).stem]).astype(grid.dtype), "tokenized grid")
-    assert main(["verify", str(tmp_path / "tokens"), "--model", str(model)]) == 0
-    rows = {Path(r["key"]).stem: r["tokens"].numpy() for r in TokenShards(tmp_path / "tokens")}
-    assert {k: v.tolist() for k, v in rows.items()} == {k: np.asarray(v).tolist() for k, v in expected.items()}
-    assert main(["detokenize", str(tmp_path / "tokens"), "--out", str(tmp_path / "decoded"), "--model", str(model),
-                 "--no-progress"]) == 0
-    assert len([p for p in (tmp_path / "decoded").rglob("*.png")]) == len(expected)
-
-
 def child_pids(pid: int) -> list[int]:
     """Every process below ``pid`` (a server's front-ends), from /proc."""
     from vqserve.bench.processes import process_tree

@@ -1,10 +1,16 @@
 """Model families: every kind of checkpoint directory ``load_tokenizer`` accepts.
 
-``FAMILIES`` is the one registry. ``family_for(path)`` asks each family in order whether a
+``table.TABLE`` is the one registry: one line per family folder, whose ``declare.py`` says
+where its ``Family`` lives, which ``vqserve import`` subcommands it brings and how other
+imports recognise its checkpoints. ``FAMILIES`` (built from it on first use) holds the
+``Family`` objects in detection order; ``family_for(path)`` asks each in turn whether a
 directory is its own (``Family.detect``, reading at most ``config.json``); a directory that
 no family claims goes to vqserve's own family, whose loader reports what is wrong with it.
 The interface a family implements is ``vqserve.model.families.base.Family`` (its module
 docstring is the how-to); docs/MODELS.md lists the families and how to add one.
+
+Importing this package is torch-free (PEP 562): ``FAMILIES`` and the names of ``base``
+import their modules when first used, so ``vqserve import --help`` reads the table alone.
 """
 
 from __future__ import annotations
@@ -12,52 +18,36 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vqserve.model.families.base import CONFIG_NAME, Family, FamilyConfig, read_config_json
-from vqserve.model.families.cosmos.family import COSMOS
-from vqserve.model.families.diffusers.family import DIFFUSERS_VQMODEL
-from vqserve.model.families.ibq.family import IBQ
-from vqserve.model.families.llamagen.family import LLAMAGEN
-from vqserve.model.families.magvit2.family import MAGVIT2
-from vqserve.model.families.maskgit.family import MASKGIT
-from vqserve.model.families.movqgan.family import MOVQGAN
-from vqserve.model.families.native.family import VQSERVE
-from vqserve.model.families.showo.family import SHOWO
-from vqserve.model.families.taming.family import TAMING
-from vqserve.model.families.transformers.family import TRANSFORMERS_FAMILIES
-from vqserve.model.families.var.family import VAR
+from vqserve.model.families.table import families
 
-# vqserve's own format first: it is the default and the fallback. Add new families here.
-FAMILIES: tuple[Family, ...] = (
-    VQSERVE,
-    DIFFUSERS_VQMODEL,
-    LLAMAGEN,
-    COSMOS,  # NVIDIA Cosmos-Tokenizer DI8x8 / DI16x16 (FSQ), `vqserve import cosmos`
-    MAGVIT2,
-    IBQ,
-    VAR,  # FoundationVision VAR multi-scale residual VQ (pyramid tokens), `vqserve import var`
-    SHOWO,  # Show-o / MMaDA MAGVIT-v2 (showlab/magvitv2, LFQ msb-first), `vqserve import showo`
-    TAMING,  # taming-transformers VQGANs, Meta's Chameleon VQGAN (.ckpt + yaml), `vqserve import taming`
-    MOVQGAN,  # SBER-MoVQGAN 67M / 102M / 270M, `vqserve import movqgan`
-    MASKGIT,  # MaskGIT-VQGAN (open-muse MaskGitVQGAN), `vqserve import maskgit`
-    *TRANSFORMERS_FAMILIES,  # Janus, Emu3, Chameleon VQ-VAEs saved by transformers
-)
+_FROM_BASE = ("CONFIG_NAME", "Family", "FamilyConfig", "read_config_json")
 
 
-def family_for(path: str | os.PathLike) -> Family:
+def __getattr__(name: str):
+    if name == "FAMILIES":
+        return families()
+    if name in _FROM_BASE:
+        from vqserve.model.families import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'vqserve.model.families' has no attribute {name!r}")
+
+
+def family_for(path: str | os.PathLike):
     """The family that owns the existing directory ``path`` (vqserve's own when none does)."""
     path = Path(path)
-    for family in FAMILIES:
+    for family in families():
         if family.detect(path):
             return family
-    return VQSERVE
+    return families()[0]  # vqserve's own: first in the table
 
 
-def family_named(name: str) -> Family:
-    for family in FAMILIES:
+def family_named(name: str):
+    for family in families():
         if family.name == name:
             return family
-    raise ValueError(f"unknown model family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+    raise ValueError(f"unknown model family {name!r}; known: {', '.join(f.name for f in families())}")
 
 
-__all__ = ["CONFIG_NAME", "FAMILIES", "Family", "FamilyConfig", "family_for", "family_named",
+__all__ = ["CONFIG_NAME", "FAMILIES", "Family", "FamilyConfig", "family_for", "family_named",  # noqa: F822
            "read_config_json"]

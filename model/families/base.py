@@ -29,7 +29,8 @@ input checks, exports, runtimes and the server then work unchanged. ``encoder`` 
 its residual blocks (``residual_block_types``) so the bf16/fp16 policy of
 ``vqserve.model.mixed_precision`` can keep its residual stream in fp32.
 
-Register a new family in ``vqserve.model.families.FAMILIES`` (one tuple, one line).
+Register a new family with one line in ``vqserve.model.families.table.TABLE`` (its folder
+holds a ``declare.py``; docs/MODELS.md "Adding a family").
 
 A family whose directories ``vqserve import NAME`` writes subclasses ``ImportedFamily``
 (``vqserve.model.families.imported``) rather than ``Family``: it names its config dataclass

@@ -1,8 +1,7 @@
 """What every ``vqserve import NAME`` shares once the checkpoint is read: refusals and the write.
 
-Each importer (``llamagen_import``, ``cosmos_import``, ``magvit2_import``, ``ibq_import``)
-reads its own checkpoint layout, but ends the same way: ``--config`` checked against a
-published architecture, an existing ``--out`` refused (or, with ``--force``, replaced only
+Each importer (``<family>/importer.py``, run by its family's ``declare.py``) reads its own
+checkpoint layout, but ends the same way: ``--config`` checked against a published architecture, an existing ``--out`` refused (or, with ``--force``, replaced only
 when it is an earlier import of the same family, because what gets replaced is deleted),
 and ``config.json`` + ``model.safetensors`` written atomically. The messages name the family
 (``label``) and the subcommand, so a user sees which import refused.
@@ -20,6 +19,7 @@ from safetensors.torch import save_file
 from vqserve.core.files import atomic_directory
 from vqserve.model.families.base import read_config_json
 from vqserve.model.families.imported import WEIGHTS_NAME, ImportedConfig, write_config
+from vqserve.model.families.table import foreign_marks
 
 
 class CheckpointError(ValueError):
@@ -27,14 +27,13 @@ class CheckpointError(ValueError):
 
 
 # Checkpoints that another import takes, told apart by what only that family has, so any
-# import given one names the right command: a state dict by tensors (all of them present) ...
-FOREIGN_STATE_DICTS = (
-    ("maskgit", "MaskGIT-VQGAN state dict (open-muse's MaskGitVQGAN: decoder.up.N.upsample_conv, no quant_conv)",
-     ("decoder.up.1.upsample_conv.weight", "encoder.mid.0.conv1.weight")),
-)
+# import given one names the right command. Each family declares its own marks
+# (``ForeignMark`` in its ``declare.py``); these are read from the one table: a state dict by
+# tensors (all of them present) ...
+FOREIGN_STATE_DICTS = tuple((mark.command, mark.what, mark.tensors) for mark in foreign_marks() if mark.tensors)
 # ... and a Hugging Face style config.json by its ``_class_name``
-FOREIGN_CONFIG_CLASSES = {"MaskGitVQGAN": ("maskgit", "open-muse's MaskGitVQGAN"),
-                          "MAGVITv2": ("showo", "Show-o's MAGVITv2")}
+FOREIGN_CONFIG_CLASSES = {mark.config_class: (mark.command, mark.what) for mark in foreign_marks()
+                          if mark.config_class}
 
 
 def family_of_state(state: dict) -> str | None:

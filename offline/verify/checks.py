@@ -106,7 +106,7 @@ def _check_rows(ctx: _Ctx, name: str, table: ShardTable) -> None:
         else:
             rep.ok("tokens")
         problem = _grid_problem(meta, i, table, factor, depth) if layout.is_grid else \
-            _pyramid_problem(meta, i, table, layout)
+            _flat_problem(meta, i, table, layout)
         if problem:
             rep.fail("grid", problem, name, key)
         else:
@@ -121,19 +121,20 @@ def _rows_out_of_range(table: ShardTable, codebook: int) -> set[int]:
     return set(np.searchsorted(table.offsets, bad, side="right").astype(int) - 1)
 
 
-def _pyramid_problem(meta: dict, i: int, table: ShardTable, layout: TokenLayout) -> str | None:
-    """A pyramid row: its image size has a schedule, and it holds exactly that many tokens."""
+def _flat_problem(meta: dict, i: int, table: ShardTable, layout: TokenLayout) -> str | None:
+    """A pyramid or sequence row: its image size is one the layout takes, and it holds exactly
+    that many tokens."""
     h, w = meta["height"][i], meta["width"][i]
     gh, gw = meta["grid_height"][i], meta["grid_width"][i]
     try:
         (length,) = layout.token_shape(h, w)
     except ValueError as exc:
         return str(exc)
-    if (gh, gw) != (h // layout.factor, w // layout.factor):
-        return f"finest scale {gh}x{gw} != {h}x{w} // {layout.factor}"
+    if (gh, gw) != layout.shard_grid(h, w):
+        return f"grid_height x grid_width {gh}x{gw} != {'x'.join(map(str, layout.shard_grid(h, w)))} ({layout.kind})"
     n = table.offsets[i + 1] - table.offsets[i]
     if n != length:
-        return f"holds {n} tokens, a {h}x{w} image's pyramid has {length}"
+        return f"holds {n} tokens, a {h}x{w} image's {layout.kind} has {length}"
     if table.shapes is not None and tuple(table.shapes[i]) != (length,):
         return f"tokens array has shape {tuple(table.shapes[i])}, expected ({length},)"
     return None

@@ -131,12 +131,16 @@ class ModelInfo(_message.Message):
     def __init__(self, quantizer: _Optional[str] = ..., codebook_size: _Optional[int] = ..., levels: _Optional[_Iterable[int]] = ..., factor: _Optional[int] = ..., codes_per_position: _Optional[int] = ..., index_dtype: _Optional[str] = ..., accepted_sizes: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., model_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., execution_plan: _Optional[str] = ..., determinism: _Optional[_Union[Determinism, _Mapping]] = ..., dither: _Optional[str] = ..., exact: _Optional[bool] = ..., source_hash: _Optional[str] = ..., encode_only: _Optional[bool] = ..., token_layout: _Optional[_Union[TokenLayout, _Mapping]] = ...) -> None: ...
 
 class TokenLayout(_message.Message):
-    __slots__ = ("kind", "schedules")
+    __slots__ = ("kind", "schedules", "length", "size")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULES_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     schedules: _containers.RepeatedCompositeFieldContainer[ScaleSchedule]
-    def __init__(self, kind: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScaleSchedule, _Mapping]]] = ...) -> None: ...
+    length: int
+    size: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScaleSchedule, _Mapping]]] = ..., length: _Optional[int] = ..., size: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScaleSchedule(_message.Message):
     __slots__ = ("heights", "widths")

@@ -175,8 +175,8 @@ def _layout_msg(layout: dict) -> pb.TokenLayout | None:
     """A non-grid token layout as its message (None, so unset, for a grid)."""
     if not layout:
         return None
-    return pb.TokenLayout(kind=layout["kind"], schedules=[
-        pb.ScaleSchedule(heights=[h for h, _ in s], widths=[w for _, w in s]) for s in layout["schedules"]])
+    return pb.TokenLayout(kind=layout["kind"], length=layout.get("length", 0), size=layout.get("size", []), schedules=[
+        pb.ScaleSchedule(heights=[h for h, _ in s], widths=[w for _, w in s]) for s in layout.get("schedules", [])])
 
 
 def _determinism_msg(certificate) -> pb.Determinism:

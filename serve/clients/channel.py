@@ -106,6 +106,8 @@ def _info_dict(info: pb.ModelInfo) -> dict:
 
 def _layout_dict(layout: pb.TokenLayout) -> dict:
     """``TokenLayout.to_dict()`` from its message (vqserve.core.token_layout)."""
+    if layout.kind == "sequence":
+        return {"kind": layout.kind, "length": layout.length, "size": list(layout.size)}
     return {"kind": layout.kind, "schedules": [[[h, w] for h, w in zip(s.heights, s.widths, strict=True)]
                                                for s in layout.schedules]}
 

@@ -177,7 +177,7 @@ def _refuse_oversized(files: list[_TokenFile], layout: TokenLayout, max_pixels: 
             tf.error = f"tokens {exc}"
             continue
         if max_pixels and height * width > max_pixels:
-            what = f"a {item[0]}x{item[1]} grid" if layout.is_grid else f"a pyramid of {item[0]} tokens"
+            what = f"a {item[0]}x{item[1]} grid" if layout.is_grid else f"a {layout.kind} of {item[0]} tokens"
             tf.error = (f"{what} decodes to {height}x{width} = {height * width} "
                         f"pixels, more than the server's limit of {max_pixels} per image")
 

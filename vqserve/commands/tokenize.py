@@ -120,9 +120,9 @@ def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
 
     layout = TokenLayout.from_info(runtime_info)
     if not layout.is_grid and (not args.size or layout.size_rule(args.size, args.size)):
-        sizes = ", ".join(str(s[-1][0] * layout.factor) for s in layout.schedules if s[-1][0] == s[-1][1])
-        raise ValueError(f"this model's tokens are a multi-scale pyramid with scale schedules for fixed image sizes "
-                         f"only: pass --size with one of {sizes}" + (f" (got {args.size})" if args.size else ""))
+        sizes = ", ".join(map(str, layout.square_sides()))
+        raise ValueError(f"this model's tokens are {layout.noun}, for fixed image sizes only: pass --size with "
+                         f"one of {sizes}" + (f" (got {args.size})" if args.size else ""))
     pre = images.Preprocess(mode="size" if args.size else "keep" if args.keep_size else "exact",
                             factor=runtime_info["factor"], size=args.size, resample=args.resample,
                             max_pixels=args.max_pixels)

@@ -3,7 +3,7 @@
 NVIDIA publishes these image tokenizers as TorchScript archives (``encoder.jit``,
 ``decoder.jit``, ``autoencoder.jit`` in ``nvidia/Cosmos-0.1-Tokenizer-DI8x8`` and ``-DI16x16``
 on Hugging Face). vqserve never runs them: ``vqserve import cosmos SOURCE --out DIR``
-(``cosmos_import``) reads only their tensors, without unpickling code, and writes a directory
+(``cosmos.importer``) reads only their tensors, without unpickling code, and writes a directory
 this family owns:
 
 * ``config.json``: ``{"format": "vqserve-cosmos", "version": 1, <architecture>, "meta": {...}}``
@@ -11,7 +11,7 @@ this family owns:
 * ``model.safetensors``: the weights under vqserve's names (Cosmos's, with ``quant_conv``
   moved into the encoder and ``post_quant_conv`` into the decoder).
 
-The networks (``cosmos_networks``) are Cosmos's architecture rebuilt op for op; the quantizer
+The networks (``cosmos.networks``) are Cosmos's architecture rebuilt op for op; the quantizer
 (``CosmosFSQ``) is vqserve's FSQ island, which is Cosmos's FSQ arithmetic (both follow
 vector-quantize-pytorch) run in fp32 whatever the networks run in. Indices equal the original
 code's in fp32 (tests/integration/families/test_cosmos.py, against fixtures made by the original).

@@ -82,6 +82,12 @@ class _ScriptObject:
         self.state = state
 
 
+def run_import(args) -> tuple:
+    """``vqserve import cosmos`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force)
+    return out, f"Cosmos DI (factor {arch.factor}, FSQ {arch.levels} = {arch.codebook_size:,} codes"
+
+
 class _Storage:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype

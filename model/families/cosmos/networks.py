@@ -7,7 +7,7 @@ sub-bands (two Haar levels for patch 4: 3 -> 48 channels at a quarter of the res
 convolutional encoder downsamples the rest of the way (DI8x8: once, DI16x16: twice), and the
 decoder ends with the inverse Haar transform. The residual blocks, the single-head attention
 and the stride-2 / nearest-x2 resamplers are the same operations as LlamaGen's, so the block
-classes of ``llamagen_networks`` are reused (same parameter names: ``norm1``, ``conv1``, ...).
+classes of ``llamagen.networks`` are reused (same parameter names: ``norm1``, ``conv1``, ...).
 
 Why every operation is spelled the way it is: vqserve must reproduce Cosmos's *indices*, and a
 token flips when a latent crosses an FSQ rounding boundary by one ulp. So the Haar transform

@@ -45,6 +45,13 @@ DDCONFIG_KEYS = {"double_z", "z_channels", "resolution", "in_channels", "out_ch"
                  "num_res_blocks", "attn_resolutions", "dropout"}
 
 
+def run_import(args) -> tuple:
+    """``vqserve import emu35`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_emu35(args.sources, args.out, preset=args.config, force=args.force)
+    return out, (f"Emu3.5 VisionTokenizer (IBQ; factor {arch.factor}, {arch.codebook_size:,} codes x "
+                 f"{arch.codebook_dim}")
+
+
 def find_sources(sources: list[str | os.PathLike]) -> tuple[Path, Path]:
     """(config.yaml, the weights file) from the folder or the two files, in any order."""
     paths = [Path(s) for s in sources]

@@ -3,18 +3,18 @@
 IBQ (github.com/TencentARC/SEED-Voken, ``src/IBQ``; rFID 1.00 on ImageNet 256 with 262,144
 codes) publishes Lightning ``.ckpt`` pickles (``imagenet256_{1024,8192,16384,262144}.ckpt``,
 ``IBQ_pretrain_{16384,262144}.ckpt``). ``vqserve import ibq CHECKPOINT --out DIR``
-(``ibq_import``) reads one with ``torch.load(weights_only=True)`` and writes a directory
+(``ibq.importer``) reads one with ``torch.load(weights_only=True)`` and writes a directory
 this family owns: ``config.json`` (``"format": "vqserve-ibq"``) and ``model.safetensors``.
 
 The networks are the taming-transformers VQGAN encoder and decoder, which LlamaGen's
-tokenizer also uses, op for op: vqserve reuses its rebuild (``llamagen_networks``) with
+tokenizer also uses, op for op: vqserve reuses its rebuild (``llamagen.networks``) with
 IBQ's tensors renamed onto it (taming's names, ``vqserve.model.families.taming.layout``), attention on the lowest resolution
 only (``attn_resolutions: [16]`` at 256 px, every published config). Only the two ends
 differ, because IBQ's scripts differ from LlamaGen's: pixels are normalised as
 ``(image / 127.5 - 1.0)`` in float64 (numpy) then float32, which ``(2x - 255) / 255`` in
 fp32 reproduces for all 256 values, and decoded pixels follow ``custom_to_pil``:
 ``trunc(255 * (clamp(y, -1, 1) + 1) / 2)``. The quantizer is ``SoftmaxMaxVQ``: IBQ's
-``max(softmax(z . codebook))`` in fp32 (``ibq_quantizer``).
+``max(softmax(z . codebook))`` in fp32 (``quantizers.softmax_max``).
 
 Emu3.5's VisionTokenizer (baaivision/Emu3.5, ``src/vision_tokenizer``) is this model: the same
 taming encoder/decoder, ``quant_conv``/``post_quant_conv`` and ``IndexPropagationQuantize``

@@ -3,7 +3,7 @@
 IBQ's checkpoints are laid out like Open-MAGVIT2's (the same repository and training code:
 ``{"state_dict": ...}`` with ``loss.*`` and LitEma's ``model_ema.*``; every published config
 trains with ``use_ema: True`` and the evaluation scripts run inside ``ema_scope()``), so the
-reading, the EMA choice and the refusals are ``magvit2_import``'s. What differs is the
+reading, the EMA choice and the refusals are ``magvit2.importer``'s. What differs is the
 model: the taming VQGAN encoder/decoder with ``quant_conv`` / ``post_quant_conv`` and the
 codebook ``quantize.embedding.weight``. Every one of those tensors is checked under IBQ's
 own names and shapes (errors name them as the checkpoint does), then renamed onto vqserve's
@@ -37,6 +37,14 @@ from vqserve.model.families.taming.layout import to_taming_name, to_vqserve_name
 
 IBQ_OWN = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "quantize.")
 to_ibq_name = to_taming_name  # IBQ keeps taming-transformers' names (model/families/taming/layout.py)
+
+
+def run_import(args) -> tuple:
+    """``vqserve import ibq`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch, used = import_ibq(args.checkpoint, args.out, preset=args.config, weights=args.weights,
+                                 force=args.force)
+    return out, (f"IBQ ({used} weights; factor {arch.factor}, {arch.codebook_size:,} codes x "
+                 f"{arch.codebook_dim}")
 
 
 def _shape(state: dict, key: str, where: str) -> tuple[int, ...]:

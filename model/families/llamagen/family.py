@@ -2,15 +2,15 @@
 
 LlamaGen (github.com/FoundationVision/LlamaGen) publishes its tokenizers as PyTorch pickles
 (``vq_ds16_c2i.pt``, ``vq_ds8_c2i.pt``, ``vq_ds16_t2i.pt``). vqserve never unpickles them at
-serving time: ``vqserve import llamagen CHECKPOINT --out DIR`` (``llamagen_import``) reads
+serving time: ``vqserve import llamagen CHECKPOINT --out DIR`` (``llamagen.importer``) reads
 one with ``torch.load(weights_only=True)`` and writes a directory this family owns:
 
 * ``config.json``: ``{"format": "vqserve-llamagen", "version": 1, <architecture>, "meta": {...}}``,
 * ``model.safetensors``: the weights under vqserve's names (LlamaGen's, with ``quant_conv``
   moved into the encoder, ``post_quant_conv`` into the decoder, the codebook renamed).
 
-The networks (``llamagen_networks``) are LlamaGen's architecture rebuilt op for op; the
-quantizer (``llamagen_quantizer.L2NearestCode``) is its nearest-code search over an
+The networks (``llamagen.networks``) are LlamaGen's architecture rebuilt op for op; the
+quantizer (``quantizers.l2_nearest.L2NearestCode``) is its nearest-code search over an
 l2-normalised codebook, in fp32 whatever the networks run in. Indices equal the original
 code's in fp32 (tests/integration/families/test_llamagen.py, against fixtures made by the original).
 """

@@ -56,6 +56,13 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / torch.compile wrappers
 RESAVE_HINT = "re-save just its state dict: torch.save({'model': ckpt['model']}, 'clean.pt')"
 
 
+def run_import(args) -> tuple:
+    """``vqserve import llamagen`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_llamagen(args.checkpoint, args.out, preset=args.config,
+                                state_key=args.state_key, force=args.force, prefix=args.prefix)
+    return out, f"LlamaGen VQ (factor {arch.factor}, {arch.codebook_size} codes x {arch.codebook_dim}"
+
+
 def read_checkpoint(path: Path, resave_hint: str = RESAVE_HINT) -> object:
     """A ``.safetensors`` file as a dict of tensors, anything else with
     ``torch.load(weights_only=True)`` (memory-mapped when the file allows); one-line errors.

@@ -3,14 +3,14 @@
 Open-MAGVIT2 (github.com/TencentARC/SEED-Voken, formerly TencentARC/Open-MAGVIT2) publishes
 its tokenizers as Lightning ``.ckpt`` pickles (``imagenet_256_L.ckpt``, ``imagenet_128_L.ckpt``,
 ``pretrain256_262144.ckpt``, ``pretrain256_16384.ckpt``). vqserve never unpickles them at
-serving time: ``vqserve import magvit2 CHECKPOINT --out DIR`` (``magvit2_import``) reads one
+serving time: ``vqserve import magvit2 CHECKPOINT --out DIR`` (``magvit2.importer``) reads one
 with ``torch.load(weights_only=True)`` and writes a directory this family owns:
 
 * ``config.json``: ``{"format": "vqserve-magvit2", "version": 1, <architecture>, "meta": {...}}``,
 * ``model.safetensors``: the encoder and decoder weights under the original's names (the
   LFQ quantizer has no weights: its codebook is the corners of the hypercube).
 
-The networks (``magvit2_networks``) are the original's, rebuilt op for op; the quantizer is
+The networks (``magvit2.networks``) are the original's, rebuilt op for op; the quantizer is
 vqserve's LFQ in fp32 with Open-MAGVIT2's bit order (``bit_order="lsb_first"``). Indices equal the
 original code's in fp32 (tests/integration/families/test_magvit2.py, against fixtures made by the original).
 """

@@ -50,6 +50,14 @@ WEIGHT_CHOICES = ("auto", "ema", "raw")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / torch.compile wrappers
 
 
+def run_import(args) -> tuple:
+    """``vqserve import magvit2`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch, used = import_magvit2(args.checkpoint, args.out, preset=args.config, weights=args.weights,
+                                     force=args.force)
+    return out, (f"Open-MAGVIT2 ({used} weights; factor {arch.factor}, LFQ {arch.z_channels} bits = "
+                 f"{arch.codebook_size:,} codes")
+
+
 def select_state(checkpoint: object, where: str) -> tuple[dict[str, torch.Tensor], str]:
     """(the state dict, where it came from): a Lightning checkpoint's ``"state_dict"``, or a
     bare state dict (a ``.safetensors`` file, a re-saved ``.pt``)."""

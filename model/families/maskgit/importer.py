@@ -69,6 +69,13 @@ OTHER_FAMILIES = (
 )
 
 
+def run_import(args) -> tuple:
+    """``vqserve import maskgit`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_maskgit(args.source, args.out, preset=args.config, force=args.force)
+    return out, (f"MaskGIT-VQGAN (factor {arch.factor}, {arch.num_embeddings:,} codes x "
+                 f"{arch.quantized_embed_dim}, pixels {arch.pixels}")
+
+
 def maskgit_fingerprint(state: dict) -> bool:
     """Whether a state dict is open-muse's MaskGitVQGAN (the tensors only it has, as every
     import tells families apart: ``importing.FOREIGN_STATE_DICTS``)."""
@@ -183,4 +190,3 @@ def import_maskgit(source: str | os.PathLike, out: str | os.PathLike, preset: st
             "reference": f"huggingface/open-muse@{REFERENCE_COMMIT}", **({"preset": preset} if preset else {})}
     write_imported(out, arch, meta, tokenizer, LABEL)
     return out, arch
-

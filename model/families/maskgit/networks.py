@@ -4,7 +4,7 @@ Google's MaskGIT tokenizer (github.com/google-research/maskgit, JAX) was ported 
 open-muse (github.com/huggingface/open-muse, ``muse/modeling_maskgit_vqgan.py``) and released
 as ``openMUSE/maskgit-vqgan-imagenet-f16-256``, its weights converted from the JAX checkpoint
 (``scripts/convert_maskgit_vqgan.py``). It is a VQGAN, but not taming's: vqserve's taming
-rebuild (``llamagen_networks``) cannot be reused, because every one of these differs:
+rebuild (``llamagen.networks``) cannot be reused, because every one of these differs:
 
 * ``Conv2dSame``: TensorFlow "same" padding, asymmetric (``pad // 2`` before, the rest after),
   then an unpadded convolution. Every convolution of this model has stride 1, where the

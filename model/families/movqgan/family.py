@@ -9,7 +9,7 @@ dimensions, factor 8) whose decoder normalises spatially by the codes
 comes from the yaml (``configs/movqgan_*.yaml`` of the repository) or, without one, from the
 one published configuration whose tensor shapes the checkpoint has.
 
-The encoder is taming's (``llamagen_networks`` with attention at 32 px); the quantizer is
+The encoder is taming's (``llamagen.networks`` with attention at 32 px); the quantizer is
 MoVQGAN's ``VectorQuantizer2`` (taming's: ``sum(z^2) + sum(e^2) - 2 einsum(z, e^T)``, first
 argmin), run by ``SquaredDistanceVQ`` in fp32, not diffusers' ``cdist`` (whose square root
 merges near ties differently). Pixels as the repository's inference notebook feeds them:

@@ -37,6 +37,12 @@ MOVQGAN_KIND = VqganKind("SBER-MoVQGAN", "movqgan", FORMAT, MovqganConfig, Movqg
                          f"ai-forever/MoVQGAN@{REFERENCE_COMMIT}", ("MOVQ",), ("loss.", *EMA_COPIES))
 
 
+def run_import(args) -> tuple:
+    """``vqserve import movqgan`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_movqgan(args.checkpoint, args.out, args.config, preset=args.preset, force=args.force)
+    return out, f"SBER-MoVQGAN (factor {arch.factor}, {arch.codebook_size:,} codes x {arch.codebook_dim}"
+
+
 def published_architecture(state: dict[str, torch.Tensor], where: str, preset: str | None = None) -> MovqganConfig:
     """The published model whose tensors ``state`` has (or ``preset``, checked); one line otherwise."""
     own = {k: tuple(v.shape) for k, v in state.items() if k.startswith(OWN)}

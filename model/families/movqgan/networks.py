@@ -6,7 +6,7 @@ taming's encoder and changes only the decoder: every GroupNorm becomes a *spatia
 ``zq`` is the quantized codes (before ``post_quant_conv``) resized to the features' size by
 nearest-neighbour interpolation. Everything else (residual blocks, single-head attention,
 nearest x2 + conv upsampling, the level order) is taming's decoder, so this reuses vqserve's
-rebuild of it (``llamagen_networks``) and only threads ``zq`` through.
+rebuild of it (``llamagen.networks``) and only threads ``zq`` through.
 
 Because the codes modulate every normalisation, a token's pixels depend on the codes of its
 neighbourhood only through the convolutions (nearest interpolation of ``zq`` is local), as in

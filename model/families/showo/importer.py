@@ -54,6 +54,13 @@ OWN = ("encoder.", "decoder.", "quantize.")
 REMEDY = "download showlab/magvitv2 again (config.json + pytorch_model.safetensors)"
 
 
+def run_import(args) -> tuple:
+    """``vqserve import showo`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_showo(args.sources, args.out, preset=args.config, force=args.force)
+    return out, (f"Show-o MAGVIT-v2 (factor {arch.factor}, LFQ {arch.z_channels} bits = "
+                 f"{arch.codebook_size:,} codes, most significant bit first")
+
+
 def find_sources(sources: list[str | os.PathLike]) -> tuple[Path, Path]:
     """(config.json, the weights file) from a folder or the two files, in any order."""
     paths = [Path(s) for s in sources]

@@ -12,10 +12,10 @@ writes a directory this family owns: ``config.json`` (``"format": "vqserve-tamin
 
 The networks are taming's ``Encoder`` / ``Decoder`` (``taming/modules/diffusionmodules/model.py``),
 which LlamaGen's tokenizer also uses op for op: vqserve's rebuild of those
-(``llamagen_networks``) with attention on the levels the yaml's ``attn_resolutions`` name
+(``llamagen.networks``) with attention on the levels the yaml's ``attn_resolutions`` name
 (none for Chameleon, 16 px for ImageNet). The quantizer is ``SquaredDistanceVQ``:
 ``VectorQuantizer2``'s ``sum(z^2) + sum(e^2) - 2 einsum(z, e^T)`` and first argmin, in fp32
-whatever the networks run in (``transformers_quantizer``; transformers' Chameleon class uses
+whatever the networks run in (``quantizers.squared_distance``; transformers' Chameleon class uses
 the very same expression).
 
 Pixels, as the model's users feed it (``pixels`` in config.json, so in the model hash and the

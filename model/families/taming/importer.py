@@ -54,6 +54,13 @@ FIXED_DDCONFIG = {"in_channels": 3, "out_ch": 3, "double_z": False, "give_pre_en
                   "resamp_with_conv": True, "attn_type": "vanilla"}
 
 
+def run_import(args) -> tuple:
+    """``vqserve import taming`` (its ``declare.py``): the directory written, the summary printed."""
+    out, arch = import_taming(args.checkpoint, args.out, args.config, pixels=args.pixels, force=args.force)
+    return out, (f"taming VQGAN (factor {arch.factor}, {arch.codebook_size:,} codes x {arch.codebook_dim}, "
+                 f"pixels {arch.pixels}")
+
+
 @dataclass(frozen=True)
 class VqganKind:
     """What differs between the taming-layout families one importer serves."""

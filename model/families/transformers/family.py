@@ -5,10 +5,10 @@ model directory: ``config.json`` (``model_type`` ``janus_vqgan``, ``emu3_vqgan``
 ``chameleon_vqgan``) and ``model.safetensors``, optionally with the image processor's
 ``preprocessor_config.json`` beside them (``image_processor.save_pretrained(DIR)``).
 
-What runs (the same approach as ``diffusers_vq``): transformers' own classes are built from
+What runs (the same approach as ``diffusers.family``): transformers' own classes are built from
 the config and hold the weights, so every layer is the original code; vqserve calls their
 submodules and replaces only the nearest-code search with ``SquaredDistanceVQ``
-(``transformers_quantizer``), the class's exact expression in an fp32 island. Around them:
+(``quantizers.squared_distance``), the class's exact expression in an fp32 island. Around them:
 
 * pixels are scaled as the image processor's numpy backend does it (``ProcessorPixels``):
   ``x * rescale_factor`` in float64, rounded to float32, then ``(v - mean) / std`` in

@@ -24,13 +24,12 @@ from typing import ClassVar
 
 import torch
 
-from vqserve.core.input_rules import check_image_batch, index_range_text
 from vqserve.core.token_layout import PYRAMID, TokenLayout, as_schedule, scales_text
 from vqserve.model.families.base import FamilyConfig
 from vqserve.model.families.imported import ImportedConfig, ImportedFamily
 from vqserve.model.families.var.networks import GROUPS, VARDecoder, VAREncoder
 from vqserve.model.quantizers.multiscale import MultiScaleResidualVQ
-from vqserve.model.tokenizer import TokenizerBase, _as_tensor
+from vqserve.model.tokenizer import TokenizerBase
 
 FORMAT = "vqserve-var"
 VERSION = 1
@@ -138,33 +137,7 @@ class VARTokenizer(TokenizerBase):
     def token_layout(self) -> TokenLayout:
         return self._layout
 
-    # -- the shapes: a pyramid, not a grid ------------------------------------------------
-    def _check_spatial(self, h: int, w: int) -> None:
-        rule = self._layout.size_rule(h, w)
-        if rule:
-            raise ValueError(f"images: {rule}")
-
-    def check_images(self, images) -> torch.Tensor:
-        images = _as_tensor(images, "images")
-        check_image_batch(tuple(images.shape), images.dtype == torch.uint8, str(images.dtype),
-                          self.factor, hint=" (use encode_float for float pixels)")
-        self._check_spatial(images.shape[1], images.shape[2])
-        return images
-
-    def check_indices(self, indices) -> torch.Tensor:
-        indices = _as_tensor(indices, "indices")
-        if indices.is_floating_point() or indices.dtype == torch.bool:
-            raise ValueError(f"indices must be an integer tensor, got {indices.dtype}")
-        rule = self._layout.shape_rule(tuple(indices.shape))
-        if rule:
-            raise ValueError(f"indices {rule}")
-        if indices.shape[0] == 0:
-            raise ValueError(f"indices is empty, got shape {tuple(indices.shape)}")
-        rule = index_range_text(int(indices.min()), int(indices.max()), self.codebook_size)
-        if rule:
-            raise ValueError(f"indices: {rule}")
-        return indices
-
+    # -- the shapes: a pyramid, not a grid (TokenizerBase checks images and indices by the layout)
     def schedule_for(self, latents: torch.Tensor):
         h, w = latents.shape[-2:]
         schedule = self._layout.schedule_for_latent(int(h), int(w))

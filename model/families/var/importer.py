@@ -44,6 +44,15 @@ TRAINING_ONLY = ("quantize.ema_vocab_hit_SV",)
 PHI_PREFIXES = ("quantize.quant_resi.qresi_ls.{}.", "quantize.quant_resi.qresi.", "quantize.quant_resi.{}.")
 
 
+def run_import(args) -> tuple:
+    """``vqserve import var`` (its ``declare.py``): the directory written, the summary printed."""
+    scales = dict(parse_scales(text) for text in args.scales) if args.scales else None
+    out, arch = import_var(args.checkpoint, args.out, scales=scales, force=args.force)
+    sizes = ", ".join(f"{s[-1] * arch.factor}" for s in arch.schedules)
+    return out, (f"VAR (factor {arch.factor}, {arch.vocab_size:,} codes x {arch.z_channels}, pyramid "
+                 f"tokens for {sizes} pixel images")
+
+
 def _shape(state: dict, key: str, where: str) -> tuple[int, ...]:
     if key not in state:
         raise CheckpointError(f"{where}: missing {key}; this is not a VAR VQ-VAE state dict")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
 import pickle
 import zipfile
 from collections import OrderedDict
@@ -26,6 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tests.helpers import FIXTURES_DIR, assert_matches_reference, tokenize_grids, write_case_photos
+from tests.integration.families.kit import CodePayload
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -51,11 +51,6 @@ pytestmark = pytest.mark.timeout(300)
 
 FIXTURES = FIXTURES_DIR / "cosmos"
 CASES = ("square", "rect")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
 
 
 @pytest.fixture(scope="module")
@@ -245,16 +240,6 @@ def test_torchscript_archives_import_without_being_run(toks, cases, tmp_path, mo
     with pytest.raises(ValueError, match="holds only the encoder; pass decoder.jit too"):
         import_cosmos(folder / "encoder.jit", tmp_path / "half")
     assert not (tmp_path / "half").exists()
-
-
-class CodePayload:
-    """Unpickling this would create a directory: proof of code execution if it appears."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (str(self.marker),))
 
 
 def _torchscript_with_payload(path: Path, marker: Path) -> Path:

@@ -30,6 +30,7 @@ from tests.diffusers_models import (
     save_vqmodel,
 )
 from tests.helpers import count_torch_ops
+from tests.integration.families.kit import crops
 from vqserve.export.runtimes.loader import EagerRuntime, load_runtime, model_hash_of
 from vqserve.model import load_tokenizer
 from vqserve.model.checkpoint import checkpoint_hash, read_config, resolve_model_path
@@ -40,33 +41,21 @@ pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(600)
 
 
-def _crops(size: int, corner: bool) -> np.ndarray:
-    from skimage import data
-
-    out = []
-    for name in ("astronaut", "coffee", "chelsea", "rocket"):
-        img = getattr(data, name)()[..., :3]
-        h, w = img.shape[:2]
-        top, left = (0, 0) if corner else (h // 2 - size // 2, w // 2 - size // 2)
-        out.append(img[top : top + size, left : left + size])
-    return np.ascontiguousarray(np.stack(out)).astype(np.uint8)
-
-
 @pytest.fixture(scope="module")
 def photos_128() -> np.ndarray:
     """Centre crops of four scikit-image photographs (what is tokenized)."""
-    return _crops(128, corner=False)
+    return crops(128, corner=False)
 
 
 @pytest.fixture(scope="module")
 def photos_64() -> np.ndarray:
-    return _crops(64, corner=False)
+    return crops(64, corner=False)
 
 
 @pytest.fixture(scope="module")
 def codebook_photos() -> np.ndarray:
     """Corner crops of the same photographs (where the random codebooks come from)."""
-    return _crops(64, corner=True)
+    return crops(64, corner=True)
 
 
 @pytest.fixture(scope="module", params=PUBLISHED)

@@ -11,7 +11,6 @@ middle level, 512 x 8 codes, factor 4).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +22,8 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import (
     FIXTURES_DIR,
     assert_matches_reference,
-    assert_served_and_tokenized_like_reference,
 )
-from vqserve.cli import main as cli_main
+from tests.integration.families.kit import CodePayload, emu35_release, fixture_weights
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
 from vqserve.model.families.ibq.emu35 import import_emu35
@@ -37,25 +35,6 @@ pytestmark = pytest.mark.timeout(300)
 FIXTURES = FIXTURES_DIR / "emu35"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
-def reference_state() -> dict[str, torch.Tensor]:
-    """The reference IBQ's state dict, exact fp32 (stored as int8 x 2^-exp)."""
-    stored = load_file(str(FIXTURES / "weights.safetensors"))
-    return {k: stored[k].to(torch.float32) * 2.0 ** -int(stored[f"{k}#exp"]) for k in stored if "#" not in k}
-
-
-def write_released(folder: Path, state: object = None, config: str | None = None) -> Path:
-    """Emu3.5-VisionTokenizer's layout: config.yaml + model.ckpt (``torch.save`` of the state dict)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text((FIXTURES / "config.yaml").read_text() if config is None else config)
-    torch.save(reference_state() if state is None else state, folder / "model.ckpt")
-    return folder
-
-
 @pytest.fixture(scope="module")
 def cases() -> dict[str, torch.Tensor]:
     return load_file(str(FIXTURES / "cases.safetensors"))
@@ -64,7 +43,7 @@ def cases() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("emu35")
-    out, arch = import_emu35([write_released(root / "Emu3.5-VisionTokenizer")], root / "imported")
+    out, arch = import_emu35([emu35_release(root / "Emu3.5-VisionTokenizer")], root / "imported")
     assert (arch.attention_levels, arch.pixel_rule, arch.factor, arch.codebook_size) == ([1], "emu3.5", 4, 512)
     return str(out)
 
@@ -103,34 +82,24 @@ def test_import_writes_an_ibq_directory_from_every_released_form(imported, tmp_p
     assert config["format"] == "vqserve-ibq" and config["pixel_rule"] == "emu3.5"
     assert config["meta"]["reference"].startswith("baaivision/Emu3.5@") and config["meta"]["imported_from"] == "model.ckpt"
     # {"state_dict": ...}, the two files named apart, and a .safetensors state dict
-    wrapped = write_released(tmp_path / "wrapped", {"state_dict": reference_state()})
+    wrapped = emu35_release(tmp_path / "wrapped", {"state_dict": fixture_weights(FIXTURES)})
     out, _ = import_emu35([wrapped / "model.ckpt", wrapped / "config.yaml"], tmp_path / "w", preset=None)
     assert torch.equal(load_tokenizer(out).encode(cases["rect_images"]), cases["rect_indices"])
     st = tmp_path / "st"
     st.mkdir()
     (st / "config.yaml").write_text((FIXTURES / "config.yaml").read_text())
-    save_file(reference_state(), str(st / "model.safetensors"))
+    save_file(fixture_weights(FIXTURES), str(st / "model.safetensors"))
     out, _ = import_emu35([st], tmp_path / "s")
     assert torch.equal(load_tokenizer(out).encode(cases["rect_images"]), cases["rect_indices"])
 
 
-class CodePayload:
-    """Unpickling this would create a directory: proof of code execution if it appears."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (str(self.marker),))
-
-
 def _bad_sources(tmp_path: Path) -> dict[str, tuple[list[Path], str, str | None]]:
-    good = reference_state()
+    good = fixture_weights(FIXTURES)
     cfg = yaml.safe_load((FIXTURES / "config.yaml").read_text())
 
     def folder(name: str, state: object = None, config: dict | str | None = None) -> list[Path]:
         text = config if isinstance(config, str) or config is None else yaml.safe_dump(config)
-        return [write_released(tmp_path / name, state, text)]
+        return [emu35_release(tmp_path / name, state, text)]
 
     def with_dd(**changes) -> dict:
         return {**cfg, "ddconfig": {**cfg["ddconfig"], **changes}}
@@ -162,18 +131,6 @@ def test_bad_sources_get_one_line_errors_and_write_nothing(tmp_path):
         assert "\n" not in str(err.value), what
         assert not out.exists(), what
     assert not (tmp_path / "PWNED").exists()
-
-
-def test_cli_import(tmp_path, capsys, cases):
-    folder = write_released(tmp_path / "Emu3.5-VisionTokenizer")
-    out = tmp_path / "cli"
-    assert cli_main(["import", "emu35", str(folder), "--out", str(out)]) == 0
-    assert "imported Emu3.5 VisionTokenizer (IBQ; factor 4, 512 codes x 8" in capsys.readouterr().err
-    assert torch.equal(load_tokenizer(out).encode(cases["square_images"]), cases["square_indices"])
-
-
-def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
-    assert_served_and_tokenized_like_reference(imported, cases, tmp_path, {"codebook_size": 512, "factor": 4})  # rect: 48 x 80
 
 
 def test_torchscript_export_keeps_the_tokens_and_proves_the_island(imported, tmp_path, cases):

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import FIXTURES_DIR, assert_matches_reference, tokenize_grids, write_case_photos
-from tests.integration.families.test_magvit2 import CodePayload, LossConfig, lightning_checkpoint
+from tests.integration.families.kit import CodePayload, LossConfig, seed_voken_checkpoint
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -37,11 +37,6 @@ from vqserve.model.tokenizer import pixels_to_float
 pytestmark = pytest.mark.timeout(300)
 
 FIXTURES = FIXTURES_DIR / "ibq"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +59,7 @@ def cases() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, weights) -> Path:
     path = tmp_path_factory.mktemp("ibq") / "imagenet256_small.ckpt"
-    torch.save(lightning_checkpoint(*weights), path)
+    torch.save(seed_voken_checkpoint(*weights), path)
     return path
 
 
@@ -166,17 +161,17 @@ def test_bad_checkpoints_get_one_line_errors_and_write_nothing(tmp_path, weights
     magvit2_like = {k: v for k, v in trained.items() if not k.startswith(("quant", "post_quant"))}
     magvit2_like["encoder.mid_block.0.conv1.weight"] = torch.zeros(1)
     bad = {
-        "missing key": (save("missing.ckpt", lightning_checkpoint(
+        "missing key": (save("missing.ckpt", seed_voken_checkpoint(
             {k: v for k, v in trained.items() if k != "decoder.conv_out.bias"}, ema)),
             r"1 missing \(first decoder.conv_out.bias\)"),
-        "wrong shape": (save("wrong.ckpt", lightning_checkpoint(
+        "wrong shape": (save("wrong.ckpt", seed_voken_checkpoint(
             {**trained, "post_quant_conv.weight": torch.zeros(16, 8, 3, 3)}, ema)),
             r"post_quant_conv.weight has shape \(16, 8, 3, 3\), the config needs \(16, 8, 1, 1\)"),
         "attention elsewhere": (save("attn.ckpt", {"state_dict": extra_attn}), r"encoder attention at levels \[0, 1\]"),
         "pickle as safetensors": (tmp_path / "pickled.safetensors", "not a readable safetensors file"),
-        "code payload": (save("evil.ckpt", lightning_checkpoint(trained, ema, hook=CodePayload(tmp_path / "PWNED"))),
+        "code payload": (save("evil.ckpt", seed_voken_checkpoint(trained, ema, hook=CodePayload(tmp_path / "PWNED"))),
                          r"refused, this pickle holds more than weights"),
-        "lightning hparams class": (save("hparams.ckpt", lightning_checkpoint(
+        "lightning hparams class": (save("hparams.ckpt", seed_voken_checkpoint(
             trained, ema, hyper_parameters={"lossconfig": LossConfig()})), r"it names \S*LossConfig"),
         "an Open-MAGVIT2 checkpoint": (save("magvit2.ckpt", {"state_dict": magvit2_like}),
                                        r"use `vqserve import magvit2`"),

@@ -8,7 +8,6 @@ The fixture model is a small random-initialised configuration of LlamaGen's arch
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from tests.helpers import FIXTURES_DIR, count_torch_ops
+from tests.integration.families.kit import CodePayload
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -35,11 +35,6 @@ from vqserve.model.quantizers.l2_nearest import L2NearestCode
 pytestmark = pytest.mark.timeout(300)
 
 FIXTURES = FIXTURES_DIR / "llamagen"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
 
 
 @pytest.fixture(scope="module")
@@ -223,16 +218,6 @@ def test_safetensors_with_a_prefix_like_janus(tmp_path, reference_state, cases):
         import_llamagen(tmp_path / "model-00001-of-00002.safetensors", tmp_path / "x", prefix="gen_vision.")
     import_llamagen(tmp_path / "model-00001-of-00002.safetensors", tmp_path / "janus", prefix="gen_vision_model.")
     assert torch.equal(load_tokenizer(tmp_path / "janus").encode(cases["rect_images"]), cases["rect_indices"])
-
-
-class CodePayload:
-    """Unpickling this would create a directory: proof of code execution if it appears."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (str(self.marker),))
 
 
 def _bad_checkpoints(tmp_path: Path, state: dict) -> dict[str, tuple[Path, str]]:

@@ -10,7 +10,6 @@ with ``use_ema=True`` like every published config; the reference ran with its EM
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import FIXTURES_DIR, assert_matches_reference, tokenize_grids, write_case_photos
+from tests.integration.families.kit import CodePayload, LossConfig, seed_voken_checkpoint
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
@@ -37,11 +37,6 @@ pytestmark = pytest.mark.timeout(300)
 
 FIXTURES = FIXTURES_DIR / "magvit2"
 SMALL = Magvit2Config(base_channels=32, ch_mult=[2, 1, 1], num_res_blocks=1, z_channels=10)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
 
 
 def _fixture_weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -71,31 +66,10 @@ def layout() -> dict:
     return json.loads((FIXTURES / "layout.json").read_text())
 
 
-def lightning_checkpoint(trained: dict, ema: dict, **extra) -> dict:
-    """A checkpoint laid out as Lightning 2.2's ``Trainer.save_checkpoint`` writes Open-MAGVIT2's
-    ``VQModel`` (tests/fixtures/magvit2/layout.json): the training loss's tensors, LitEma's
-    shadow weights (dots removed from the names), loops, callbacks, optimizer state."""
-    state = dict(trained)
-    state["loss.discriminator.main.0.weight"] = torch.zeros(8, 3, 4, 4)
-    state["loss.discriminator.main.0.bias"] = torch.zeros(8)
-    state["model_ema.decay"] = torch.tensor(0.999)
-    state["model_ema.num_updates"] = torch.tensor(-1, dtype=torch.int32)
-    for name, value in {**ema, "loss.discriminator.main.0.weight": torch.zeros(8, 3, 4, 4)}.items():
-        state["model_ema." + name.replace(".", "")] = value
-    return {"epoch": 269, "global_step": 1_350_000, "pytorch-lightning_version": "2.2.0", "state_dict": state,
-            "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 270}}}},
-            "callbacks": {"ModelCheckpoint{'monitor': None, 'mode': 'min'}": {
-                "dirpath": "../../checkpoints/vqgan/test", "best_model_score": None,
-                "kth_value": torch.tensor(float("inf")), "best_k_models": {}}},
-            "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4)}},
-                                  "param_groups": [{"lr": 1e-4, "betas": (0.5, 0.9), "params": [0]}]}],
-            "lr_schedulers": [], **extra}
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, weights) -> Path:
     path = tmp_path_factory.mktemp("magvit2") / "imagenet_small.ckpt"
-    torch.save(lightning_checkpoint(*weights), path)
+    torch.save(seed_voken_checkpoint(*weights), path)
     return path
 
 
@@ -207,24 +181,6 @@ def test_import_takes_the_ema_weights_like_the_original_scripts(imported, checkp
     assert used == "raw" and torch.equal(load_tokenizer(out).encode(cases["rect_images"]), cases["rect_indices"])
 
 
-class CodePayload:
-    """Unpickling this would create a directory: proof of code execution if it appears."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (str(self.marker),))
-
-
-class LossConfig:
-    """A config object pickled into a checkpoint's hyper_parameters (as omegaconf's or
-    Lightning's AttributeDict would be): a class the weights-only reader may not import."""
-
-    def __init__(self):
-        self.target = "src.Open_MAGVIT2.modules.losses.vqperceptual.VQLPIPSWithDiscriminator"
-
-
 def _bad_checkpoints(tmp_path: Path, trained: dict, ema: dict) -> dict[str, tuple[Path, str, dict]]:
     def save(name: str, obj) -> Path:
         torch.save(obj, tmp_path / name)
@@ -237,12 +193,12 @@ def _bad_checkpoints(tmp_path: Path, trained: dict, ema: dict) -> dict[str, tupl
     (tmp_path / "garbage.ckpt").write_bytes(b"not a checkpoint at all")
     torch.save({"state_dict": trained}, tmp_path / "pickled.safetensors")
     return {
-        "missing key": (save("missing.ckpt", lightning_checkpoint(without(trained, "decoder.conv_out.bias"), ema)),
+        "missing key": (save("missing.ckpt", seed_voken_checkpoint(without(trained, "decoder.conv_out.bias"), ema)),
                         r"1 missing \(first decoder.conv_out.bias\)", {}),
-        "wrong shape": (save("wrong.ckpt", lightning_checkpoint(wrong, ema)),
+        "wrong shape": (save("wrong.ckpt", seed_voken_checkpoint(wrong, ema)),
                         r"encoder.mid_block.0.conv1.weight has shape \(32, 32, 1, 1\), the config needs "
                         r"\(32, 32, 3, 3\)", {}),
-        "missing EMA": (save("noema.ckpt", {"state_dict": without(lightning_checkpoint(trained, ema)["state_dict"],
+        "missing EMA": (save("noema.ckpt", {"state_dict": without(seed_voken_checkpoint(trained, ema)["state_dict"],
                                                                   "model_ema.decoderconv_outbias")}),
                         r"has EMA weights but not model_ema.decoderconv_outbias \(for decoder.conv_out.bias\)", {}),
         "not tensors": (save("strings.ckpt", {"state_dict": {**trained, "encoder.conv_in.weight": "x"}}),
@@ -251,19 +207,19 @@ def _bad_checkpoints(tmp_path: Path, trained: dict, ema: dict) -> dict[str, tupl
                                   "no model_ema", {"weights": "ema"}),
         "pickle as safetensors": (tmp_path / "pickled.safetensors", "not a readable safetensors file", {}),
         "garbage": (tmp_path / "garbage.ckpt", "not a PyTorch checkpoint torch.load can read", {}),
-        "code payload": (save("evil.ckpt", lightning_checkpoint(trained, ema, hook=CodePayload(tmp_path / "PWNED"))),
+        "code payload": (save("evil.ckpt", seed_voken_checkpoint(trained, ema, hook=CodePayload(tmp_path / "PWNED"))),
                          r"refused, this pickle holds more than weights \(it names posix.mkdir\).*"
                          r"torch.save\(\{'state_dict': ckpt\['state_dict'\]\}", {}),
-        "lightning hparams class": (save("hparams.ckpt", lightning_checkpoint(trained, ema, hyper_parameters={
+        "lightning hparams class": (save("hparams.ckpt", seed_voken_checkpoint(trained, ema, hyper_parameters={
                                         "lossconfig": LossConfig()})),
                                     r"refused, this pickle holds more than weights \(it names "
-                                    r"\S*test_magvit2.LossConfig\)", {}),
+                                    r"\S*kit.LossConfig\)", {}),
         "not a dict": (save("list.ckpt", [torch.zeros(1)]), "expected a Lightning checkpoint", {}),
         "no state_dict": (save("nokey.ckpt", {"optimizer_states": []}), "no 'state_dict' in the checkpoint", {}),
         "an IBQ checkpoint": (save("ibq.ckpt", {"state_dict": {**trained, "quant_conv.weight": torch.zeros(4, 4, 1, 1)}}),
                               r"tensor\(s\) that Open-MAGVIT2's VQModel does not have \(first quant_conv.weight\) "
                               r"\(an IBQ checkpoint\? use `vqserve import ibq`\)", {}),
-        "wrong preset": (save("preset.ckpt", lightning_checkpoint(trained, ema)),
+        "wrong preset": (save("preset.ckpt", seed_voken_checkpoint(trained, ema)),
                          "--config imagenet-256 expects base_channels 128, the checkpoint has 32",
                          {"preset": "imagenet-256"}),
     }

@@ -23,13 +23,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import FIXTURES_DIR
-from tests.integration.families.test_magvit2 import CodePayload
-from tests.integration.families.test_taming import (
+from tests.integration.families.kit import (
+    CodePayload,
     check_against_fixtures,
-    export_keeps_the_tokens,
     fixture_weights,
-    serve,
-    tokenize_verify_detokenize,
+    maskgit_release,
 )
 from vqserve.cli import main as cli_main
 from vqserve.model.checkpoint import load_tokenizer
@@ -43,28 +41,14 @@ pytestmark = pytest.mark.timeout(300)
 FIXTURES = FIXTURES_DIR / "maskgit"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 @pytest.fixture(scope="module")
 def cases() -> dict[str, torch.Tensor]:
     return load_file(str(FIXTURES / "cases.safetensors"))
 
 
-def released_folder(folder: Path, config: dict | None = None, state: dict | None = None) -> Path:
-    """What ``MaskGitVQGAN.save_pretrained`` writes: config.json + torch.save(state_dict)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(config, indent=2) if config is not None else (FIXTURES / "config.json").read_text()
-    (folder / "config.json").write_text(text)
-    torch.save(fixture_weights(FIXTURES) if state is None else state, folder / "pytorch_model.bin")
-    return folder
-
-
 @pytest.fixture(scope="module")
 def released(tmp_path_factory) -> Path:
-    return released_folder(tmp_path_factory.mktemp("maskgit") / "maskgit-small")
+    return maskgit_release(tmp_path_factory.mktemp("maskgit") / "maskgit-small")
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +124,7 @@ def test_bad_inputs_get_one_line_errors_naming_the_file_and_write_nothing(releas
         data = dict(config)
         if config_change:
             config_change(data)
-        path = released_folder(tmp_path / name, data, state)
+        path = maskgit_release(tmp_path / name, data, state)
         if bare:
             (path / "config.json").unlink()
         return path
@@ -186,36 +170,17 @@ def test_bad_inputs_get_one_line_errors_naming_the_file_and_write_nothing(releas
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_taming_import_refuses_a_maskgit_checkpoint_in_one_line(released, tmp_path):
-    for config, message in ((FIXTURES_DIR / "taming" / "config.yaml", r"pytorch_model.bin: a MaskGIT-VQGAN state dict"),
-                            (None, r"its config.json is open-muse's MaskGitVQGAN.*`vqserve import maskgit`")):
-        with pytest.raises(ValueError, match=message) as err:
-            import_taming(released / "pytorch_model.bin", tmp_path / "out", config)
-        assert "\n" not in str(err.value) and "vqserve import maskgit" in str(err.value)
-        assert not (tmp_path / "out").exists()
+def test_taming_import_without_a_yaml_refuses_a_maskgit_config_json_in_one_line(released, tmp_path):
+    """(Its state dict, with a yaml, is refused by the family contract: the table's marks.)"""
+    message = r"its config.json is open-muse's MaskGitVQGAN.*`vqserve import maskgit`"
+    with pytest.raises(ValueError, match=message) as err:
+        import_taming(released / "pytorch_model.bin", tmp_path / "out", None)
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
 
 
-def test_cli_import(released, tmp_path, capsys):
-    out = tmp_path / "cli"
-    assert cli_main(["import", "maskgit", str(released), "--out", str(out)]) == 0
-    assert "imported MaskGIT-VQGAN (factor 2, 512 codes x 16, pixels maskgit" in capsys.readouterr().err
+def test_cli_import_checks_the_preset(released, tmp_path, capsys):
+    """(The import itself, its line and the served model: the family contract.)"""
     assert cli_main(["import", "maskgit", str(released), "--config", "imagenet-f16-256", "--out",
                      str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "--config imagenet-f16-256 expects" in err and err.count("\n") == 1 and not (tmp_path / "x").exists()
-
-
-@pytest.mark.timeout(900)  # a hang guard: a server start and three CLI clients on a loaded 2-core box
-def test_grpc_server_and_clients_return_the_original_tokens(imported, cases, tmp_path):
-    serve(imported, cases, tmp_path, 512)
-
-
-@pytest.mark.timeout(900)
-def test_tokenize_verify_detokenize_and_eval(imported, cases, tmp_path):
-    tokenize_verify_detokenize(imported, cases, tmp_path)
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=pytest.mark.slow)])
-def test_export_keeps_the_original_tokens(fmt, imported, tmp_path, cases):
-    export_keeps_the_tokens(imported, fmt, tmp_path, cases)

@@ -19,14 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import FIXTURES_DIR
-from tests.integration.families.test_taming import (
-    check_against_fixtures,
-    export_keeps_the_tokens,
-    fixture_weights,
-    serve,
-    tokenize_verify_detokenize,
-)
-from vqserve.cli import main as cli_main
+from tests.integration.families.kit import check_against_fixtures, fixture_weights
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
 from vqserve.model.families.movqgan.family import MOVQGAN, PRESETS, MovqganTokenizer
@@ -36,11 +29,6 @@ from vqserve.model.families.taming.layout import to_taming_name
 pytestmark = pytest.mark.timeout(300)
 
 FIXTURES = FIXTURES_DIR / "movqgan"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
 
 
 @pytest.fixture(scope="module")
@@ -123,26 +111,3 @@ def test_bad_checkpoints_get_one_line_errors_and_write_nothing(checkpoint, tmp_p
             import_movqgan(path, out, config)
         assert "\n" not in str(err.value), what
         assert not out.exists(), what
-
-
-def test_cli_import(checkpoint, tmp_path, capsys):
-    out = tmp_path / "cli"
-    assert cli_main(["import", "movqgan", str(checkpoint), "--config", str(FIXTURES / "config.yaml"),
-                     "--out", str(out)]) == 0
-    assert "imported SBER-MoVQGAN (factor 2, 512 codes x 4" in capsys.readouterr().err
-
-
-@pytest.mark.timeout(900)  # a hang guard: a server start and three CLI clients on a loaded 2-core box
-def test_grpc_server_and_clients_return_the_original_tokens(imported, cases, tmp_path):
-    serve(imported, cases, tmp_path, 512)
-
-
-@pytest.mark.timeout(900)
-def test_tokenize_verify_detokenize_and_eval(imported, cases, tmp_path):
-    tokenize_verify_detokenize(imported, cases, tmp_path)
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=pytest.mark.slow)])
-def test_export_keeps_the_original_tokens(fmt, imported, tmp_path, cases):
-    export_keeps_the_tokens(imported, fmt, tmp_path, cases)

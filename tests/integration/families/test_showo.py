@@ -16,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tests.helpers import (
     FIXTURES_DIR,
     assert_matches_reference,
-    assert_served_and_tokenized_like_reference,
 )
-from vqserve.cli import main as cli_main
+from tests.integration.families.kit import SHOWO_CONFIG, showo_release, showo_state
 from vqserve.model.checkpoint import load_tokenizer
 from vqserve.model.families import family_for
 from vqserve.model.families.showo.family import (
@@ -42,31 +41,6 @@ pytestmark = pytest.mark.timeout(300)
 FIXTURES = FIXTURES_DIR / "showo"
 SMALL = ShowoConfig(base_channels=32, encoder_ch_mult=[1, 2, 1], encoder_blocks=[1, 2, 1],
                     decoder_ch_mult=[2, 1, 1], decoder_blocks=[1, 1, 2], z_channels=10)
-# what Show-o's ConfigMixin writes for MAGVITv2 (no arguments: only its bookkeeping)
-RELEASED_CONFIG = {"_class_name": "MAGVITv2", "_diffusers_version": "0.30.1"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
-def released_state() -> dict[str, torch.Tensor]:
-    """The reference model's state dict as ``MAGVITv2.save_pretrained`` writes it: the
-    parameters (exact fp32, stored as int8 x 2^-exp) and the quantizer's buffers."""
-    stored = load_file(str(FIXTURES / "weights.safetensors"))
-    state = {k: stored[k].to(torch.float32) * 2.0 ** -int(stored[f"{k}#exp"]) for k in stored if "#" not in k}
-    return {**state, **lfq_buffers(SMALL.z_channels)}
-
-
-def write_released(folder: Path, state: dict | None = None, config: dict | None = None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(RELEASED_CONFIG if config is None else config))
-    save_file(released_state() if state is None else state, str(folder / "pytorch_model.safetensors"),
-              metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def cases() -> dict[str, torch.Tensor]:
     return load_file(str(FIXTURES / "cases.safetensors"))
@@ -75,7 +49,7 @@ def cases() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("showo")
-    out, arch = import_showo([write_released(root / "magvitv2")], root / "imported")
+    out, arch = import_showo([showo_release(root / "magvitv2")], root / "imported")
     assert arch == SMALL
     return str(out)
 
@@ -151,16 +125,16 @@ def test_import_writes_a_family_directory(imported, tmp_path, cases):
     facts = SHOWO.read_config(path)
     assert (facts.factor, facts.codebook_size, facts.quantizer) == (4, 1024, "lfq")
     # the two files named one by one, in either order
-    folder = write_released(tmp_path / "files")
+    folder = showo_release(tmp_path / "files")
     out, _ = import_showo([folder / "pytorch_model.safetensors", folder / "config.json"], tmp_path / "two")
     assert torch.equal(load_tokenizer(out).encode(cases["rect_images"]), cases["rect_indices"])
 
 
 def _bad_sources(tmp_path: Path) -> dict[str, tuple[list[Path], str]]:
-    good = released_state()
+    good = showo_state()
 
     def folder(name: str, state: dict | None = None, config: dict | None = None) -> list[Path]:
-        return [write_released(tmp_path / name, state, config)]
+        return [showo_release(tmp_path / name, state, config)]
 
     without = {k: v for k, v in good.items() if k != "decoder.conv_out.bias"}
     wrong = {**good, "encoder.mid.block_1.conv1.weight": torch.zeros(32, 32, 1, 1)}
@@ -168,7 +142,7 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[list[Path], str]]:
     flipped = {**good, "quantize.embedding": -good["quantize.embedding"]}
     pickled = tmp_path / "pickle"
     pickled.mkdir()
-    (pickled / "config.json").write_text(json.dumps(RELEASED_CONFIG))
+    (pickled / "config.json").write_text(json.dumps(SHOWO_CONFIG))
     torch.save(good, pickled / "pytorch_model.bin")
     damaged = folder("damaged")
     weights = damaged[0] / "pytorch_model.safetensors"
@@ -184,7 +158,7 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[list[Path], str]]:
         "pickle only": ([pickled], "pytorch_model.bin: vqserve reads weights from safetensors only"),
         "damaged": (damaged, "pytorch_model.safetensors: not a readable safetensors file"),
         "other class": (folder("cls", config={"_class_name": "VQModel"}), "_class_name must be 'MAGVITv2'"),
-        "config keys": (folder("keys", config={**RELEASED_CONFIG, "ch": 64}), r"unexpected keys \['ch'\]"),
+        "config keys": (folder("keys", config={**SHOWO_CONFIG, "ch": 64}), r"unexpected keys \['ch'\]"),
         "not json": ([tmp_path / "nj" / "config.json", tmp_path / "nj" / "pytorch_model.safetensors"],
                      "does not exist or is not a file"),
         "wrong preset": (folder("preset"), "--config magvitv2 expects base_channels 128, the checkpoint has 32"),
@@ -199,23 +173,6 @@ def test_bad_sources_get_one_line_errors_and_write_nothing(tmp_path):
             import_showo(sources, out, preset=preset)
         assert "\n" not in str(err.value), what
         assert not out.exists(), what
-
-
-def test_cli_import(tmp_path, capsys, cases):
-    folder = write_released(tmp_path / "magvitv2")
-    out = tmp_path / "cli"
-    assert cli_main(["import", "showo", str(folder), "--out", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "imported Show-o MAGVIT-v2 (factor 4, LFQ 10 bits = 1,024 codes, most significant bit first" in err
-    assert cli_main(["import", "showo", str(folder), "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("vqserve import: error:") and "already exists" in err and err.count("\n") == 1
-    assert torch.equal(load_tokenizer(out).encode(cases["square_images"]), cases["square_indices"])
-
-
-# ---- a real server and `vqserve tokenize` --------------------------------------------------
-def test_grpc_server_and_tokenize_return_the_original_tokens(imported, cases, tmp_path):
-    assert_served_and_tokenized_like_reference(imported, cases, tmp_path, {"codebook_size": 1024, "factor": 4, "quantizer": "lfq"})  # rect: 48 x 80
 
 
 def test_torchscript_export_keeps_the_tokens_and_proves_the_island(imported, tmp_path, cases):

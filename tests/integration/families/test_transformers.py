@@ -32,6 +32,7 @@ from tests.fixtures.transformers.models import (
     save_model,
 )
 from tests.helpers import tokenize_grids
+from tests.integration.families.kit import crops
 from vqserve.model import load_tokenizer
 from vqserve.model.families import family_for
 from vqserve.model.families.transformers.family import KINDS, ProcessorPixels
@@ -45,39 +46,21 @@ FAMILY = {k.model_type: k.family for k in KINDS}
 DECODES = ("janus_vqgan", "emu3_vqgan")
 
 
-def _crops(size: int, corner: bool, width: int | None = None) -> np.ndarray:
-    from skimage import data
-
-    width = width or size
-    out = []
-    for name in ("astronaut", "coffee", "chelsea", "rocket"):
-        img = getattr(data, name)()[..., :3]
-        h, w = img.shape[:2]
-        top, left = (0, 0) if corner else (h // 2 - size // 2, w // 2 - width // 2)
-        out.append(img[top: top + size, left: left + width])
-    return np.ascontiguousarray(np.stack(out)).astype(np.uint8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 @pytest.fixture(scope="module")
 def photos() -> np.ndarray:
     """Centre crops of four scikit-image photographs, 32x32 (an 8x8 token grid)."""
-    return _crops(32, corner=False)
+    return crops(32, corner=False)
 
 
 @pytest.fixture(scope="module")
 def wide() -> np.ndarray:
-    return _crops(32, corner=False, width=48)
+    return crops(32, corner=False, width=48)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
     """{model_type: directory}: each small model saved once by its class's save_pretrained."""
-    codebook_photos = _crops(32, corner=True)
+    codebook_photos = crops(32, corner=True)
     root = tmp_path_factory.mktemp("transformers")
     return {t: save_model(random_model(t, codebook_photos, **SMALL[t]), root / t) for t in MODEL_TYPES}
 

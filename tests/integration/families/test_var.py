@@ -35,11 +35,6 @@ SCALES = {32: [1, 2, 3, 4, 5, 6, 8, 10, 13, 16], 16: [1, 2, 4, 8]}
 SIZES = (32, 16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Small convolutions on a shared 2-core box run fastest on one thread."""
-
-
 @pytest.fixture(scope="module")
 def cases() -> dict[str, torch.Tensor]:
     return load_file(str(FIXTURES / "cases.safetensors"))

@@ -1,5 +1,6 @@
 """The one token-shape rule (vqserve.core.token_layout): grids keep their shapes and records,
-pyramids are flat, split back into their scales, and refuse other sizes in one line."""
+pyramids are flat, split back into their scales, and refuse other sizes in one line; a
+sequence (TiTok) is flat too, of one length for its one image size."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vqserve.core.runtime_info import RuntimeInfo
-from vqserve.core.token_layout import PYRAMID, TokenLayout, as_schedule, schedule_length
+from vqserve.core.token_layout import PYRAMID, SEQUENCE, TokenLayout, as_schedule, schedule_length
 
 VAR_256 = as_schedule([1, 2, 3, 4, 5, 6, 8, 10, 13, 16])
 VAR_512 = as_schedule([1, 2, 3, 4, 6, 9, 13, 18, 24, 32])
@@ -71,3 +72,27 @@ def test_unknown_kind_and_ambiguous_lengths_refused():
         TokenLayout.from_dict({"kind": "video"}, 8)
     with pytest.raises(ValueError, match="distinct lengths"):
         TokenLayout(factor=16, kind=PYRAMID, schedules=(as_schedule([1, 2]), as_schedule([(1, 1), (1, 4)])))
+
+
+SEQ = TokenLayout(factor=16, kind=SEQUENCE, length=32, size=(256, 256))
+
+
+def test_sequence_is_one_flat_length_for_one_size_and_travels_as_a_record():
+    assert SEQ.token_shape(256, 256) == (32,) and SEQ.image_size((32,)) == (256, 256)
+    assert SEQ.item_rank() == 1 and not SEQ.is_grid
+    assert SEQ.shape_rule((3, 32)) is None
+    assert SEQ.shape_rule((3, 31)) == "must be [B,32] (a 1-D sequence of 32 tokens per image), got per-image shape [31]"
+    assert SEQ.shape_rule((3, 2, 16)).startswith("must be [B,L] with L=32 (a 1-D sequence, 256x256 images)")
+    assert SEQ.size_rule(512, 512) == "this 1-D tokenizer takes 256x256 images only (32 tokens each), got 512x512"
+    assert SEQ.size_rule(250, 256).startswith("H and W must be positive multiples")
+    assert SEQ.square_size_near(100) == 256 and SEQ.square_sides() == [256]
+    assert SEQ.shard_grid(256, 256) == (1, 32) and PYR.shard_grid(256, 256) == (16, 16)
+    flat = np.arange(64).reshape(2, 32)
+    assert len(SEQ.split(flat)) == 1 and SEQ.scale_bounds(32) == [(0, 32)]
+    assert SEQ.to_dict() == {"kind": "sequence", "length": 32, "size": [256, 256]}
+    info = RuntimeInfo(backend="eager", dtype="fp32", device="cpu", quantizer="vq", codebook_size=4096, factor=16,
+                       model_hash="h", token_layout=SEQ.to_dict())
+    assert info.identity()["token_layout"]["kind"] == "sequence"
+    assert TokenLayout.from_info(info.to_dict()) == SEQ == TokenLayout.from_info(info)
+    with pytest.raises(ValueError, match="needs a positive length"):
+        TokenLayout(factor=16, kind=SEQUENCE)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from vqserve.core.token_layout import PYRAMID, TokenLayout, as_schedule
+from vqserve.core.token_layout import PYRAMID, SEQUENCE, TokenLayout, as_schedule
 from vqserve.offline import shards
 
 GRID = TokenLayout(factor=8)
@@ -43,3 +43,15 @@ def test_pyramid_rows_come_back_flat_with_their_finest_scale(tmp_path, fmt):
 
         meta = pq.read_metadata(path).metadata
         assert json.loads(meta[shards.META_TOKEN_LAYOUT]) == PYR.to_dict()
+
+
+@pytest.mark.parametrize("fmt", shards.FORMATS)
+def test_sequence_rows_come_back_flat_as_one_row_of_tokens(tmp_path, fmt):
+    seq = TokenLayout(factor=16, kind=SEQUENCE, length=32, size=(256, 256))
+    rows = [_row(f"k{i}", np.arange(32, dtype=np.uint16) + i, 256) for i in range(2)]
+    path = tmp_path / shards.shard_name(0, fmt)
+    shards.WRITERS[fmt](path, rows, "uint16", "fp", "plan", [], shards.CURRENT_LAYOUT, seq)
+    back = shards.read_rows(path)
+    assert [r["tokens"].shape for r in back] == [(32,), (32,)]
+    assert all((r["grid_height"], r["grid_width"]) == (1, 32) for r in back)
+    np.testing.assert_array_equal(back[1]["tokens"], rows[1].tokens)
