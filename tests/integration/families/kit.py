@@ -107,6 +107,25 @@ def check_against_fixtures(tok, cases) -> None:
     assert_matches_reference(tok.decode(cases["given_indices"]), cases["given_decoded_uint8"], "pixels")
 
 
+def seed_voken_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(trained, EMA) weights of a SEED-Voken reference model (Open-MAGVIT2, IBQ), exact fp32:
+    the fixture stores the EMA copies that differ under ``ema:``."""
+    stored = load_file(str(folder / "weights.safetensors"))
+
+    def value(key: str) -> torch.Tensor:
+        return stored[key].to(torch.float32) * 2.0 ** -int(stored[f"{key}#exp"])
+
+    trained = {k: value(k) for k in stored if "#" not in k and not k.startswith("ema:")}
+    return trained, {**trained, **{k[len("ema:"):]: value(k) for k in stored if "#" not in k and k.startswith("ema:")}}
+
+
+def seed_voken_release(path: Path, folder: Path) -> Path:
+    """The Lightning checkpoint a SEED-Voken run saves (``seed_voken_checkpoint``) of the
+    fixture model in ``folder``, at ``path``."""
+    torch.save(seed_voken_checkpoint(*seed_voken_weights(folder)), path)
+    return path
+
+
 def taming_checkpoint(path: Path, state: dict[str, torch.Tensor]) -> Path:
     """What a taming training run saves: state_dict with the loss's tensors, plus plain values."""
     loss = {"loss.discriminator.main.0.weight": torch.zeros(8, 3, 4, 4), "loss.logvar": torch.zeros(())}
@@ -131,9 +150,13 @@ def oip_encode(target: str, images: np.ndarray) -> np.ndarray:
     return np.frombuffer(answer.raw_output_contents[0], dtype=dtype).reshape(list(answer.outputs[0].shape))
 
 
-def export_keeps_the_tokens(imported: str, fmt: str, tmp_path: Path, cases) -> None:
-    """``vqserve export`` in ``fmt``: 100 % parity, the search inside the proven fp32 island,
-    and the artifact's runtime gives the reference's tokens and (within ORT's 1) pixels."""
+ARGMIN = frozenset({"argmin", "ArgMin"})  # a nearest-code search, as TorchScript and ONNX name it
+
+
+def export_keeps_the_tokens(imported: str, fmt: str, tmp_path: Path, cases, island_ops=ARGMIN) -> None:
+    """``vqserve export`` in ``fmt``: 100 % parity, the search (one of ``island_ops``) inside
+    the proven fp32 island, and the artifact's runtime gives the reference's tokens and
+    (within ORT's 1) pixels."""
     from vqserve.export.exporter import export_model
     from vqserve.export.runtimes.loader import load_runtime
 
@@ -141,7 +164,7 @@ def export_keeps_the_tokens(imported: str, fmt: str, tmp_path: Path, cases) -> N
     assert manifest["parity"]["index_agreement"] == 1.0
     island = manifest["fp32_island"]["encode"]
     assert island["ok"] and manifest["fp32_island"]["decode"]["ok"]
-    assert set(island["quantizer_ops"]) & {"argmin", "ArgMin"}  # the search is inside the island
+    assert set(island["quantizer_ops"]) & island_ops, island["quantizer_ops"]  # the search is inside the island
     runtime = load_runtime(tmp_path / fmt)
     for case in CASES:
         np.testing.assert_array_equal(runtime.encode(cases[f"{case}_images"].numpy()), cases[f"{case}_indices"].numpy())
@@ -158,7 +181,8 @@ class FamilyKit:
     weights) into the existing ``folder`` and returns what ``vqserve import {command}`` takes
     (its path); ``options`` are the import's other arguments (a yaml); ``summary`` starts the line the import prints; ``info`` is part of what the
     server's GetModelInfo says; ``exports`` the formats the contract exports it to (of
-    torchscript and onnx; onnx is marked slow)."""
+    torchscript, onnx and pt2; all but torchscript marked slow), ``island_ops`` the quantizer
+    ops of which one must be inside the encode graph's fp32 island (the family's search)."""
 
     family: str  # the name the loaded directory's family has
     command: str  # `vqserve import {command}`; names the contract's test class
@@ -167,6 +191,7 @@ class FamilyKit:
     info: dict
     options: tuple[str, ...] = ()
     exports: tuple[str, ...] = ("torchscript", "onnx")
+    island_ops: frozenset[str] = ARGMIN
     fixtures: Path = field(default=None)
 
     def __post_init__(self):
@@ -248,4 +273,9 @@ KITS: tuple[FamilyKit, ...] = (
     FamilyKit("ibq", "emu35", lambda folder: str(emu35_release(folder / "Emu3.5-VisionTokenizer")),
               "imported Emu3.5 VisionTokenizer (IBQ; factor 4, 512 codes x", {"codebook_size": 512, "factor": 4},
               exports=(), fixtures=FIXTURES_DIR / "emu35"),  # its own test exports it (softmax island)
+    FamilyKit("magvit2", "magvit2",
+              lambda folder: str(seed_voken_release(folder / "imagenet_small.ckpt", FIXTURES_DIR / "magvit2")),
+              "imported Open-MAGVIT2 (ema weights; factor 4, LFQ 10 bits = 1,024 codes",
+              {"codebook_size": 1024, "factor": 4, "quantizer": "lfq", "index_dtype": "uint16"},
+              exports=("torchscript", "onnx", "pt2"), island_ops=frozenset({"gt", "Greater"})),  # LFQ: signs
 )

@@ -9,7 +9,8 @@ so a shuffled run still starts one server per family):
   (sync and async clients), OIP, and the `vqserve encode` / `decode` CLI clients;
 * one `vqserve tokenize` output is read back by ``TokenShards``, re-encoded by `verify`,
   decoded by `detokenize` into the reference's pixels, and `eval` runs on the same images;
-* every export format the kit names keeps the reference's tokens, the search in the island.
+* every export format the kit names keeps the reference's tokens, the search (the kit's
+  ``island_ops``) in the island.
 
 What only one family has stays in its ``test_<family>.py``.
 """
@@ -183,13 +184,13 @@ class FamilyContract:
 
     # ---- exports -------------------------------------------------------------------------------
     def test_exports_keep_the_reference_tokens(self, fmt, imported, cases, tmp_path):
-        export_keeps_the_tokens(imported, fmt, tmp_path, cases)
+        export_keeps_the_tokens(imported, fmt, tmp_path, cases, self.kit.island_ops)
 
 
 def pytest_generate_tests(metafunc):
-    """``fmt``: each export format of the class's kit (onnx marked slow)."""
+    """``fmt``: each export format of the class's kit (all but torchscript marked slow)."""
     if "fmt" in metafunc.fixturenames:
-        metafunc.parametrize("fmt", [pytest.param(fmt, marks=pytest.mark.slow) if fmt == "onnx" else fmt
+        metafunc.parametrize("fmt", [pytest.param(fmt, marks=pytest.mark.slow) if fmt != "torchscript" else fmt
                                      for fmt in metafunc.cls.kit.exports])
 
 
