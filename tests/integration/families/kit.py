@@ -278,4 +278,9 @@ KITS: tuple[FamilyKit, ...] = (
               "imported Open-MAGVIT2 (ema weights; factor 4, LFQ 10 bits = 1,024 codes",
               {"codebook_size": 1024, "factor": 4, "quantizer": "lfq", "index_dtype": "uint16"},
               exports=("torchscript", "onnx", "pt2"), island_ops=frozenset({"gt", "Greater"})),  # LFQ: signs
+    FamilyKit("ibq", "ibq",
+              lambda folder: str(seed_voken_release(folder / "imagenet256_small.ckpt", FIXTURES_DIR / "ibq")),
+              "imported IBQ (ema weights; factor 2, 512 codes x 8", {"codebook_size": 512, "factor": 2, "quantizer": "vq"},
+              exports=("torchscript", "onnx", "pt2"),
+              island_ops=frozenset({"argmax", "ArgMax"})),  # max of softmax(z . codebook)
 )
