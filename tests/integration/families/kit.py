@@ -126,6 +126,21 @@ def seed_voken_release(path: Path, folder: Path) -> Path:
     return path
 
 
+def llamagen_state() -> dict[str, torch.Tensor]:
+    """LlamaGen's reference model's state dict, its names, exact fp32 (stored as fp16)."""
+    return {k: v.float() for k, v in load_file(str(FIXTURES_DIR / "llamagen" / "weights.safetensors")).items()}
+
+
+def llamagen_checkpoint(path: Path, state: dict | None = None, **extra) -> Path:
+    """A checkpoint the way LlamaGen's vq_train.py writes one (usage buffer and args included)."""
+    import argparse
+
+    state = {**(llamagen_state() if state is None else state), "quantize.codebook_used": torch.zeros(65536)}
+    torch.save({"model": state, "steps": 5000, "args": argparse.Namespace(vq_model="VQ-16", ema=False),
+                **extra}, path)
+    return path
+
+
 def taming_checkpoint(path: Path, state: dict[str, torch.Tensor]) -> Path:
     """What a taming training run saves: state_dict with the loss's tensors, plus plain values."""
     loss = {"loss.discriminator.main.0.weight": torch.zeros(8, 3, 4, 4), "loss.logvar": torch.zeros(())}
@@ -180,7 +195,9 @@ class FamilyKit:
     ``release(folder)`` writes the checkpoint as the family publishes it (from its fixture
     weights) into the existing ``folder`` and returns what ``vqserve import {command}`` takes
     (its path); ``options`` are the import's other arguments (a yaml); ``summary`` starts the line the import prints; ``info`` is part of what the
-    server's GetModelInfo says; ``exports`` the formats the contract exports it to (of
+    server's GetModelInfo says; ``decoded1`` the cases' pixels a server and `detokenize` must give
+    (one image at a time; a family whose fixtures have batched decodes only names those: within
+    ``assert_matches_reference``'s level); ``exports`` the formats the contract exports it to (of
     torchscript, onnx and pt2; all but torchscript marked slow), ``island_ops`` the quantizer
     ops of which one must be inside the encode graph's fp32 island (the family's search)."""
 
@@ -192,6 +209,7 @@ class FamilyKit:
     options: tuple[str, ...] = ()
     exports: tuple[str, ...] = ("torchscript", "onnx")
     island_ops: frozenset[str] = ARGMIN
+    decoded1: str = "decoded1_uint8"  # the cases' key (after "{case}_") of one-image-at-a-time decodes
     fixtures: Path = field(default=None)
 
     def __post_init__(self):
@@ -283,4 +301,8 @@ KITS: tuple[FamilyKit, ...] = (
               "imported IBQ (ema weights; factor 2, 512 codes x 8", {"codebook_size": 512, "factor": 2, "quantizer": "vq"},
               exports=("torchscript", "onnx", "pt2"),
               island_ops=frozenset({"argmax", "ArgMax"})),  # max of softmax(z . codebook)
+    FamilyKit("llamagen", "llamagen", lambda folder: str(llamagen_checkpoint(folder / "vq_small.pt")),
+              "imported LlamaGen VQ (factor 4, 512 codes x 8",
+              {"codebook_size": 512, "factor": 4, "quantizer": "vq", "index_dtype": "uint16"},
+              exports=("torchscript", "onnx", "pt2"), decoded1="decoded_uint8"),  # its fixtures: batched decodes
 )

@@ -101,7 +101,7 @@ class FamilyContract:
     kit: FamilyKit
 
     def decoded1(self, cases) -> dict[str, np.ndarray]:
-        return {f"{case}{i}": image for case in CASES for i, image in enumerate(cases[f"{case}_decoded1_uint8"].numpy())}
+        return {f"{case}{i}": image for case in CASES for i, image in enumerate(cases[f"{case}_{self.kit.decoded1}"].numpy())}
 
     # ---- import -------------------------------------------------------------------------------
     def test_cli_import_writes_a_directory_the_family_claims(self, release, imported, tmp_path, capsys):
@@ -139,7 +139,8 @@ class FamilyContract:
                 indices = client.encode(cases[f"{case}_images"].numpy())
                 reference = cases[f"{case}_indices"].numpy().astype(indices.dtype)
                 assert_matches_reference(indices, reference, "indices")
-                assert_matches_reference(client.decode(reference), cases[f"{case}_decoded1_uint8"].numpy(), "pixels")
+                assert_matches_reference(client.decode(reference), cases[f"{case}_{self.kit.decoded1}"].numpy(),
+                                         "pixels")
                 assert_matches_reference(oip_encode(server.target, cases[f"{case}_images"].numpy()), reference,
                                          "OIP indices")
         got = asyncio.run(self._async_encode(server.target, cases["rect_images"].numpy()))
