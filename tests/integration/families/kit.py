@@ -141,6 +141,28 @@ def llamagen_checkpoint(path: Path, state: dict | None = None, **extra) -> Path:
     return path
 
 
+def cosmos_weights(tag: str) -> dict[str, torch.Tensor]:
+    """The Cosmos fixture model ``tag`` (f8, f16): ``deterministic_weights`` of the configuration
+    and seed the fixture records (its sha256 checked in test_cosmos.py), vqserve's names."""
+    import json
+
+    from safetensors import safe_open
+
+    from vqserve.model.families.cosmos.family import CosmosConfig, deterministic_weights
+
+    with safe_open(str(FIXTURES_DIR / "cosmos" / "cases.safetensors"), "pt") as f:
+        spec = json.loads(f.metadata()["archs"])[tag]
+    return deterministic_weights(CosmosConfig(**spec["config"]), spec["seed"])
+
+
+def cosmos_release(path: Path, tag: str = "f8") -> Path:
+    """The fixture model as a state dict in Cosmos's names (what ``ckpts.state_dict()`` gives)."""
+    from vqserve.model.families.cosmos.importer import to_cosmos_names
+
+    torch.save(to_cosmos_names(cosmos_weights(tag)), path)
+    return path
+
+
 def taming_checkpoint(path: Path, state: dict[str, torch.Tensor]) -> Path:
     """What a taming training run saves: state_dict with the loss's tensors, plus plain values."""
     loss = {"loss.discriminator.main.0.weight": torch.zeros(8, 3, 4, 4), "loss.logvar": torch.zeros(())}
@@ -210,6 +232,7 @@ class FamilyKit:
     exports: tuple[str, ...] = ("torchscript", "onnx")
     island_ops: frozenset[str] = ARGMIN
     decoded1: str = "decoded1_uint8"  # the cases' key (after "{case}_") of one-image-at-a-time decodes
+    prefix: str = ""  # the fixture holds several models: this one's cases are "{prefix}{key}"
     fixtures: Path = field(default=None)
 
     def __post_init__(self):
@@ -217,7 +240,8 @@ class FamilyKit:
             object.__setattr__(self, "fixtures", FIXTURES_DIR / self.family)
 
     def cases(self) -> dict[str, torch.Tensor]:
-        return load_file(str(self.fixtures / "cases.safetensors"))
+        cases = load_file(str(self.fixtures / "cases.safetensors"))
+        return {**cases, **{k[len(self.prefix):]: v for k, v in cases.items() if self.prefix and k.startswith(self.prefix)}}
 
 
 def _movqgan(folder: Path) -> str:
@@ -305,4 +329,8 @@ KITS: tuple[FamilyKit, ...] = (
               "imported LlamaGen VQ (factor 4, 512 codes x 8",
               {"codebook_size": 512, "factor": 4, "quantizer": "vq", "index_dtype": "uint16"},
               exports=("torchscript", "onnx", "pt2"), decoded1="decoded_uint8"),  # its fixtures: batched decodes
+    FamilyKit("cosmos", "cosmos", lambda folder: str(cosmos_release(folder / "di_small.pt")),
+              "imported Cosmos DI (factor 8, FSQ [8, 8, 8, 5, 5, 5] = 64,000 codes",
+              {"codebook_size": 64000, "factor": 8, "index_dtype": "uint16"},
+              exports=(), decoded1="decoded_uint8", prefix="f8_"),  # its reference decoded one by one; no export test yet
 )
