@@ -111,6 +111,62 @@ def check_against_fixtures(tok, cases) -> None:
     assert_matches_reference(tok.decode(cases["given_indices"]), cases["given_decoded_uint8"], "pixels")
 
 
+def seed_voken_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(trained, EMA) weights of a SEED-Voken reference model (Open-MAGVIT2, IBQ), exact fp32:
+    the fixture stores the EMA copies that differ under ``ema:``."""
+    stored = load_file(str(folder / "weights.safetensors"))
+
+    def value(key: str) -> torch.Tensor:
+        return stored[key].to(torch.float32) * 2.0 ** -int(stored[f"{key}#exp"])
+
+    trained = {k: value(k) for k in stored if "#" not in k and not k.startswith("ema:")}
+    return trained, {**trained, **{k[len("ema:"):]: value(k) for k in stored if "#" not in k and k.startswith("ema:")}}
+
+
+def seed_voken_release(path: Path, folder: Path) -> Path:
+    """The Lightning checkpoint a SEED-Voken run saves (``seed_voken_checkpoint``) of the
+    fixture model in ``folder``, at ``path``."""
+    torch.save(seed_voken_checkpoint(*seed_voken_weights(folder)), path)
+    return path
+
+
+def llamagen_state() -> dict[str, torch.Tensor]:
+    """LlamaGen's reference model's state dict, its names, exact fp32 (stored as fp16)."""
+    return {k: v.float() for k, v in load_file(str(FIXTURES_DIR / "llamagen" / "weights.safetensors")).items()}
+
+
+def llamagen_checkpoint(path: Path, state: dict | None = None, **extra) -> Path:
+    """A checkpoint the way LlamaGen's vq_train.py writes one (usage buffer and args included)."""
+    import argparse
+
+    state = {**(llamagen_state() if state is None else state), "quantize.codebook_used": torch.zeros(65536)}
+    torch.save({"model": state, "steps": 5000, "args": argparse.Namespace(vq_model="VQ-16", ema=False),
+                **extra}, path)
+    return path
+
+
+def cosmos_weights(tag: str) -> dict[str, torch.Tensor]:
+    """The Cosmos fixture model ``tag`` (f8, f16): ``deterministic_weights`` of the configuration
+    and seed the fixture records (its sha256 checked in test_cosmos.py), vqserve's names."""
+    import json
+
+    from safetensors import safe_open
+
+    from vqserve.model.families.cosmos.family import CosmosConfig, deterministic_weights
+
+    with safe_open(str(FIXTURES_DIR / "cosmos" / "cases.safetensors"), "pt") as f:
+        spec = json.loads(f.metadata()["archs"])[tag]
+    return deterministic_weights(CosmosConfig(**spec["config"]), spec["seed"])
+
+
+def cosmos_release(path: Path, tag: str = "f8") -> Path:
+    """The fixture model as a state dict in Cosmos's names (what ``ckpts.state_dict()`` gives)."""
+    from vqserve.model.families.cosmos.importer import to_cosmos_names
+
+    torch.save(to_cosmos_names(cosmos_weights(tag)), path)
+    return path
+
+
 def taming_checkpoint(path: Path, state: dict[str, torch.Tensor]) -> Path:
     """What a taming training run saves: state_dict with the loss's tensors, plus plain values."""
     loss = {"loss.discriminator.main.0.weight": torch.zeros(8, 3, 4, 4), "loss.logvar": torch.zeros(())}
@@ -135,9 +191,14 @@ def oip_encode(target: str, images: np.ndarray) -> np.ndarray:
     return np.frombuffer(answer.raw_output_contents[0], dtype=dtype).reshape(list(answer.outputs[0].shape))
 
 
-def export_keeps_the_tokens(imported: str, fmt: str, tmp_path: Path, cases, case_names=CASES) -> None:
-    """``vqserve export`` in ``fmt``: 100 % parity, the search inside the proven fp32 island,
-    and the artifact's runtime gives the reference's tokens and (within ORT's 1) pixels."""
+ARGMIN = frozenset({"argmin", "ArgMin"})  # a nearest-code search, as TorchScript and ONNX name it
+
+
+def export_keeps_the_tokens(imported: str, fmt: str, tmp_path: Path, cases, case_names=CASES,
+                            island_ops=ARGMIN) -> None:
+    """``vqserve export`` in ``fmt``: 100 % parity, the search (one of ``island_ops``) inside
+    the proven fp32 island, and the artifact's runtime gives the reference's tokens and
+    (within ORT's 1) pixels."""
     from vqserve.export.exporter import export_model
     from vqserve.export.runtimes.loader import load_runtime
 
@@ -145,7 +206,7 @@ def export_keeps_the_tokens(imported: str, fmt: str, tmp_path: Path, cases, case
     assert manifest["parity"]["index_agreement"] == 1.0
     island = manifest["fp32_island"]["encode"]
     assert island["ok"] and manifest["fp32_island"]["decode"]["ok"]
-    assert set(island["quantizer_ops"]) & {"argmin", "ArgMin"}  # the search is inside the island
+    assert set(island["quantizer_ops"]) & island_ops, island["quantizer_ops"]  # the search is inside the island
     runtime = load_runtime(tmp_path / fmt)
     for case in case_names:
         np.testing.assert_array_equal(runtime.encode(cases[f"{case}_images"].numpy()), cases[f"{case}_indices"].numpy())
@@ -162,10 +223,14 @@ class FamilyKit:
     weights) into the existing ``folder`` and returns what ``vqserve import {command}`` takes
     (its path); ``options`` are the import's other arguments (a yaml); ``summary`` starts the
     line the import prints; ``info`` is part of what the server's GetModelInfo says;
-    ``exports`` the formats the contract exports it to (of torchscript and onnx; onnx is
-    marked slow); ``case_names`` the fixture cases (``CASES`` unless the family takes fewer
-    image sizes); ``tokenize`` more flags for ``vqserve tokenize``; ``registered()`` a context
-    in which every import of the release runs (what the family's tables must know to read it)."""
+    ``decoded1`` the cases' pixels a server and `detokenize` must give (one image at a time; a
+    family whose fixtures have batched decodes only names those: within
+    ``assert_matches_reference``'s level); ``exports`` the formats the contract exports it to (of
+    torchscript, onnx and pt2; all but torchscript marked slow), ``island_ops`` the quantizer ops
+    of which one must be inside the encode graph's fp32 island (the family's search);
+    ``case_names`` the fixture cases (``CASES`` unless the family takes fewer image sizes);
+    ``tokenize`` more flags for ``vqserve tokenize``; ``registered()`` a context in which every
+    import of the release runs (what the family's tables must know to read it)."""
 
     family: str  # the name the loaded directory's family has
     command: str  # `vqserve import {command}`; names the contract's test class
@@ -174,6 +239,9 @@ class FamilyKit:
     info: dict
     options: tuple[str, ...] = ()
     exports: tuple[str, ...] = ("torchscript", "onnx")
+    island_ops: frozenset[str] = ARGMIN
+    decoded1: str = "decoded1_uint8"  # the cases' key (after "{case}_") of one-image-at-a-time decodes
+    prefix: str = ""  # the fixture holds several models: this one's cases are "{prefix}{key}"
     fixtures: Path = field(default=None)
     case_names: tuple[str, ...] = CASES
     tokenize: tuple[str, ...] = ()
@@ -184,7 +252,8 @@ class FamilyKit:
             object.__setattr__(self, "fixtures", FIXTURES_DIR / self.family)
 
     def cases(self) -> dict[str, torch.Tensor]:
-        return load_file(str(self.fixtures / "cases.safetensors"))
+        cases = load_file(str(self.fixtures / "cases.safetensors"))
+        return {**cases, **{k[len(self.prefix):]: v for k, v in cases.items() if self.prefix and k.startswith(self.prefix)}}
 
 
 def _movqgan(folder: Path) -> str:
@@ -293,6 +362,24 @@ KITS: tuple[FamilyKit, ...] = (
     FamilyKit("ibq", "emu35", lambda folder: str(emu35_release(folder / "Emu3.5-VisionTokenizer")),
               "imported Emu3.5 VisionTokenizer (IBQ; factor 4, 512 codes x", {"codebook_size": 512, "factor": 4},
               exports=(), fixtures=FIXTURES_DIR / "emu35"),  # its own test exports it (softmax island)
+    FamilyKit("magvit2", "magvit2",
+              lambda folder: str(seed_voken_release(folder / "imagenet_small.ckpt", FIXTURES_DIR / "magvit2")),
+              "imported Open-MAGVIT2 (ema weights; factor 4, LFQ 10 bits = 1,024 codes",
+              {"codebook_size": 1024, "factor": 4, "quantizer": "lfq", "index_dtype": "uint16"},
+              exports=("torchscript", "onnx", "pt2"), island_ops=frozenset({"gt", "Greater"})),  # LFQ: signs
+    FamilyKit("ibq", "ibq",
+              lambda folder: str(seed_voken_release(folder / "imagenet256_small.ckpt", FIXTURES_DIR / "ibq")),
+              "imported IBQ (ema weights; factor 2, 512 codes x 8", {"codebook_size": 512, "factor": 2, "quantizer": "vq"},
+              exports=("torchscript", "onnx", "pt2"),
+              island_ops=frozenset({"argmax", "ArgMax"})),  # max of softmax(z . codebook)
+    FamilyKit("llamagen", "llamagen", lambda folder: str(llamagen_checkpoint(folder / "vq_small.pt")),
+              "imported LlamaGen VQ (factor 4, 512 codes x 8",
+              {"codebook_size": 512, "factor": 4, "quantizer": "vq", "index_dtype": "uint16"},
+              exports=("torchscript", "onnx", "pt2"), decoded1="decoded_uint8"),  # its fixtures: batched decodes
+    FamilyKit("cosmos", "cosmos", lambda folder: str(cosmos_release(folder / "di_small.pt")),
+              "imported Cosmos DI (factor 8, FSQ [8, 8, 8, 5, 5, 5] = 64,000 codes",
+              {"codebook_size": 64000, "factor": 8, "index_dtype": "uint16"},
+              exports=(), decoded1="decoded_uint8", prefix="f8_"),  # its reference decoded one by one; no export test yet
     # the VQ-8k-like model: the legacy one's decode differs by batch in a few pixels' last bit (in
     # the original too), which detokenize's batches would meet; test_titok.py serves the legacy one
     FamilyKit("titok", "titok", lambda folder: str(titok_release(folder / "tokenizer_titok_tiny", "vq8k")),

@@ -9,7 +9,8 @@ so a shuffled run still starts one server per family):
   (sync and async clients), OIP, and the `vqserve encode` / `decode` CLI clients;
 * one `vqserve tokenize` output is read back by ``TokenShards``, re-encoded by `verify`,
   decoded by `detokenize` into the reference's pixels, and `eval` runs on the same images;
-* every export format the kit names keeps the reference's tokens, the search in the island.
+* every export format the kit names keeps the reference's tokens, the search (the kit's
+  ``island_ops``) in the island.
 
 What only one family has stays in its ``test_<family>.py``.
 """
@@ -100,7 +101,8 @@ class FamilyContract:
     kit: FamilyKit
 
     def decoded1(self, cases) -> dict[str, np.ndarray]:
-        return {f"{case}{i}": image for case in self.kit.case_names for i, image in enumerate(cases[f"{case}_decoded1_uint8"].numpy())}
+        return {f"{case}{i}": image for case in self.kit.case_names
+                for i, image in enumerate(cases[f"{case}_{self.kit.decoded1}"].numpy())}
 
     # ---- import -------------------------------------------------------------------------------
     def test_cli_import_writes_a_directory_the_family_claims(self, release, imported, tmp_path, capsys):
@@ -146,7 +148,8 @@ class FamilyContract:
                 indices = client.encode(cases[f"{case}_images"].numpy())
                 reference = cases[f"{case}_indices"].numpy().astype(indices.dtype)
                 assert_matches_reference(indices, reference, "indices")
-                assert_matches_reference(client.decode(reference), cases[f"{case}_decoded1_uint8"].numpy(), "pixels")
+                assert_matches_reference(client.decode(reference), cases[f"{case}_{self.kit.decoded1}"].numpy(),
+                                         "pixels")
                 assert_matches_reference(oip_encode(server.target, cases[f"{case}_images"].numpy()), reference,
                                          "OIP indices")
         last = self.kit.case_names[-1]
@@ -192,13 +195,13 @@ class FamilyContract:
 
     # ---- exports -------------------------------------------------------------------------------
     def test_exports_keep_the_reference_tokens(self, fmt, imported, cases, tmp_path):
-        export_keeps_the_tokens(imported, fmt, tmp_path, cases, self.kit.case_names)
+        export_keeps_the_tokens(imported, fmt, tmp_path, cases, self.kit.case_names, self.kit.island_ops)
 
 
 def pytest_generate_tests(metafunc):
-    """``fmt``: each export format of the class's kit (onnx marked slow)."""
+    """``fmt``: each export format of the class's kit (all but torchscript marked slow)."""
     if "fmt" in metafunc.fixturenames:
-        metafunc.parametrize("fmt", [pytest.param(fmt, marks=pytest.mark.slow) if fmt == "onnx" else fmt
+        metafunc.parametrize("fmt", [pytest.param(fmt, marks=pytest.mark.slow) if fmt != "torchscript" else fmt
                                      for fmt in metafunc.cls.kit.exports])
 
 
