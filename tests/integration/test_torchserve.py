@@ -32,6 +32,8 @@ from vqserve.export.torchserve.archives import build_archives
 from vqserve.export.torchserve.server import PROTO_FILES, TorchServe, extract_protos, http
 
 PORT_RANGE = (18080, 18099)
+# one TorchServe at a time: its ports come from one range (make test runs two pytest workers)
+pytestmark = pytest.mark.xdist_group("torchserve")
 BATCH_SIZE, MAX_DELAY_MS = 4, 200   # registration values (the archives default to 8 / 5)
 
 
@@ -333,8 +335,6 @@ import grpc
 from google.protobuf import empty_pb2
 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
-# one TorchServe at a time: its ports come from one range (make test runs two pytest workers)
-pytestmark = pytest.mark.xdist_group("torchserve")
 
 calls = json.load(open(sys.argv[3]))
 with grpc.insecure_channel(sys.argv[2]) as channel:

@@ -5,9 +5,9 @@ can leave behind what every later child process inherits or every later test run
 environment variables (``bench serve --threads`` set ``OMP_NUM_THREADS`` for the servers it
 starts), stop-signal handlers, a blocked signal, torch's thread count. Then a test passes or
 fails by where it lands in the order: with the integration tests collected first, 7
-SIGINT/SIGTERM tests failed. This plugin snapshots that state before each test, puts it back
-after, and lists at the end of the run which tests changed what, so a leak is named, not
-just undone. It also ends the run with its 15 slowest tests, each test's phases together.
+SIGINT/SIGTERM tests failed. This plugin snapshots that state before each test's body,
+puts it back after it (what the test's fixtures set up is theirs to keep and undo), and
+lists at the end of the run which tests changed what, so a leak is named, not just undone. It also ends the run with its 15 slowest tests, each test's phases together.
 
 Order itself is a setting: ``VQSERVE_TEST_ORDER=reverse`` or ``random:SEED`` (``make
 test-reverse``, ``make test-random``) runs the collected tests in that order.
@@ -26,7 +26,6 @@ import pytest
 SLOWEST = 15
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _LEAK = "process state put back"
-_before: dict[str, dict] = {}
 _leaks: list[tuple[str, str]] = []
 _seconds: dict[str, float] = {}  # test -> setup + call + teardown
 
@@ -63,20 +62,20 @@ def _restore(before: dict) -> list[str]:
     return changed
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    if threading.current_thread() is threading.main_thread():
-        _before[item.nodeid] = _snapshot()
-
-
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
+def pytest_runtest_call(item):
+    """Around the test's body only: what its fixtures set up (a module's one thread for torch,
+    a monkeypatched variable) is theirs to keep and undo; what the body leaves is put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = _snapshot()
     yield
-    before = _before.pop(item.nodeid, None)
-    if before is not None:
-        changed = _restore(before)
-        if changed:  # travels in the teardown report: to the controller of a run in workers too
-            item.user_properties.append((_LEAK, "; ".join(changed)))
+    changed = _restore(before)
+    if changed and "monkeypatch" in item.fixturenames:  # monkeypatch undoes its own at teardown
+        changed = [c for c in changed if not c.startswith("environment")]
+    if changed:  # travels in the call report: to the controller of a run in workers too
+        item.user_properties.append((_LEAK, "; ".join(changed)))
 
 
 def pytest_runtest_logreport(report):

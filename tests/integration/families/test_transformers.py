@@ -31,7 +31,7 @@ from tests.fixtures.transformers.models import (
     random_model,
     save_model,
 )
-from tests.helpers import tokenize_grids
+from tests.helpers import assert_matches_reference, tokenize_grids
 from tests.integration.families.kit import crops
 from vqserve.model import load_tokenizer
 from vqserve.model.families import family_for
@@ -301,8 +301,10 @@ def test_grpc_server_returns_the_class_tokens(saved, oracles, photos, model_type
         indices = client.encode(photos)
         np.testing.assert_array_equal(indices, expected)
         if model_type in DECODES:
-            np.testing.assert_array_equal(client.decode(indices),
-                                          oracle_pixels(oracles[model_type], model_type, expected))
+            # pixels (unlike tokens) may round one level apart between the server's and this
+            # process's torch threads (seen in one of 12,288 values when the order changed them)
+            assert_matches_reference(client.decode(indices), oracle_pixels(oracles[model_type], model_type, expected),
+                                     "served pixels")
         else:
             with pytest.raises(grpc.RpcError) as err:
                 client.decode(indices)

@@ -24,7 +24,10 @@ from vqserve.bench.processes import tree_memory
 from vqserve.serve._proto import tokenizer_pb2 as pb
 from vqserve.serve.api import codec
 
-TIMEOUT = pytest.mark.timeout(1800)  # each test module's pytestmark
+# each test module's pytestmark: a long limit, and one pytest worker for the whole package (make
+# test runs two): its server and its counts are per process, and the last module reads them all
+TIMEOUT = [pytest.mark.timeout(1800), pytest.mark.xdist_group("fuzz")]
+RAN: set[str] = set()  # the files of the fuzz test modules that have run in this process (conftest records them)
 
 EXAMPLES = int(os.environ.get("VQSERVE_FUZZ_EXAMPLES", "25"))
 LAYOUTS = [int(os.environ["VQSERVE_FUZZ_FRONTENDS"])] if os.environ.get("VQSERVE_FUZZ_FRONTENDS") else [0, 2]

@@ -19,6 +19,7 @@ from tests.integration.fuzz.common import (
     MAX_BATCH,
     MEMORY,
     OK,
+    RAN,
     V1,
     Served,
     _tensor,
@@ -26,6 +27,11 @@ from tests.integration.fuzz.common import (
 )
 from vqserve.export.runtimes.loader import EagerRuntime
 from vqserve.serve._proto import tokenizer_pb2 as pb
+
+
+@pytest.fixture(autouse=True)
+def _record_the_module_ran(request):
+    RAN.add(str(request.path.resolve()))
 
 
 @pytest.fixture(scope="package", params=LAYOUTS, ids=lambda n: f"frontends{n}")
