@@ -14,9 +14,10 @@ HOST   = [::]
 MODEL  = default
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
-# `make test` runs the suite in TEST_WORKERS pytest processes (pytest-xdist; 0: in this one).
-# Most tests wait on servers and child processes, so 2 workers pay off on a 2-core machine too.
-TEST_WORKERS ?= 2
+# `make test` runs the suite in this pytest process; TEST_WORKERS=2 spreads it over two
+# pytest-xdist workers (on the 2-core machine not faster: the suite is CPU-bound there, and two
+# workers' torch threads oversubscribe the cores)
+TEST_WORKERS ?= 0
 BENCH_OUT ?= /tmp/vqserve-bench
 # `make fuzz FUZZ_EXAMPLES=200` (examples per fuzz test; `make test` runs 25), counts -> FUZZ_REPORT;
 # FUZZ_FRONTENDS=2 fuzzes the server split into 2 front-end processes before one executor

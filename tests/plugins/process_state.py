@@ -40,11 +40,13 @@ def _snapshot() -> dict:
 
 
 def _restore(before: dict) -> list[str]:
-    """Put ``before`` back; returns what had changed."""
+    """Put ``before`` back; returns what had changed (pytest's own PYTEST_CURRENT_TEST aside)."""
     changed = []
     env, old_env = os.environ, before["environ"]
-    if dict(env) != old_env:
-        names = sorted(set(env) ^ set(old_env) | {k for k in env if k in old_env and env[k] != old_env[k]})
+    env_now = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    if env_now != {k: v for k, v in old_env.items() if k != "PYTEST_CURRENT_TEST"}:
+        names = sorted((set(env_now) ^ set(old_env) | {k for k in env_now if k in old_env and env[k] != old_env[k]})
+                       - {"PYTEST_CURRENT_TEST"})
         changed.append("environment " + ", ".join(names))
         env.clear()
         env.update(old_env)
@@ -80,7 +82,8 @@ def pytest_runtest_call(item):
 
 def pytest_runtest_logreport(report):
     _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
-    _leaks.extend((report.nodeid, what) for key, what in report.user_properties if key == _LEAK)
+    if report.when == "call":  # the item's properties ride on every later report too
+        _leaks.extend((report.nodeid, what) for key, what in report.user_properties if key == _LEAK)
 
 
 def pytest_collection_modifyitems(config, items):
