@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vqserve.bench.calls import oip_request
-from vqserve.bench.processes import gather_reports, process_tree, spawn_reporters
+from vqserve.bench.processes import Window, gather_reports, process_tree, spawn_reporters
 from vqserve.bench.servers import fetch_metrics
 from vqserve.core.lifetime import die_with_parent
 
@@ -276,8 +276,8 @@ def run_load(target: str, case: LoadCase, images: np.ndarray, procs: int, caller
     check_kind(kind)
     indices = served_tokens(target, images) if case.method == "decode" else None
     method, request = request_bytes(case, images, indices)
-    clients, window = spawn_reporters(_client_process, (target, method, request, callers, kind), procs,
-                                      window=True)
+    window = Window(procs)
+    clients = spawn_reporters(_client_process, (target, method, request, callers, kind, window), procs)
     start_at, stop_at = window.open(clients, warmup, duration)  # once every client made its first call
     cpu0 = cpu1 = 0.0
     batching0 = batching1 = {}

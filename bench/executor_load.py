@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from vqserve.bench.processes import gather_reports, spawn_reporters
+from vqserve.bench.processes import Window, gather_reports, spawn_reporters
 from vqserve.core.lifetime import die_with_parent
 
 ARENA_BYTES = 64 << 20
@@ -73,8 +73,8 @@ def run_executor_load(socket_path: str, request: np.ndarray, procs: int, callers
     """``procs`` stand-in front-ends x ``callers`` callers, each sending ``request`` (one
     request's rows) to the executor at ``socket_path`` for ``seconds`` after ``warmup``:
     images/s, requests per group and the first errors."""
-    stand_ins, window = spawn_reporters(_stand_in_main, (socket_path, method, request, callers, group_rows), procs,
-                                        window=True)
+    window = Window(procs)
+    stand_ins = spawn_reporters(_stand_in_main, (socket_path, method, request, callers, group_rows, window), procs)
     window.open(stand_ins, warmup, seconds)  # once every stand-in is connected
     reports = gather_reports(stand_ins, lambda code: (0, 0, 0, [f"stand-in front-end ended with exit code {code}"]))
     calls, groups, requests = (sum(r[i] for r in reports) for i in range(3))

@@ -74,7 +74,10 @@ class Window:
     lets every process go. A process that died before it was ready opens the window for the
     others (its report says why it is missing)."""
 
-    def __init__(self, ctx, procs: int) -> None:
+    def __init__(self, procs: int) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # what spawn_reporters starts: passed to them in their args
         self.procs = procs
         self._ready, self._go, self._edges = ctx.Semaphore(0), ctx.Event(), ctx.Array("d", 2)
 
@@ -100,24 +103,22 @@ class Window:
         return start, start + duration
 
 
-def spawn_reporters(target, args: tuple, procs: int, window: bool = False):
+def spawn_reporters(target, args: tuple, procs: int) -> list[tuple]:
     """``procs`` spawned processes (no inherited gRPC or torch state) running ``target(*args,
     send)``, each sending one report on its pipe; returns ``(receiving end, process)`` pairs.
     Each child holds the only sending end of its pipe, so its death ends ``recv()`` with
-    EOFError instead of a wait. With ``window``, ``target(*args, window, send)`` gets a
-    :class:`Window`, and ``(pairs, window)`` is returned."""
+    EOFError instead of a wait."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    shared = Window(ctx, procs) if window else None
     started = []
     for _ in range(procs):
         recv, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=target, args=(*args, *((shared,) if window else ()), send), daemon=True)
+        child = ctx.Process(target=target, args=(*args, send), daemon=True)
         child.start()
         send.close()
         started.append((recv, child))
-    return (started, shared) if window else started
+    return started
 
 
 def gather_reports(started: list[tuple], gone) -> list:

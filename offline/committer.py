@@ -11,7 +11,7 @@ import contextlib
 import sys
 import time
 
-from vqserve.core.lifetime import stop_signals_deferred
+from vqserve.core.lifetime import Stopped, StopSignals, stop_signals_deferred
 from vqserve.offline.errors import FailFast
 from vqserve.offline.job import Job
 from vqserve.offline.tasks import EncodedTask
@@ -69,8 +69,15 @@ class Committer:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._scopes.close()
         self.bar.close()
-        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+        if exc_type is None:
+            return
+        if issubclass(exc_type, KeyboardInterrupt):
             raise self.job.interrupted(exc, self.committed) from None
+        stop = self.stop or StopSignals.active()
+        if issubclass(exc_type, Exception) and stop is not None and stop.requested:
+            # an error that a stop signal caused (inside Ray: "The core worker has already been
+            # shutdown") is the stop, not a failure: exit 130/143 and the resume hint
+            raise self.job.interrupted(Stopped(stop.signum), self.committed) from None
 
     def finish(self) -> dict:
         elapsed = time.perf_counter() - self.t0

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve.core import images
-from vqserve.core.lifetime import Stopped, StopSignals
+from vqserve.core.lifetime import StopSignals
 from vqserve.core.machine import available_cores
 from vqserve.export.plan import PlanChoice
 from vqserve.export.runtimes.execution import PlannedRuntime, plan_for
@@ -184,53 +184,48 @@ def run_ray(job: Job, model: str, backend: str, dtype: str | None, device: str,
     stop = StopSignals.active()
     with Committer(job, fail_fast, progress) as committer:
         try:
-            try:
+            if tasks:
+                ray, started = _init_ray(address)
+                ctx = ray.data.DataContext.get_current()  # our bar, not Ray's (nor its notice)
+                saved = (ctx.enable_progress_bars, ctx.print_on_execution_start, _RAY_BARS_LOG.level)
+                ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
+                _RAY_BARS_LOG.setLevel(logging.ERROR)
+                n_actors = _actor_count(ray, actors, device, local=address is None)
+                expected = json.dumps([job.runtime_info[k] for k in
+                                       ("model_hash", "backend", "dtype", "index_dtype")])
+                index_dtype = np.dtype(job.runtime_info["index_dtype"])
+                rows = [{"shard": t.shard, "index": t.index, "records": json.dumps(t.records)}
+                        for t in tasks.values()]
+                pre, col = job.settings.preprocess, job.settings.image_column
+                ds = (ray.data.from_items(rows, override_num_blocks=min(len(rows), 1024))
+                      # Ray fuses a map into the next actor stage when both ask for the same
+                      # resources (ray-project/ray#54433); half a CPU keeps decoding in parallel
+                      # CPU tasks of its own, and the actors only encode
+                      .map(_decode_row, fn_kwargs={"pre": pre, "image_column": col}, num_cpus=0.5)
+                      .map_batches(TokenizerActor, batch_size=1,
+                                   compute=ray.data.ActorPoolStrategy(size=n_actors),
+                                   num_cpus=1, num_gpus=1 if device.startswith("cuda") else 0,
+                                   fn_constructor_kwargs={"model": model, "backend": backend,
+                                                          "dtype": dtype, "device": device, "plan": plan,
+                                                          "expect_hash": job.runtime_info["model_hash"]}))
+                for row in ds.iter_rows():
+                    if row["runtime"] != expected:
+                        raise TokenizeError(f"a Ray worker loaded another model or runtime "
+                                                    f"({row['runtime']}) than this run ({expected})")
+                    committer.add(_encoded(tasks.pop((int(row["shard"]), int(row["index"]))), row,
+                                           index_dtype))
                 if tasks:
-                    ray, started = _init_ray(address)
-                    ctx = ray.data.DataContext.get_current()  # our bar, not Ray's (nor its notice)
-                    saved = (ctx.enable_progress_bars, ctx.print_on_execution_start, _RAY_BARS_LOG.level)
-                    ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
-                    _RAY_BARS_LOG.setLevel(logging.ERROR)
-                    n_actors = _actor_count(ray, actors, device, local=address is None)
-                    expected = json.dumps([job.runtime_info[k] for k in
-                                           ("model_hash", "backend", "dtype", "index_dtype")])
-                    index_dtype = np.dtype(job.runtime_info["index_dtype"])
-                    rows = [{"shard": t.shard, "index": t.index, "records": json.dumps(t.records)}
-                            for t in tasks.values()]
-                    pre, col = job.settings.preprocess, job.settings.image_column
-                    ds = (ray.data.from_items(rows, override_num_blocks=min(len(rows), 1024))
-                          # Ray fuses a map into the next actor stage when both ask for the same
-                          # resources (ray-project/ray#54433); half a CPU keeps decoding in parallel
-                          # CPU tasks of its own, and the actors only encode
-                          .map(_decode_row, fn_kwargs={"pre": pre, "image_column": col}, num_cpus=0.5)
-                          .map_batches(TokenizerActor, batch_size=1,
-                                       compute=ray.data.ActorPoolStrategy(size=n_actors),
-                                       num_cpus=1, num_gpus=1 if device.startswith("cuda") else 0,
-                                       fn_constructor_kwargs={"model": model, "backend": backend,
-                                                              "dtype": dtype, "device": device, "plan": plan,
-                                                              "expect_hash": job.runtime_info["model_hash"]}))
-                    for row in ds.iter_rows():
-                        if row["runtime"] != expected:
-                            raise TokenizeError(f"a Ray worker loaded another model or runtime "
-                                                        f"({row['runtime']}) than this run ({expected})")
-                        committer.add(_encoded(tasks.pop((int(row["shard"]), int(row["index"]))), row,
-                                               index_dtype))
-                    if tasks:
-                        raise TokenizeError(f"Ray returned no result for {len(tasks)} tasks")
-            finally:
-                # a signal in the clean-up only sets the flag: a SIGTERM landing in
-                # ray.shutdown() left Ray half shut and the run exited 1 ("The core worker has
-                # already been shutdown") instead of 143
-                with stop.deferred() if stop is not None else contextlib.nullcontext():
-                    if saved is not None:
-                        ctx.enable_progress_bars, ctx.print_on_execution_start = saved[:2]
-                        _RAY_BARS_LOG.setLevel(saved[2])
-                    if started:
-                        ray.shutdown()
-        except Exception:
-            if stop is not None and stop.requested:  # what the signal broke inside Ray is not the error
-                raise Stopped(stop.signum) from None
-            raise
+                    raise TokenizeError(f"Ray returned no result for {len(tasks)} tasks")
+        finally:
+            # a signal in the clean-up only sets the flag: a SIGTERM landing in
+            # ray.shutdown() left Ray half shut and the run exited 1 ("The core worker has
+            # already been shutdown") instead of 143
+            with stop.deferred() if stop is not None else contextlib.nullcontext():
+                if saved is not None:
+                    ctx.enable_progress_bars, ctx.print_on_execution_start = saved[:2]
+                    _RAY_BARS_LOG.setLevel(saved[2])
+                if started:
+                    ray.shutdown()
         if stop is not None:
             stop.check()  # a signal noted during the clean-up stops the run as it would have before it
     return committer.finish()

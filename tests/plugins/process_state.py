@@ -19,7 +19,6 @@ import os
 import random
 import signal
 import sys
-import threading
 
 import pytest
 
@@ -43,10 +42,9 @@ def _restore(before: dict) -> list[str]:
     """Put ``before`` back; returns what had changed (pytest's own PYTEST_CURRENT_TEST aside)."""
     changed = []
     env, old_env = os.environ, before["environ"]
-    env_now = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
-    if env_now != {k: v for k, v in old_env.items() if k != "PYTEST_CURRENT_TEST"}:
-        names = sorted((set(env_now) ^ set(old_env) | {k for k in env_now if k in old_env and env[k] != old_env[k]})
-                       - {"PYTEST_CURRENT_TEST"})
+    names = sorted(k for k in set(env) | set(old_env)
+                   if k != "PYTEST_CURRENT_TEST" and env.get(k) != old_env.get(k))
+    if names:
         changed.append("environment " + ", ".join(names))
         env.clear()
         env.update(old_env)
@@ -68,9 +66,6 @@ def _restore(before: dict) -> list[str]:
 def pytest_runtest_call(item):
     """Around the test's body only: what its fixtures set up (a module's one thread for torch,
     a monkeypatched variable) is theirs to keep and undo; what the body leaves is put back."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     before = _snapshot()
     yield
     changed = _restore(before)
