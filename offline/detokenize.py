@@ -28,6 +28,7 @@ import numpy as np
 
 from vqserve.core.identity import same_tokens
 from vqserve.offline import shards
+from vqserve.offline.storage import as_path, readable
 from vqserve.offline.verify.folder import NotADataset, read_manifest
 from vqserve.offline.verify.reencode import recorded_runtime
 
@@ -41,7 +42,7 @@ def resolve_shards(args: list[str]) -> list[Path]:
     """Shard files as given, folders as their sorted shard-* files; order kept, no repeats."""
     out: list[Path] = []
     for arg in args:
-        p = Path(arg)
+        p = as_path(arg)
         if p.is_dir():
             found = sorted(f for f in p.iterdir() if f.name.startswith("shard-")
                            and f.suffix in SHARD_SUFFIXES and f.is_file())
@@ -56,7 +57,7 @@ def resolve_shards(args: list[str]) -> list[Path]:
             raise FileNotFoundError(f"no such shard file or folder: {p}")
     unique: dict[Path, Path] = {}
     for p in out:
-        unique.setdefault(p.resolve(), p)  # the same shard named twice is decoded once
+        unique.setdefault(p.resolve() if isinstance(p, Path) else p, p)  # the same shard named twice is decoded once
     return list(unique.values())
 
 
@@ -127,7 +128,7 @@ def shard_keys(path: Path) -> list[str]:
     import pyarrow.parquet as pq
 
     try:
-        return pq.read_table(path, columns=["key"]).column(0).to_pylist()
+        return pq.read_table(readable(path), columns=["key"]).column(0).to_pylist()
     except Exception as exc:  # pyarrow raises many types for a damaged file
         raise ValueError(f"{path}: cannot be read ({type(exc).__name__}: {str(exc)[:200]}); "
                          "`vqserve verify` the folder") from None

@@ -13,6 +13,12 @@ The pieces every engine (local serial, overlapped, Ray) shares around the tasks:
   rebuilt from the shard files, so an interrupted-and-resumed run ends byte-identical to an
   uninterrupted one.
 
+``--out`` may be object storage (``s3://``, ``gs://``; :mod:`vqserve.offline.storage`), which has
+no rename: a shard is written to a local temporary file and uploaded whole, checked after the
+upload (size, ETag, sha256); resume is one listing of ``--out``; the run's identity goes to
+``__vqserve__/started.json`` (created once, exclusively) and the manifest is written last, with a
+conditional put, so of two runs on one ``--out`` exactly one commits.
+
 :class:`Settings` decides the tokens and the files; the errors a run can end with
 (``offline/errors.py``) are one line each.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +41,8 @@ from vqserve.core.machine import machine_record, same_arithmetic
 from vqserve.core.token_layout import TokenLayout
 from vqserve.offline import shards, sources
 from vqserve.offline.errors import Interrupted, TokenizeError
+from vqserve.offline.storage import RemotePath, as_path, objects
+from vqserve.offline.storage.fs import redact, writable
 from vqserve.offline.tasks import EncodedTask, Task
 
 
@@ -109,13 +118,16 @@ def _machines(old: list, new: dict) -> list:
     return old if any(same_arithmetic(m, new) for m in old) else [*old, new]
 
 
+STARTED = "__vqserve__/started.json"   # object storage: the run's identity until the manifest lands
+
+
 # ---- the job ----------------------------------------------------------------------------------
 @dataclass
 class Job:
     """One ``vqserve tokenize`` run into ``out``: the plan and everything engines share."""
 
     inputs: list[str]
-    out: Path
+    out: Path | RemotePath
     settings: Settings
     runtime_info: dict                     # RuntimeInfo.to_dict()
     model_ref: str
@@ -125,13 +137,23 @@ class Job:
     fingerprint: str = ""
     _layout: shards.Layout | None = None
     _sha256: dict = field(default_factory=dict)   # shard -> sha256 of the file this run wrote
+    _listing: dict | None = None   # object storage: the one listing of --out, by relative name
+    _committed: bool = False       # object storage: the manifest was there when this run began
+
+    def __post_init__(self):
+        self.out = as_path(self.out)
+
+    @property
+    def remote(self) -> bool:
+        return isinstance(self.out, RemotePath)
 
     @property
     def layout(self) -> shards.Layout:
         """The folder's layout, fixed at first use: a folder begun by an older release goes on
-        in its own layout (its manifest names it), a new one gets the current layout."""
+        in its own layout (its manifest names it), a new one gets the current layout (always,
+        in object storage: no release before it wrote there)."""
         if self._layout is None:
-            self._layout = shards.layout_of(self.out)
+            self._layout = shards.CURRENT_LAYOUT if self.remote else shards.layout_of(self.out)
         return self._layout
 
     @property
@@ -183,62 +205,90 @@ class Job:
     def plan_hash(self, shard: int) -> str:
         digest = hashlib.sha256()
         for rec in self.shard_records(shard):
-            digest.update(json.dumps([rec.key, rec.source, rec.error]).encode())
+            # a remote object's size and ETag too (local records have none: their hash is as it was)
+            digest.update(json.dumps([rec.key, rec.source, rec.error, *([rec.etag] if rec.etag else [])]).encode())
         return digest.hexdigest()
 
     # -- start: list, check the folder, find what is left -------------------------------------
     def prepare(self) -> None:
         ident = self.identity()
         self.fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        if self.remote:
+            writable(str(self.out))
+            self._listing = self.out.files()   # resume is this one listing of --out
         self._check_out_dir(ident)
         self.records = sources.list_records(self.inputs, self.settings.image_column,
                                             self.settings.key_column)
         if not self.records:
             raise TokenizeError(f"no images found in {' '.join(self.inputs)}")
-        self.out.mkdir(parents=True, exist_ok=True)
-        for folder in {self.out, self.manifest_path.parent}:
-            for stale in folder.glob(f"{TMP_PREFIX}*"):
-                stale.unlink()  # our own half-written files from a killed run
-        if not self.manifest_path.exists():
-            self._write_manifest(complete=False)
+        if self.remote:
+            objects.abort_open_uploads(self.out)  # a killed run's multipart uploads
+            if STARTED not in self._listing:
+                self._write_manifest(complete=False)
+        else:
+            self.out.mkdir(parents=True, exist_ok=True)
+            for folder in {self.out, self.manifest_path.parent}:
+                for stale in folder.glob(f"{TMP_PREFIX}*"):
+                    stale.unlink()  # our own half-written files from a killed run
+            if not self.manifest_path.exists():
+                self._write_manifest(complete=False)
         self.pending, self.done_records = [], 0
         for shard in range(self.shard_count):
             path = self.shard_path(shard)
-            if not path.exists():
+            if not self._exists(path):
                 self.pending.append(shard)
                 continue
             try:
                 info = shards.read_shard_info(path)
             except Exception as exc:
-                raise TokenizeError(f"{path} is damaged ({type(exc).__name__}: {exc}); move it away "
-                                    "and re-run to redo that shard") from None
+                raise TokenizeError(redact(f"{path} is damaged ({type(exc).__name__}: {exc}); move it away "
+                                           "and re-run to redo that shard")) from None
             if info.fingerprint != self.fingerprint:
                 raise TokenizeError(f"{path} was made with other settings (fingerprint "
                                     f"{info.fingerprint}, this run {self.fingerprint})")
             if info.plan != self.plan_hash(shard):
                 raise TokenizeError(f"the inputs changed since {path.name} was written (it holds other "
-                                    "images than the inputs now list); tokenize into a new --out folder")
+                                    "images than the inputs now list, or an input object's size or ETag changed); "
+                                    "tokenize into a new --out folder")
             self.done_records += len(self.shard_records(shard))
         extra = self.shard_path(self.shard_count)
-        if extra.exists():
+        if self._exists(extra):
             raise TokenizeError(f"{extra} exists but the inputs now make only {self.shard_count} "
                                 "shards: the inputs changed; use a new --out folder")
 
+    def _exists(self, path) -> bool:
+        if self.remote:
+            return str(path)[len(str(self.out)) + 1:] in self._listing
+        return path.exists()
+
+    def _check_identity(self, record, ident: dict) -> None:
+        """Refuse a folder whose manifest (or started record) is not this run's identity."""
+        try:
+            old = json.loads(record.read_text())
+            old_ident = old["identity"]
+        except Exception:
+            raise TokenizeError(f"{self.out} holds a {self.layout.manifest} that is not a vqserve tokenize "
+                                "manifest; choose an empty or new --out folder") from None
+        if old_ident != ident:
+            detail = "; ".join(setting_differences(old_ident, ident))
+            raise TokenizeError(f"{self.out} holds tokens made with other settings ({detail[:600]}); "
+                                "refusing to mix two configurations: use a new --out folder")
+
     def _check_out_dir(self, ident: dict) -> None:
+        if self.remote:
+            found = [n for n in (self.layout.manifest, STARTED) if n in self._listing]
+            if found:
+                self._committed = found[0] == self.layout.manifest
+                self._check_identity(self.out / found[0], ident)
+            elif self._listing:
+                raise TokenizeError(f"--out {self.out} is not empty and holds no vqserve {self.layout.manifest}; "
+                                    "choose an empty or new prefix (nothing there is overwritten)")
+            return
         if self.out.exists() and not self.out.is_dir():
             raise TokenizeError(f"--out {self.out} is a file, not a folder")
         manifest = self.manifest_path
         if manifest.exists():
-            try:
-                old = json.loads(manifest.read_text())
-                old_ident = old["identity"]
-            except Exception:
-                raise TokenizeError(f"{self.out} holds a {self.layout.manifest} that is not a vqserve tokenize "
-                                    "manifest; choose an empty or new --out folder") from None
-            if old_ident != ident:
-                detail = "; ".join(setting_differences(old_ident, ident))
-                raise TokenizeError(f"{self.out} holds tokens made with other settings ({detail[:600]}); "
-                                    "refusing to mix two configurations: use a new --out folder")
+            self._check_identity(manifest, ident)
         elif self.out.exists() and any(p for p in self.out.iterdir() if not p.name.startswith(".")):
             raise TokenizeError(f"--out {self.out} is not empty and holds no vqserve {self.layout.manifest}; "
                                 "choose an empty or new folder (nothing there is overwritten)")
@@ -257,12 +307,27 @@ class Job:
         rows = [r for e in encoded for r in e.rows]
         errors = [err for e in encoded for err in e.errors]
         path = self.shard_path(shard)
-        shards.WRITERS[self.settings.shard_format](
-            path, rows, self.runtime_info["index_dtype"], self.fingerprint,
-            self.plan_hash(shard), errors, self.layout, TokenLayout.from_info(self.runtime_info))
+
+        def write(final: Path) -> None:
+            shards.WRITERS[self.settings.shard_format](
+                final, rows, self.runtime_info["index_dtype"], self.fingerprint,
+                self.plan_hash(shard), errors, self.layout, TokenLayout.from_info(self.runtime_info))
         # hashed now, by whoever commits (the local engine's writer thread, beside the device),
         # not all at the end; a shard of an earlier run is hashed by finish()
-        self._sha256[shard] = sha256_file(path)
+        if not self.remote:
+            write(path)
+            self._sha256[shard] = sha256_file(path)
+            return
+        with tempfile.TemporaryDirectory(prefix="vqserve-shard-") as tmp:  # no rename there: whole uploads
+            local = Path(tmp) / path.name
+            write(local)
+            digest = sha256_file(local)
+            try:
+                objects.upload_file(local, path, digest)
+            except (OSError, ValueError) as exc:  # the store's refusal, after its retries
+                raise TokenizeError(redact(f"{path} was not uploaded ({type(exc).__name__}: {exc}); no object "
+                                           "has its name: run the same command again to resume")) from None
+        self._sha256[shard] = digest
 
     # -- end ------------------------------------------------------------------------------------
     def finish(self) -> dict:
@@ -271,17 +336,27 @@ class Job:
             path = self.shard_path(shard)
             info = shards.read_shard_info(path)
             listed.append({"name": path.name, "rows": info.rows, "errors": len(info.errors),
-                           "sha256": self._sha256.get(shard) or sha256_file(path)})
+                           "sha256": self._sha256.get(shard) or self._hash(path)})
             errors.extend({**e, "shard": path.name} for e in info.errors)
             totals["rows"] += info.rows
             totals["errors"] += len(info.errors)
         totals["shards"] = len(listed)
-        _write_atomic(self.errors_path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors))
+        log = "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors)
+        if self.remote:
+            if self._committed:  # the manifest was there before this run: nothing left to commit
+                return json.loads(self.manifest_path.read_text())
+            objects.upload_bytes(log.encode("utf-8"), self.errors_path)
+        else:
+            _write_atomic(self.errors_path, log)
         return self._write_manifest(complete=True, shards_list=listed, totals=totals)
+
+    def _hash(self, path) -> str:
+        return objects.sha256_of(path) if self.remote else sha256_file(path)
 
     def _recorded_machines(self) -> list:
         try:
-            machines = json.loads(self.manifest_path.read_text()).get("machines", [])
+            record = self.out / STARTED if self.remote else self.manifest_path
+            machines = json.loads(record.read_text()).get("machines", [])
         except (OSError, ValueError, AttributeError):
             return []
         return machines if isinstance(machines, list) else []
@@ -312,5 +387,24 @@ class Job:
         if shards_list and self.layout is not shards.LAYOUT_1:  # layout 1's stays as it was
             manifest["shard_pattern"] = shards.shard_pattern(len(shards_list or []),
                                                              self.settings.shard_format)
-        _write_atomic(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+        if self.remote:
+            self._put_once(text.encode("utf-8"), complete)
+        else:
+            _write_atomic(self.manifest_path, text)
         return manifest
+
+    def _put_once(self, data: bytes, complete: bool) -> None:
+        """Object storage: the started record and the manifest are each created once, with a
+        conditional put. A started record already there is another run of this identity (it
+        was checked, or is checked now); a manifest already there is another run's commit."""
+        target = self.manifest_path if complete else self.out / STARTED
+        try:
+            objects.put_exclusive(data, target)
+        except FileExistsError:
+            if not complete:
+                self._check_identity(target, self.identity())
+                return
+            raise TokenizeError(f"another run committed {self.out} first (its manifest appeared while this "
+                                "run worked); not overwriting it: its shards have the same names and "
+                                "bytes as this run's") from None

@@ -28,6 +28,7 @@ import numpy as np
 
 from vqserve.core.identity import folder_identity
 from vqserve.offline import shards
+from vqserve.offline.storage import as_path, readable
 from vqserve.offline.verify.folder import NotADataset, read_manifest
 
 
@@ -48,7 +49,7 @@ def open_folder(path: str | Path) -> TokenFolder:
     """The folder's manifest and shards. Refuses (ValueError, one line) a folder that is not a
     complete tokenize output, and a listed shard whose recorded fingerprint is not the
     manifest's (a shard of another run put in its place)."""
-    folder = Path(path)
+    folder = as_path(path)
     manifest = read_manifest(folder)
     if manifest is None:
         raise NotADataset(f"{folder}: the manifest does not parse (damaged?); `vqserve verify {folder}`")
@@ -153,7 +154,7 @@ def read_rows(path: Path, first: int, stop: int, columns: Sequence[str] = (), py
     import pyarrow.parquet as pq
 
     wanted = list(dict.fromkeys(["key", "grid_height", "grid_width", *columns, "tokens"]))
-    table = pq.read_table(path, columns=wanted).slice(first, stop - first)
+    table = pq.read_table(readable(path), columns=wanted).slice(first, stop - first)
     tokens = table.column("tokens").combine_chunks()
     flat = tokens.values.to_numpy(zero_copy_only=False)
     offsets = tokens.offsets.to_numpy()

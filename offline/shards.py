@@ -37,6 +37,7 @@ import numpy as np
 
 from vqserve.core.files import atomic_write
 from vqserve.core.token_layout import TokenLayout
+from vqserve.offline.storage import readable
 
 META_FINGERPRINT = b"vqserve.fingerprint"
 META_PLAN = b"vqserve.plan"
@@ -238,16 +239,24 @@ class ShardInfo:
     rows: int
 
 
-def read_shard_info(path: Path) -> ShardInfo:
-    """The metadata of a committed shard (no token data read). Raises on a damaged file."""
+def open_tar(path) -> tarfile.TarFile:
+    """A shard's tar, local or remote (a :class:`~vqserve.offline.storage.RemotePath`)."""
+    if isinstance(path, Path):
+        return tarfile.open(path, "r:")
+    return tarfile.open(fileobj=readable(path), mode="r:")
+
+
+def read_shard_info(path) -> ShardInfo:
+    """The metadata of a committed shard (no token data read; a remote shard's footer is read
+    by range). Raises on a damaged file."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        md = pq.read_metadata(path)
+        md = pq.read_metadata(readable(path))
         kv = md.metadata or {}
         return ShardInfo(kv.get(META_FINGERPRINT, b"").decode(), kv.get(META_PLAN, b"").decode(),
                          json.loads(kv.get(META_ERRORS, b"[]")), md.num_rows)
-    with tarfile.open(path, "r:") as tar:
+    with open_tar(path) as tar:
         names = tar.getnames()
         meta_name = next((n for n in WDS_META_MEMBERS if n in names), None)
         member = tar.extractfile(meta_name) if meta_name else None
@@ -256,21 +265,21 @@ def read_shard_info(path: Path) -> ShardInfo:
     return ShardInfo(meta.get("fingerprint", ""), meta.get("plan", ""), meta.get("errors", []), rows)
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path) -> list[dict]:
     """All rows of a shard as dicts with ``tokens`` reshaped to ``[grid_h, grid_w(, Q)]`` (a
     pyramid's stay flat ``[L]``: split them with the layout the shard and manifest record)."""
     rows: list[dict] = []
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        table = pq.read_table(readable(path))
         flat = META_TOKEN_LAYOUT in (table.schema.metadata or {})  # a pyramid: rows stay [L]
         for rec in table.to_pylist():
             values = np.asarray(rec["tokens"], dtype=table.schema.field("tokens").type.value_type.to_pandas_dtype())
             rec["tokens"] = values if flat else _grid(values, rec)
             rows.append(rec)
         return rows
-    with tarfile.open(path, "r:") as tar:
+    with open_tar(path) as tar:
         members = {m.name: m for m in tar.getmembers()}
         for name, m in members.items():
             if not name.endswith(".json") or name in WDS_META_MEMBERS:

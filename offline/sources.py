@@ -14,6 +14,12 @@
   ``--key-column`` (else the key is ``<file stem>/<row>``);
 * a single image file (key: its file name without the extension).
 
+Any of them may be a URL (``s3://``, ``gs://``, ``hf://``; :mod:`vqserve.offline.storage`): a
+URL naming no file kind is a **prefix**, listed once (one paginated listing, in byte order,
+folder markers, ``_SUCCESS`` and ``.crc`` skipped), each image's size and ETag recorded so a
+resume refuses an object that changed; a list file's URL lines are taken as they are, so the
+input bucket sees no listing at all; tar members and Parquet row groups are read by range.
+
 Planning only lists: no image bytes are read. Bytes are read later, in decode worker
 processes, by :func:`read_image_source` (tar members by offset, Parquet by row group), so
 the main process never holds a dataset in memory. A problem found while listing (a
@@ -30,8 +36,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from vqserve.offline.storage import RemotePath, as_path, is_url, readable
+from vqserve.offline.storage.fs import fs_path, local_of
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 LIST_EXTENSIONS = (".txt", ".lst")
+_FILE_KINDS = (*IMAGE_EXTENSIONS, *LIST_EXTENSIONS, ".tar", ".parquet", ".tar.gz", ".tgz", ".tar.zst",
+               ".tar.bz2", ".tar.xz")
 _WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "image")
 
 
@@ -46,6 +57,7 @@ class Record(NamedTuple):
     offset: int = 0  # tar: byte offset of the member's data; parquet: row number
     size: int = 0    # tar: member size in bytes
     error: str = ""  # set when listing already found the problem
+    etag: str = ""   # a remote object's size and ETag when listed ("SIZE:ETAG"), else ""
 
 
 class InputError(ValueError):
@@ -59,7 +71,11 @@ def _expand(arg: str) -> list[str]:
     out: list[str] = []
     for pattern in braceexpand(arg) if "{" in arg else [arg]:
         if any(ch in pattern for ch in "*?["):
-            matches = sorted(glob.glob(pattern, recursive=True))
+            if is_url(pattern):
+                scheme = pattern.split("://", 1)[0]
+                matches = [f"{scheme}://{m}" for m in sorted(RemotePath(pattern).fs.glob(fs_path(pattern)))]
+            else:
+                matches = sorted(glob.glob(pattern, recursive=True))
             if not matches:
                 raise InputError(f"{pattern}: no files match")
             out.extend(matches)
@@ -90,16 +106,29 @@ def _folder_records(folder: Path) -> Iterator[Record]:
         yield Record(key=rel.rsplit(".", 1)[0], source=real, kind="file", path=real)
 
 
-def _list_records(list_file: Path) -> Iterator[Record]:
-    base = list_file.resolve().parent
+def _lines(list_file: Path | RemotePath) -> Iterator[str]:
+    if isinstance(list_file, RemotePath):
+        with list_file.open("rb") as fh:
+            for raw in fh:
+                yield raw.decode("utf-8")
+        return
     with open(list_file, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            p = Path(line) if Path(line).is_absolute() else base / line
-            yield Record(key=os.path.normpath(line), source=str(p.resolve()), kind="file",
-                         path=str(p.resolve()))
+        yield from fh
+
+
+def _list_records(list_file: Path | RemotePath) -> Iterator[Record]:
+    base = list_file.parent if isinstance(list_file, RemotePath) else list_file.resolve().parent
+    for line in _lines(list_file):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if is_url(line) or isinstance(base, RemotePath):  # no request now: read when its task runs
+            url = line if is_url(line) else str(base / line)
+            yield Record(key=line, source=url, kind="file", path=url)
+            continue
+        p = Path(line) if Path(line).is_absolute() else base / line
+        yield Record(key=os.path.normpath(line), source=str(p.resolve()), kind="file",
+                     path=str(p.resolve()))
 
 
 def wds_key(member_name: str) -> tuple[str, str]:
@@ -109,12 +138,24 @@ def wds_key(member_name: str) -> tuple[str, str]:
     return (f"{d}/{stem}" if d else stem), ext.lower()
 
 
-def _tar_records(tar_path: Path) -> Iterator[Record]:
-    path = str(tar_path.resolve())
+def _where(p: Path | RemotePath) -> tuple[str, str]:
+    """A container's path as records name it, and its ``SIZE:ETAG`` when remote (one HEAD)."""
+    if isinstance(p, RemotePath):
+        return str(p), _version(p.info())
+    return str(p.resolve()), ""
+
+
+def _version(info: dict) -> str:
+    """``SIZE:ETAG`` of a listed object: what changes when the object does."""
+    return f"{info.get('size', '')}:{str(info.get('ETag') or info.get('etag') or '').strip(chr(34))}"
+
+
+def _tar_records(tar_path: Path | RemotePath) -> Iterator[Record]:
+    path, version = _where(tar_path)
     samples: dict[str, dict[str, tarfile.TarInfo]] = {}
     order: list[str] = []
     try:
-        with tarfile.open(path, "r:") as tar:
+        with _open_tar(tar_path) as tar:
             for member in tar:
                 if not member.isfile():
                     continue
@@ -126,31 +167,57 @@ def _tar_records(tar_path: Path) -> Iterator[Record]:
     except (tarfile.TarError, OSError) as exc:
         # a truncated or corrupt shard: keep what was listed, record the rest as one error
         for key in order:
-            yield from _tar_sample(path, key, samples[key])
+            yield from _tar_sample(path, key, samples[key], version)
         yield Record(key=f"{tar_path.name}#unreadable", source=path, kind="tar", path=path,
                      error=f"tar shard cannot be read past {len(order)} samples ({type(exc).__name__}: {exc})")
         return
     for key in order:
-        yield from _tar_sample(path, key, samples[key])
+        yield from _tar_sample(path, key, samples[key], version)
 
 
-def _tar_sample(path: str, key: str, members: dict[str, tarfile.TarInfo]) -> Iterator[Record]:
+def _open_tar(path: Path | RemotePath) -> tarfile.TarFile:
+    if isinstance(path, RemotePath):  # headers by range, through fsspec's read-ahead buffer
+        return tarfile.open(fileobj=path.open("rb", block_size=1 << 20), mode="r:")
+    return tarfile.open(path, "r:")
+
+
+def _tar_sample(path: str, key: str, members: dict[str, tarfile.TarInfo], version: str = "") -> Iterator[Record]:
     for ext in _WDS_IMAGE_EXTS:
         if ext in members:
             m = members[ext]
             yield Record(key=key, source=f"{path}::{m.name}", kind="tar", path=path,
-                         offset=m.offset_data, size=m.size)
+                         offset=m.offset_data, size=m.size, etag=version)
             return
     yield Record(key=key, source=f"{path}::{key}", kind="tar", path=path,
                  error=f"sample has no image member (has: {', '.join(sorted(members)) or 'nothing'})")
 
 
-def _parquet_records(pq_path: Path, image_column: str, key_column: str | None) -> Iterator[Record]:
+SKIPPED_NAMES = ("_SUCCESS",)
+SKIPPED_SUFFIXES = (".crc",)
+
+
+def _prefix_records(prefix: RemotePath) -> Iterator[Record]:
+    """Every image object below ``prefix``: one paginated listing, in byte order (the order
+    S3 lists in, and a local folder's sorted relative paths), folder markers, ``_SUCCESS``,
+    ``.crc`` and hidden names skipped; the key is the relative name without its extension."""
+    listed = prefix.files()
+    for rel in sorted(listed, key=lambda n: n.encode("utf-8")):
+        base = rel.rsplit("/", 1)[-1]
+        if (rel.endswith("/") or base in SKIPPED_NAMES or base.endswith(SKIPPED_SUFFIXES)
+                or any(part.startswith(".") for part in rel.split("/"))
+                or not base.lower().endswith(IMAGE_EXTENSIONS)):
+            continue
+        url = str(prefix / rel)
+        yield Record(key=rel.rsplit(".", 1)[0], source=url, kind="file", path=url,
+                     etag=_version(listed[rel]))
+
+
+def _parquet_records(pq_path: Path | RemotePath, image_column: str, key_column: str | None) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
-    path = str(pq_path.resolve())
+    path, version = _where(pq_path)
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(readable(pq_path))
     except Exception as exc:
         raise InputError(f"{pq_path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
     names = pf.schema_arrow.names
@@ -164,12 +231,13 @@ def _parquet_records(pq_path: Path, image_column: str, key_column: str | None) -
         for batch in pf.iter_batches(columns=[key_column], batch_size=65536):
             for value in batch.column(0).to_pylist():
                 key = str(value) if value is not None else f"{pq_path.stem}/{row}"
-                yield Record(key=key, source=f"{path}::row={row}", kind="parquet", path=path, offset=row)
+                yield Record(key=key, source=f"{path}::row={row}", kind="parquet", path=path, offset=row,
+                             etag=version)
                 row += 1
     else:
         for row in range(pf.metadata.num_rows):
             yield Record(key=f"{pq_path.stem}/{row}", source=f"{path}::row={row}", kind="parquet",
-                         path=path, offset=row)
+                         path=path, offset=row, etag=version)
 
 
 def expand_inputs(inputs: Iterable[str]) -> list[str]:
@@ -177,6 +245,10 @@ def expand_inputs(inputs: Iterable[str]) -> list[str]:
     out = []
     for arg in inputs:
         for p in _expand(arg):
+            if is_url(p):  # checked when listed: no request here
+                out.append(p)
+                continue
+            p = local_of(p)
             if not os.path.exists(p):
                 raise InputError(f"{p}: no such file or folder")
             out.append(p)
@@ -191,10 +263,14 @@ def list_records(inputs: Iterable[str], image_column: str = "image",
     records: list[Record] = []
     seen: dict[str, str] = {}
     for arg in inputs:
-        p = Path(arg)
+        p = as_path(arg)
         name = p.name.lower()
-        if p.is_dir():
-            it: Iterable[Record] = _folder_records(p)
+        if isinstance(p, RemotePath) and not name.endswith(_FILE_KINDS):
+            it: Iterable[Record] = _prefix_records(p)
+        elif isinstance(p, RemotePath) and name.endswith(IMAGE_EXTENSIONS):
+            it = [Record(key=p.stem, source=str(p), kind="file", path=str(p))]
+        elif p.is_dir():
+            it = _folder_records(p)
         elif name.endswith(".tar"):
             it = _tar_records(p)
         elif name.endswith((".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")):
@@ -239,7 +315,7 @@ class _ParquetRows:
         import pyarrow.parquet as pq
 
         if path != self.path:
-            self.file, self.path, self.group = pq.ParquetFile(path), path, None
+            self.file, self.path, self.group = pq.ParquetFile(readable(as_path(path))), path, None
             md = self.file.metadata
             self.starts = [0]
             for rg in range(md.num_row_groups):
@@ -259,8 +335,13 @@ _parquet_rows = _ParquetRows()
 def read_image_source(rec: Record, image_column: str = "image") -> bytes | str:
     """A record -> encoded image bytes (or a file path Pillow opens). Raises OSError/ValueError."""
     if rec.kind == "file":
-        return rec.path
+        return RemotePath(rec.path).read_bytes() if is_url(rec.path) else rec.path
     if rec.kind == "tar":
+        if is_url(rec.path):  # one ranged GET
+            data = RemotePath(rec.path).read_range(rec.offset, rec.size)
+            if len(data) != rec.size:
+                raise ValueError(f"tar member is truncated ({len(data)} of {rec.size} bytes)")
+            return data
         with open(rec.path, "rb") as fh:
             fh.seek(rec.offset)
             data = fh.read(rec.size)
@@ -273,13 +354,20 @@ def read_image_source(rec: Record, image_column: str = "image") -> bytes | str:
             if value.get("bytes"):
                 value = value["bytes"]
             elif value.get("path"):
-                return str(Path(rec.path).parent / value["path"])
+                return _beside(rec.path, value["path"])
         if value is None:
             raise ValueError(f"column {image_column!r} is null in this row")
         if isinstance(value, str):
-            return str(Path(rec.path).parent / value)
+            return _beside(rec.path, value)
         return bytes(value)
     raise ValueError(f"unknown record kind {rec.kind!r}")
+
+
+def _beside(container: str, name: str) -> bytes | str:
+    """An image file named relative to the Parquet file holding its name."""
+    if is_url(container):
+        return (RemotePath(container).parent / name).read_bytes()
+    return str(Path(container).parent / name)
 
 
 def parse_source(source: str) -> Record:
@@ -290,7 +378,7 @@ def parse_source(source: str) -> Record:
         if container.lower().endswith(".parquet") and locator.startswith("row="):
             return Record(key="", source=source, kind="parquet", path=container, offset=int(locator[4:]))
         if container.lower().endswith(".tar"):
-            with tarfile.open(container, "r:") as tar:
+            with _open_tar(as_path(container)) as tar:
                 m = tar.getmember(locator)
                 return Record(key="", source=source, kind="tar", path=container,
                               offset=m.offset_data, size=m.size)

@@ -73,3 +73,38 @@ def cert(tmp_path_factory):
          "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
         check=True, capture_output=True)
     return d / "cert.pem", d / "key.pem"
+
+
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory):
+    """A real S3 endpoint (moto in server mode on 127.0.0.1, a subprocess) behind the logging,
+    fault-injecting proxy of tests/object_store.py; one per session."""
+    pytest.importorskip("moto.server", reason="pip install 'moto[server]' (the test extra)")
+    pytest.importorskip("s3fs", reason="pip install 'vqserve[s3]'")
+    from tests.object_store import ObjectStore
+
+    store = ObjectStore(str(tmp_path_factory.mktemp("moto")))
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def s3(object_store, monkeypatch, request):
+    """This test's view of the endpoint: the standard AWS_* variables set (fake credentials,
+    AWS_ENDPOINT_URL at the proxy), a fresh request log and no faults, this process's
+    filesystems made anew, and a bucket of its own (``s3.bucket``)."""
+    import re
+
+    from vqserve.offline.storage import fs as storage_fs
+
+    for k, v in object_store.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv(storage_fs.ENV_OPTIONS, raising=False)
+    storage_fs._FILESYSTEMS.clear()
+    object_store.proxy.faults.clear()
+    object_store.proxy.log.clear()
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    object_store.bucket = f"t-{name}-{os.getpid() % 1000}"
+    object_store.client().create_bucket(Bucket=object_store.bucket)
+    yield object_store
+    storage_fs._FILESYSTEMS.clear()

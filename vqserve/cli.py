@@ -141,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _debug(args):
             traceback.print_exc()
         status, message = describe_error(exc)
+        if storage := sys.modules.get("vqserve.offline.storage.fs"):  # no credential in a message
+            message = storage.redact(message)
         print(f"vqserve {args.command}: error: {message}", file=sys.stderr)
         return status
 

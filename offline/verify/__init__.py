@@ -28,6 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vqserve.offline import shards
+from vqserve.offline.storage import as_path
 from vqserve.offline.verify.checks import _check_files, _check_shard, _Ctx
 from vqserve.offline.verify.folder import _manifest_problems, read_manifest
 from vqserve.offline.verify.reencode import _reencode_sample, check_model_hash
@@ -54,7 +55,7 @@ def verify_dataset(out_dir: str | Path, sample: int = 32, runtime=None, seed: in
         raise ValueError(f"--sample must be >= 0, got {sample}")
     # resolved (importing torch) only when a sample is re-encoded or a threshold was given
     delta = _tie_delta(tie_delta) if sample or tie_delta is not None else None
-    out = Path(out_dir)
+    out = as_path(out_dir)
     rep = Report(str(out), max_problems=max_problems)
     manifest = read_manifest(out)
     manifest_name = shards.layout_of(out).manifest

@@ -16,6 +16,7 @@ import numpy as np
 
 from vqserve.core.files import sha256_file
 from vqserve.core.token_layout import TokenLayout
+from vqserve.offline.storage import objects
 from vqserve.offline.verify.folder import ShardTable, _schema_problem, load_table
 from vqserve.offline.verify.report import Report
 
@@ -48,7 +49,7 @@ def _check_files(ctx: _Ctx) -> list[tuple[dict, Path]]:
             continue
         rep.ok("files")
         present.append((entry, path))
-        digest = sha256_file(path)
+        digest = sha256_file(path) if isinstance(path, Path) else objects.sha256_read(path)
         if digest == entry["sha256"]:
             rep.ok("sha256")
         else:

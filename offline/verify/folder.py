@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from vqserve.offline import shards
+from vqserve.offline.storage import readable
 
 META_COLUMNS = ("key", "source", *shards.INT_COLUMNS)
 
@@ -99,7 +100,7 @@ def load_table(path: Path) -> ShardTable:
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        table = pq.read_table(readable(path))
         meta = {n: table.column(n).to_pylist() for n in table.column_names if n != "tokens"}
         tok = table.column("tokens")
         lengths = pc.fill_null(pc.list_value_length(tok), 0).to_numpy(zero_copy_only=False)
@@ -121,7 +122,7 @@ def _schema_problem(path: Path, table: ShardTable, index_dtype: str) -> str | No
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        got = pq.read_schema(path).remove_metadata()
+        got = pq.read_schema(readable(path)).remove_metadata()
         want = shards.schema(index_dtype)
         if got.equals(want):
             return None

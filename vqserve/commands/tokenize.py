@@ -59,7 +59,11 @@ if TYPE_CHECKING:  # the pipeline (and torch) load only when a run starts, not f
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="folders, list files, WebDataset .tar shards, .parquet files, images")
-    parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier run's)")
+    parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier run's); "
+                        "or object storage: s3://BUCKET/PREFIX, gs://... (pip install 'vqserve[s3]' / '[gcs]')")
+    parser.add_argument("--storage-options", default=None, metavar="JSON",
+                        help="fsspec options for s3:// gs:// hf:// (endpoint_url, profile, ...); "
+                             "credentials otherwise come from the standard chains (AWS_*, profiles)")
     add_expect_hash(add_model_args(parser, dtype_auto=True))
     p = parser.add_argument_group("preprocessing (recorded in the manifest)")
     size = p.add_mutually_exclusive_group()
@@ -130,7 +134,10 @@ def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
                         shard_format=args.format, image_column=args.image_column,
                         key_column=args.key_column)
 
-    return Job(inputs=[str(Path(p).resolve()) for p in inputs], out=Path(args.out), settings=settings,
+    from vqserve.offline.storage import as_path, is_url
+
+    return Job(inputs=[p if is_url(p) else str(Path(p).resolve()) for p in inputs], out=as_path(args.out),
+               settings=settings,
                runtime_info=runtime_info, model_ref=model_ref(args.model))
 
 
@@ -178,6 +185,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
     if args.size < 0:
         raise ValueError(f"--size must be positive, got {args.size}")
+    from vqserve.offline.storage import set_options
+
+    set_options(args.storage_options)
     inputs = sources.expand_inputs(args.inputs)  # a missing INPUT: usage error before the model loads
     import torch
 
