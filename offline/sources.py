@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from vqserve.offline.storage import RemotePath, as_path, is_url, readable
-from vqserve.offline.storage.fs import fs_path, local_of
+from vqserve.offline.storage.fs import fs_path, local_of, require
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 LIST_EXTENSIONS = (".txt", ".lst")
@@ -245,7 +245,8 @@ def expand_inputs(inputs: Iterable[str]) -> list[str]:
     out = []
     for arg in inputs:
         for p in _expand(arg):
-            if is_url(p):  # checked when listed: no request here
+            if is_url(p):  # listed later: no request here, only whether its filesystem is installed
+                require(p)
                 out.append(p)
                 continue
             p = local_of(p)

@@ -93,6 +93,21 @@ def redact(text: str) -> str:
 _FILESYSTEMS: dict[tuple[int, str], Any] = {}
 
 
+def require(location: str, write: bool = False) -> None:
+    """Refuse, in one line and before any expensive work, a URL whose filesystem is not
+    installed (naming the extra) or, with ``write``, a read-only scheme. No request is made."""
+    scheme = scheme_of(location)
+    if scheme not in SCHEMES:
+        return
+    if write:
+        writable(location)
+    _, module, extra = SCHEMES[scheme]
+    try:
+        __import__(module)
+    except ImportError:
+        raise StorageError(f"{scheme}:// needs the '{extra}' extra: pip install 'vqserve[{extra}]'") from None
+
+
 def filesystem(location: str):
     """The fsspec filesystem of ``location``'s scheme in this process (made on first use)."""
     scheme = scheme_of(location)
@@ -101,12 +116,10 @@ def filesystem(location: str):
     key = (os.getpid(), scheme)
     fs = _FILESYSTEMS.get(key)
     if fs is None:
-        protocol, module, extra = SCHEMES[scheme]
-        try:
-            __import__(module)
-            import fsspec
-        except ImportError:
-            raise StorageError(f"{scheme}:// needs the '{extra}' extra: pip install 'vqserve[{extra}]'") from None
+        require(location)
+        import fsspec
+
+        protocol = SCHEMES[scheme][0]
         kwargs = dict(options())
         if protocol == "s3":
             config = dict(kwargs.pop("config_kwargs", {}) or {})

@@ -137,14 +137,22 @@ def sha256_read(dest: RemotePath) -> str:
     return digest.hexdigest()
 
 
-def abort_open_uploads(folder: RemotePath) -> int:
-    """Abort the multipart uploads left open under ``folder`` by a killed run (one listing);
-    how many."""
+STALE_UPLOAD_S = 3600
+
+
+def abort_open_uploads(folder: RemotePath, older_than_s: float = STALE_UPLOAD_S) -> int:
+    """Abort the multipart uploads a killed run left open under ``folder`` (one listing);
+    how many. Only those begun ``older_than_s`` ago: a younger one may be another driver's
+    upload in flight (a bucket lifecycle rule, AbortIncompleteMultipartUpload, is the backstop)."""
+    import datetime
+
     if scheme_of(folder.url) != "s3":
         return 0
     bucket, prefix = _bucket_key(folder)
     answer = folder.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
-    uploads = answer.get("Uploads", [])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    uploads = [up for up in answer.get("Uploads", [])
+               if (now - up["Initiated"]).total_seconds() >= older_than_s]
     for up in uploads:
         folder.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
     return len(uploads)

@@ -186,8 +186,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.size < 0:
         raise ValueError(f"--size must be positive, got {args.size}")
     from vqserve.offline.storage import set_options
+    from vqserve.offline.storage.fs import require
 
     set_options(args.storage_options)
+    require(args.out, write=True)
     inputs = sources.expand_inputs(args.inputs)  # a missing INPUT: usage error before the model loads
     import torch
 
