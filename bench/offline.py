@@ -28,6 +28,9 @@ folder holds the tokenized photographs' rows replicated to ``--loader-rows`` row
     vqserve bench tokenize                       # whole photographs, --size 256, default model
     vqserve bench tokenize --model synthetic:200 --count 1920 --loader-rows 0
     vqserve bench tokenize --model default --device cuda --dtype bf16 --json out.json
+
+With ``--s3``: the same run from and to object storage against local files, and the requests
+it costs (:mod:`vqserve.bench.object_storage`).
 """
 
 from __future__ import annotations
@@ -174,6 +177,10 @@ def _median(values: list) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and "--s3" in argv:  # the same pipeline from and to object storage, against local
+        from vqserve.bench.object_storage import main as s3_main
+
+        return s3_main(argv)
     from vqserve.export.runtimes.loader import load_runtime
 
     ap = argparse.ArgumentParser(prog="vqserve bench tokenize", description=__doc__,

@@ -364,6 +364,34 @@ def read_image_source(rec: Record, image_column: str = "image") -> bytes | str:
     raise ValueError(f"unknown record kind {rec.kind!r}")
 
 
+def fetch_remote(records: Iterable[Record]) -> dict[int, bytes | Exception]:
+    """The bytes of a task's remote image files and tar members, fetched concurrently (one GET
+    each, all in flight together: one round trip per task, not per image), by record index;
+    a failure is its exception, raised when that record is read."""
+    by_scheme: dict[str, tuple[list, list]] = {}
+    for i, rec in enumerate(records):
+        if not rec.error and rec.kind in ("file", "tar") and is_url(rec.path):
+            whole, ranged = by_scheme.setdefault(rec.path.split("://", 1)[0], ([], []))
+            (whole if rec.kind == "file" else ranged).append((i, rec))
+    out: dict[int, bytes | Exception] = {}
+    for scheme, (whole, ranged) in by_scheme.items():
+        fs = RemotePath(f"{scheme}://x").fs
+        if whole:
+            extra = {"max_concurrency": 1} if scheme == "s3" else {}  # one GET each, no HEAD first
+            got = fs.cat([fs_path(r.path) for _, r in whole], on_error="return", **extra)
+            for i, r in whole:
+                value = got.get(fs_path(r.path))
+                out[i] = value if isinstance(value, bytes | Exception) else OSError(f"{r.path}: not read")
+        if ranged:
+            got = fs.cat_ranges([fs_path(r.path) for _, r in ranged], [r.offset for _, r in ranged],
+                                [r.offset + r.size for _, r in ranged], on_error="return")
+            for (i, r), value in zip(ranged, got, strict=True):
+                if isinstance(value, bytes) and len(value) != r.size:
+                    value = ValueError(f"tar member is truncated ({len(value)} of {r.size} bytes)")
+                out[i] = value
+    return out
+
+
 def _beside(container: str, name: str) -> bytes | str:
     """An image file named relative to the Parquet file holding its name."""
     if is_url(container):

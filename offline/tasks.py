@@ -88,12 +88,15 @@ def decode_pool(workers: int):
 
 def decode_task(task: Task, pre: images.Preprocess, image_column: str) -> DecodedTask:
     items: list = []
-    for rec in task.records:
+    fetched = sources.fetch_remote(task.records)  # object storage: the task's GETs in flight together
+    for i, rec in enumerate(task.records):
         if rec.error:
             items.append(rec.error)
             continue
         try:
-            items.append(images.prepare(sources.read_image_source(rec, image_column), pre))
+            if isinstance(got := fetched.get(i), Exception):
+                raise got
+            items.append(images.prepare(got or sources.read_image_source(rec, image_column), pre))
         except (images.ImageError, OSError, ValueError) as exc:
             items.append(str(exc))
         except Exception as exc:  # a decoder bug must not stop a million-image run

@@ -122,6 +122,21 @@ def as_path(location: str | os.PathLike | RemotePath) -> Path | RemotePath:
     return RemotePath(text) if _fs.is_url(text) else Path(_fs.local_of(text))
 
 
+def fetch_local(url: str) -> Path:
+    """A small remote file (a ``--plan`` file) copied to a private temporary folder, for
+    readers that take a local path; removed when the process ends."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="vqserve-fetch-"))
+    atexit.register(shutil.rmtree, folder, True)
+    remote = RemotePath(url)
+    local = folder / (remote.name or "file")
+    local.write_bytes(remote.read_bytes())
+    return local
+
+
 def readable(path: Path | RemotePath):
     """What pyarrow or tarfile open: a local path as it is, a remote object as a seekable
     file that reads by range."""

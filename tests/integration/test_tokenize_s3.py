@@ -286,3 +286,19 @@ def test_ray_engine_s3_to_s3_equals_the_local_engine(tiny_checkpoint, s3, one_th
         signal.signal(signal.SIGTERM, handler)   # ray.init took it
     local = {k[len("local/"):]: v for k, v in objects(s3, "local/").items()}
     assert {k[len("ray/"):]: v for k, v in objects(s3, "ray/").items()} == local
+
+
+def test_a_plan_file_in_object_storage(tiny_checkpoint, s3, tmp_path, capsys, one_thread):
+    """``--plan s3://...``: the plan file is read from the store."""
+    from tests.integration.test_plan import FAST
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", tiny_checkpoint, "--device", "cpu", *FAST, "--backends", "eager",
+                 "--plan-cache", str(tmp_path / "plans"), "--out", str(plan)]) == 0
+    s3.client().put_object(Bucket=s3.bucket, Key="plans/plan.json", Body=plan.read_bytes())
+    put_images(s3, "in", 3)
+    capsys.readouterr()
+    assert main(["tokenize", f"s3://{s3.bucket}/in", "--out", str(tmp_path / "out"), "--model", tiny_checkpoint,
+                 *FLAGS, "--workers", "0", "--no-progress", "--plan", f"s3://{s3.bucket}/plans/plan.json", "--device", "cpu",
+                 "--plan-cache", str(tmp_path / "empty")]) == 0
+    assert "(file; " in capsys.readouterr().err

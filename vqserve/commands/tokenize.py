@@ -94,7 +94,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                    help="on CUDA, launch every kernel from Python instead of replaying each batch shape "
                         "from a CUDA graph of the same eager kernels (the default there: the same tokens, "
                         "less Python per batch)")
-    r.add_argument("--plan", type=plan_choice, default=None, metavar="auto|default|FILE",
+    r.add_argument("--plan", type=_plan_arg, default=None, metavar="auto|default|FILE",
                    help="auto (default; or VQSERVE_PLAN): the execution plan `vqserve plan` or a server "
                         "measured for this hardware and model (read from the same cache; where none is "
                         "cached yet, the safe plan: fp32 eager, micro-batch 1 - the same tokens, "
@@ -115,6 +115,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     # the engine every run used before the overlapped one (benchmarks and tests compare them)
     r.add_argument("--serial-engine", action="store_true", help=argparse.SUPPRESS)
+
+
+def _plan_arg(text: str) -> str:
+    """``--plan``: auto, default, a plan file, or a plan file's URL (read when the run starts)."""
+    from vqserve.offline.storage import is_url
+
+    return text if is_url(text) else plan_choice(text)
 
 
 def build_job(args: argparse.Namespace, runtime_info: dict, inputs: list[str]):
@@ -149,8 +156,11 @@ def _chosen_plan(args: argparse.Namespace, device: str):
     import os
 
     from vqserve.export.plan import choose_plan, find_plan
+    from vqserve.offline.storage import is_url
+    from vqserve.offline.storage.paths import fetch_local
 
-    plan = plan_choice(args.plan or os.environ.get("VQSERVE_PLAN") or "auto")
+    plan = args.plan or os.environ.get("VQSERVE_PLAN") or "auto"
+    plan = plan_choice(str(fetch_local(plan)) if is_url(plan) else plan)   # a plan file in object storage
     min_agreement = min_agreement_for(args.dtype, args.min_agreement)
 
     def say(msg: str) -> None:
