@@ -102,7 +102,20 @@ def _handler(proxy: Proxy):
                     self.rfile.readline()
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
+        def _control(self) -> None:
+            """``/__proxy__/log``: the request log as JSON lines (kind bucket key), then cleared."""
+            with proxy.lock:
+                lines = "".join(f"{r.kind} {r.bucket} {r.key}\n" for r in proxy.log)
+                proxy.log.clear()
+            data = lines.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def _forward(self):
+            if self.path.startswith("/__proxy__/"):
+                return self._control()
             parts = urlsplit(self.path)
             bucket, _, key = parts.path.lstrip("/").partition("/")
             req = Request(self.command, bucket, key, parse_qs(parts.query, keep_blank_values=True))
@@ -149,6 +162,14 @@ def _handler(proxy: Proxy):
     return Handler
 
 
+def moto_client(port: int):
+    """A boto3 client straight to moto (not through the proxy: set-up requests stay out of its log)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+                        aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)
+
+
 class ObjectStore:
     """moto's S3 on a free port with the logging, fault-injecting proxy in front."""
 
@@ -177,15 +198,10 @@ class ObjectStore:
 
     @property
     def env(self) -> dict:
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_EC2_METADATA_DISABLED": "true"}
+        return endpoint_env(self.endpoint)
 
     def client(self):
-        import boto3
-
-        return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.moto_port}", region_name="us-east-1",
-                            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)
+        return moto_client(self.moto_port)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -197,3 +213,42 @@ class ObjectStore:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+def endpoint_env(endpoint: str) -> dict:
+    """The standard chain's variables that reach ``endpoint`` with the fake credentials."""
+    return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_ENDPOINT_URL": endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def fetch_log(endpoint: str) -> list[tuple[str, str, str]]:
+    """A proxy's request log (``kind bucket key``) through its control path, then cleared: for
+    a proxy in another process."""
+    conn = http.client.HTTPConnection(endpoint.split("//", 1)[1], timeout=30)
+    try:
+        conn.request("GET", "/__proxy__/log")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return [tuple((line + "  ").split(" ", 2)) for line in text.splitlines()]
+
+
+def serve() -> None:
+    """``python -m vqserve.bench.s3_endpoint``: the endpoint in a process of its own (so its proxy
+    takes no CPU or GIL from the process it measures). Prints one JSON line (endpoint, moto's
+    pid) and serves until stdin closes."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="vqserve-s3-endpoint-") as workdir:
+        store = ObjectStore(workdir)
+        try:
+            print(json.dumps({"endpoint": store.endpoint, "moto_port": store.moto_port,
+                              "moto_pid": store.process.pid}), flush=True)
+            sys.stdin.read()
+        finally:
+            store.close()
+
+
+if __name__ == "__main__":
+    serve()
