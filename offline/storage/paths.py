@@ -102,8 +102,8 @@ class RemotePath:
     def files(self) -> dict[str, dict]:
         """Every object below this prefix, by name relative to it, with its listing details:
         one paginated listing, however deep."""
-        prefix = self.key.rstrip("/") + "/"
-        found = self.fs.find(self.key, detail=True)
+        prefix = self.key.strip("/") + "/"
+        found = {name.lstrip("/"): info for name, info in self.fs.find(self.key, detail=True).items()}
         return {name[len(prefix):]: info for name, info in found.items() if name.startswith(prefix)}
 
     def glob(self, pattern: str) -> list[RemotePath]:

@@ -249,7 +249,9 @@ def test_credentials_given_as_storage_options_are_written_nowhere(tiny_checkpoin
     written = objects(s3, "out/")
     errors = [json.loads(line) for line in written["out/__vqserve__/errors.jsonl"].splitlines()]
     assert [e["source"] for e in errors] == [urls[1]]
-    for blob in [*written.values(), said.out.encode(), said.err.encode()]:
+    assert main(["verify", out, "--sample", "1", "--storage-options", options]) == 0
+    said_verify = capsys.readouterr()
+    for blob in [*written.values(), *(s.encode() for s in (*said, *said_verify))]:
         assert ACCESS_KEY.encode() not in blob and SECRET_KEY.encode() not in blob
 
 

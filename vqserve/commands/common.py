@@ -181,3 +181,19 @@ def plan_choice(text: str) -> str:
         return text
     raise PlanSyntaxError(f"--plan: expected auto, default or a plan file (`vqserve plan --out FILE`), "
                           f"got {text!r}, which is not a file")
+
+
+def add_storage_options(parser) -> None:
+    """``--storage-options JSON`` (tokenize, verify, detokenize): fsspec options for URLs."""
+    parser.add_argument("--storage-options", default=None, metavar="JSON",
+                        help="fsspec options for s3:// gs:// hf:// (endpoint_url, profile, ...); "
+                             "credentials otherwise come from the standard chains (AWS_*, profiles)")
+
+
+def apply_storage_options(args) -> None:
+    """Set ``--storage-options`` for this process and the ones it starts (only where given:
+    a command with no URL never imports the storage layer)."""
+    if getattr(args, "storage_options", None):
+        from vqserve.offline.storage import set_options
+
+        set_options(args.storage_options)

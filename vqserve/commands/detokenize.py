@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vqserve.commands.common import add_model_args
+from vqserve.commands.common import add_model_args, add_storage_options, apply_storage_options
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -39,10 +39,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--batch-size", type=int, default=16, help="images per decode call (default 16)")
     s.add_argument("--overwrite", action="store_true", help="replace images that already exist")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_storage_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from vqserve.offline.detokenize import detokenize
+
+    apply_storage_options(args)
 
     def warn(message: str) -> None:
         print(f"vqserve detokenize: warning: {message}", file=sys.stderr)

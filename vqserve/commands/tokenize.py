@@ -47,6 +47,8 @@ from vqserve.commands.common import (
     UsageError,
     add_expect_hash,
     add_model_args,
+    add_storage_options,
+    apply_storage_options,
     min_agreement_for,
     model_ref,
     plan_choice,
@@ -61,9 +63,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="folders, list files, WebDataset .tar shards, .parquet files, images")
     parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier run's); "
                         "or object storage: s3://BUCKET/PREFIX, gs://... (pip install 'vqserve[s3]' / '[gcs]')")
-    parser.add_argument("--storage-options", default=None, metavar="JSON",
-                        help="fsspec options for s3:// gs:// hf:// (endpoint_url, profile, ...); "
-                             "credentials otherwise come from the standard chains (AWS_*, profiles)")
+    add_storage_options(parser)
     add_expect_hash(add_model_args(parser, dtype_auto=True))
     p = parser.add_argument_group("preprocessing (recorded in the manifest)")
     size = p.add_mutually_exclusive_group()
@@ -195,10 +195,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
     if args.size < 0:
         raise ValueError(f"--size must be positive, got {args.size}")
-    from vqserve.offline.storage import set_options
     from vqserve.offline.storage.fs import require
 
-    set_options(args.storage_options)
+    apply_storage_options(args)
     require(args.out, write=True)
     inputs = sources.expand_inputs(args.inputs)  # a missing INPUT: usage error before the model loads
     import torch

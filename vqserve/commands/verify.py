@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from vqserve.commands.common import add_storage_options, apply_storage_options
+
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", help="the --out folder of `vqserve tokenize`")
@@ -48,10 +50,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                              "the boundary between them (levels for FSQ, relative otherwise; default "
                              "1e-4, at least 1e-5)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    add_storage_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from vqserve.offline.verify import format_summary, verify_dataset
+
+    apply_storage_options(args)
 
     report = verify_dataset(args.dir, sample=args.sample, seed=args.seed, model=args.model,
                             device=args.device, max_problems=args.max_problems, tie_delta=args.tie_delta)
