@@ -15,7 +15,9 @@ out of a message before it is shown or written.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 from typing import Any
 
 ENV_OPTIONS = "VQSERVE_STORAGE_OPTIONS"
@@ -91,6 +93,43 @@ def redact(text: str) -> str:
 
 
 _FILESYSTEMS: dict[tuple[int, str], Any] = {}
+# where botocore / aiobotocore say that a call is retried (at DEBUG: counted here, not shown)
+RETRY_LOGGERS = ("aiobotocore.retries.standard", "botocore.retries.standard", "aiobotocore.retryhandler",
+                 "botocore.retryhandler")
+
+
+class _RetryCounter(logging.Filter):
+    """Counts this process's retried storage calls from the SDK's own debug lines, and lets no
+    record through that the logger would not have shown before it was opened to DEBUG."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.lock, self.shown = 0, threading.Lock(), logging.WARNING
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.INFO and str(record.msg).startswith("Retry needed, retrying"):
+            with self.lock:
+                self.count += 1
+        return record.levelno >= self.shown
+
+
+RETRIES = _RetryCounter()
+
+
+def count_retries() -> None:
+    """Start counting retried calls (once per process)."""
+    if any(RETRIES in logging.getLogger(name).filters for name in RETRY_LOGGERS):
+        return
+    for name in RETRY_LOGGERS:
+        logger = logging.getLogger(name)
+        RETRIES.shown = min(RETRIES.shown, logger.getEffectiveLevel())
+        logger.setLevel(logging.DEBUG)
+        logger.addFilter(RETRIES)
+
+
+def retried() -> int:
+    """How many storage calls this process retried (throttling, timeouts, resets)."""
+    return RETRIES.count
 
 
 def require(location: str, write: bool = False) -> None:
@@ -118,6 +157,8 @@ def filesystem(location: str):
     if fs is None:
         require(location)
         import fsspec
+
+        count_retries()
 
         protocol = SCHEMES[scheme][0]
         kwargs = dict(options())

@@ -144,6 +144,8 @@ def test_throttling_and_resets_are_retried(tiny_checkpoint, s3, monkeypatch, cap
                         Fault(lambda r: r.method == "PUT" and r.key.endswith("manifest.json"), status=503, times=1)]
     assert tok([f"s3://{s3.bucket}/in", "--out", f"s3://{s3.bucket}/out"], tiny_checkpoint) == 0
     assert all(f.hits == f.times for f in s3.proxy.faults)
+    said = [line for line in capsys.readouterr().err.splitlines() if "calls retried" in line]
+    assert len(said) == 1 and int(said[0].split("storage: ")[1].split()[0]) >= 3, said
     assert main(["verify", f"s3://{s3.bucket}/out", "--sample", "0"]) == 0
 
 
@@ -199,6 +201,7 @@ def test_an_input_that_changed_is_refused_on_resume(tiny_checkpoint, s3, capsys,
     assert len(err) == 1 and "the inputs changed since shard-000000.parquet" in err[0] and "ETag" in err[0]
 
 
+@pytest.mark.slow
 def test_kill_resume_kill_resume_gives_the_uninterrupted_bytes(tiny_checkpoint, s3, one_thread):
     import os
     import signal

@@ -195,9 +195,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
     if args.size < 0:
         raise ValueError(f"--size must be positive, got {args.size}")
-    from vqserve.offline.storage.fs import require
+    from vqserve.offline.storage.fs import require, retried
 
     apply_storage_options(args)
+    retried_before = retried()
     require(args.out, write=True)
     inputs = sources.expand_inputs(args.inputs)  # a missing INPUT: usage error before the model loads
     import torch
@@ -290,6 +291,9 @@ def _run(args: argparse.Namespace) -> int:
           f"({result['images_per_second']:.1f} img/s)", file=sys.stderr)
     if result.get("stages") is not None and result["new_images"]:
         print(f"tokenize: {result['stages'].line()}", file=sys.stderr)
+    if again := retried() - retried_before:
+        print(f"tokenize: object storage: {again} calls retried (throttling, timeouts or resets; backoff "
+              "with jitter; counted in this process)", file=sys.stderr)
     if totals["errors"] and not totals["rows"]:
         print(f"vqserve tokenize: error: every one of the {totals['errors']} images failed; the "
               f"reasons are in {job.errors_path}", file=sys.stderr)
