@@ -149,7 +149,8 @@ def abort_open_uploads(folder: RemotePath, older_than_s: float = STALE_UPLOAD_S)
     if scheme_of(folder.url) != "s3":
         return 0
     bucket, prefix = _bucket_key(folder)
-    answer = folder.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
+    prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""   # a bucket's root: every upload
+    answer = folder.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
     now = datetime.datetime.now(datetime.timezone.utc)
     uploads = [up for up in answer.get("Uploads", [])
                if (now - up["Initiated"]).total_seconds() >= older_than_s]
