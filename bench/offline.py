@@ -177,10 +177,6 @@ def _median(values: list) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv and "--s3" in argv:  # the same pipeline from and to object storage, against local
-        from vqserve.bench.object_storage import main as s3_main
-
-        return s3_main(argv)
     from vqserve.export.runtimes.loader import load_runtime
 
     ap = argparse.ArgumentParser(prog="vqserve bench tokenize", description=__doc__,

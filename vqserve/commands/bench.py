@@ -5,7 +5,8 @@
   vqserve bench quantizers   FSQ/LFQ throughput vs vector-quantize-pytorch; fp32-island cost
   vqserve bench runtimes     eager / TorchScript / ONNX Runtime / torch.export, per dtype
   vqserve bench serve        gRPC serving (v1, OIP) vs in-process; batching on vs off; TorchServe
-  vqserve bench tokenize     `vqserve tokenize` end-to-end vs the raw runtime on the same images
+  vqserve bench tokenize     `vqserve tokenize` end-to-end vs the raw runtime on the same images;
+                             with --s3: from and to S3 (moto on this machine) vs local files
   vqserve bench gpu          every GPU figure in one run (tokens vs CPU, in-process, served with
                              clients in several processes, tokenize, TFLOP/s): docs/BENCHMARKS.md
   vqserve bench first-start  the first minute of a first start (no cached plan) under load,
@@ -39,8 +40,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    target = TARGETS[args.target]
+    if args.target == "tokenize" and "--s3" in args.options:  # from and to object storage, against local
+        target = "vqserve.bench.object_storage"
     try:
-        module = importlib.import_module(TARGETS[args.target])
+        module = importlib.import_module(target)
     except ModuleNotFoundError as exc:
         raise ValueError(f"benchmark {args.target!r} is not available in this install ({exc})") from None
     return int(module.main(args.options) or 0)
