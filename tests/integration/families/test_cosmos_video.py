@@ -1,0 +1,152 @@
+"""The Cosmos DV (video) models against NVIDIA's own code: fixtures made once by the original
+(scripts/make_cosmos_video_fixtures.py, tests/fixtures/cosmos_video/README.md) for three small
+models in the DV4x8x8, DV8x8x8 and DV8x16x16 layouts, random weights in the released layout.
+
+What is checked: fp32 indices equal the reference's ``CausalDiscreteVideoTokenizer.encode`` for
+a whole clip, for independent 17-frame windows (``CausalVideoTokenizer.forward``'s chunking)
+and for a clip through ``pad_video_batch``, each only when the video layout's policy asks for
+it; decode gives the reference's frames; an archive in NVIDIA's layout imports without being
+run (``--config`` names the compression the tensors cannot show); ``vqserve.load`` serves clips.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import vqserve
+from tests.helpers import FIXTURES_DIR, assert_matches_reference
+from vqserve.model.checkpoint import load_tokenizer
+from vqserve.model.families.cosmos.family import weights_digest
+from vqserve.model.families.cosmos.importer import import_cosmos
+from vqserve.model.families.cosmos.video import (
+    CosmosVideoConfig,
+    CosmosVideoTokenizer,
+    deterministic_video_weights,
+    normalise_clip,
+)
+from vqserve.model.families.importing import CheckpointError
+
+pytestmark = pytest.mark.timeout(300)
+
+FIXTURES = FIXTURES_DIR / "cosmos_video"
+TAGS = ("dv4x8", "dv8x8", "dv8x16")
+PRESET_OF = {"dv4x8": "DV4x8x8", "dv8x8": "DV8x8x8", "dv8x16": "DV8x16x16"}
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURES / "cases.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def toks(cases) -> dict[str, CosmosVideoTokenizer]:
+    with safe_open(str(FIXTURES / "cases.safetensors"), "pt") as f:
+        archs = json.loads(f.metadata()["archs"])
+    out = {}
+    for tag in TAGS:
+        arch = CosmosVideoConfig(**archs[tag]["config"])
+        weights = deterministic_video_weights(arch, archs[tag]["seed"])
+        assert weights_digest(weights) == bytes(cases[f"{tag}_weights_sha256"].tolist()).hex(), "weights drifted"
+        tok = CosmosVideoTokenizer(arch)
+        tok.load_state_dict(weights)
+        out[tag] = tok.eval()
+    return out
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_whole_clip_indices_and_decode_equal_reference(toks, cases, tag):
+    tok, clip = toks[tag], cases["whole_clip"][None]
+    indices = tok.encode(clip)
+    assert torch.equal(indices, cases[f"{tag}_whole_indices"])
+    t = 1 + 16 // tok.arch.temporal_compression
+    assert indices.shape == (1, t, 48 // tok.factor, 64 // tok.factor)
+    assert_matches_reference(tok.decode(indices), cases[f"{tag}_whole_decoded_uint8"], "decoded frames")
+    assert_matches_reference(tok.decode(cases[f"{tag}_given_indices"]), cases[f"{tag}_given_decoded_uint8"],
+                             "decoded given indices")
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_chunked_and_padded_only_when_asked_and_equal_reference(toks, cases, tag):
+    tok, clip = toks[tag], cases["chunked_clip"][None]
+    with pytest.raises(ValueError, match="the clip has 34 frames, off the frame rule"):
+        tok.encode(clip)
+    chunked = tok.encode(clip, tok.token_layout.with_policy(chunk_frames=17))
+    assert torch.equal(chunked, cases[f"{tag}_chunked_indices"])
+    whole = tok.encode(clip[:, :33])
+    assert torch.equal(whole, cases[f"{tag}_chunked_whole33_indices"])
+    # causal: the first window's tokens are the whole clip's first latent frames; what
+    # follows differs because the second window restarts causality
+    first = chunked.shape[1] // 2
+    assert torch.equal(chunked[:, :first], whole[:, :first])
+    padded = cases["padded_clip"][None]
+    with pytest.raises(ValueError, match="multiples of the spatial factor|off the frame rule"):
+        tok.encode(padded)
+    got = tok.encode(padded, tok.token_layout.with_policy(pad="cosmos"))
+    assert torch.equal(got, cases[f"{tag}_padded_indices"])
+
+
+def test_batch_of_clips_equals_each_alone(toks, cases):
+    tok = toks["dv8x16"]
+    clips = torch.stack([cases["whole_clip"], cases["chunked_clip"][:17]])
+    both = tok.encode(clips)
+    assert torch.equal(both[:1], cases["dv8x16_whole_indices"]) and torch.equal(both[1:], tok.encode(clips[1:]))
+
+
+def test_bad_clips_and_indices_refused_in_one_line(toks):
+    tok = toks["dv8x8"]
+    for bad, match in ((torch.zeros(1, 9, 16, 16, 3), "uint8 \\[B,T,H,W,3\\]"),
+                       (torch.zeros(1, 9, 16, 16, dtype=torch.uint8), "uint8 \\[B,T,H,W,3\\]"),
+                       (torch.zeros(0, 9, 16, 16, 3, dtype=torch.uint8), "empty")):
+        with pytest.raises(ValueError, match=match):
+            tok.encode(bad)
+    with pytest.raises(ValueError, match="indices must be in \\[0, 64000\\)"):
+        tok.decode(torch.full((1, 2, 2, 2), 64000))
+    with pytest.raises(ValueError, match="must be \\[B,t,h,w\\]"):
+        tok.decode(torch.zeros(1, 2, 2, dtype=torch.int64))
+
+
+def _publish(tok: CosmosVideoTokenizer, clip: torch.Tensor, folder) -> None:
+    """``encoder.jit`` / ``decoder.jit`` in the module layout NVIDIA publishes (Sequential of
+    encoder, quant_conv / post_quant_conv, decoder), traced from vqserve's modules, which
+    carry Cosmos's names: real TorchScript archives."""
+    folder.mkdir()
+    encoder = torch.nn.Sequential(OrderedDict(encoder=tok.encoder, quant_conv=tok.quant_conv))
+    decoder = torch.nn.Sequential(OrderedDict(post_quant_conv=tok.post_quant_conv, decoder=tok.decoder))
+    with torch.no_grad():
+        x = normalise_clip(clip)
+        torch.jit.trace(encoder, x, check_trace=False).save(str(folder / "encoder.jit"))
+        torch.jit.trace(decoder, encoder(x), check_trace=False).save(str(folder / "decoder.jit"))
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning")
+def test_archives_import_with_the_compression_named_and_load_as_a_face(toks, cases, tmp_path, monkeypatch):
+    tok, clip = toks["dv4x8"], cases["whole_clip"][None]
+    _publish(tok, clip, tmp_path / "release")
+
+    def no_jit(*args, **kwargs):
+        raise AssertionError("torch.jit.load must never be called")
+
+    monkeypatch.setattr(torch.jit, "load", no_jit)
+    with pytest.raises(CheckpointError, match="compression is not in its tensors.*--config DV4x8x8\\|DV8x8x8"):
+        import_cosmos(tmp_path / "release", tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+    with pytest.raises(CheckpointError, match="holds only the encoder; pass decoder.jit too"):
+        import_cosmos(tmp_path / "release" / "encoder.jit", tmp_path / "half", preset="DV4x8x8")
+    out, arch = import_cosmos(tmp_path / "release", tmp_path / "dv", preset="DV4x8x8")
+    assert (arch.temporal_compression, arch.spatial_compression, arch.channels) == (4, 8, 16)
+    assert torch.equal(load_tokenizer(out).encode(clip), cases["dv4x8_whole_indices"])
+
+    runtime = vqserve.load(out)
+    assert runtime.info.token_layout["kind"] == "video" and runtime.info.exact
+    assert runtime.info.identity()["token_layout"]["frame_rule"].startswith("1+k*4 frames -> 1+k latent frames")
+    tokens = runtime.encode(clip.numpy())
+    assert tokens.dtype == np.uint16 and np.array_equal(tokens, cases["dv4x8_whole_indices"].numpy())
+    frames = runtime.decode(tokens)
+    assert frames.shape == (1, 17, 48, 64, 3) and frames.dtype == np.uint8
