@@ -264,7 +264,7 @@ class TokenLayout:
         """An image side this layout accepts, near ``target`` (for check images): a grid's
         next multiple of the factor; a pyramid's accepted square size nearest ``target``."""
         f = self.factor
-        if self.kind == GRID:
+        if self.kind in (GRID, VIDEO):  # a video's frames: any multiple of the factor
             return f * max(1, -(-target // f))
         sides = self.square_sides()
         if not sides:

@@ -24,6 +24,9 @@ PAD_COSMOS = "cosmos"
 PAD_POLICIES = (PAD_NONE, PAD_COSMOS)
 COSMOS_SPATIAL_ALIGN = 16  # cosmos_tokenizer/utils.py _SPATIAL_ALIGN, for every model
 COSMOS_TEMPORAL_ALIGN = 8  # _TEMPORAL_ALIGN, for every model (DV4x8x8 too)
+# the most one window's mid-block spatial attention may hold: its fp32 weights are
+# [t, h*w, h*w] per clip, (h*w)^2 per latent frame; a larger clip is refused, never tiled
+DEFAULT_ATTENTION_BYTES = 8 << 30
 
 
 def on_rule(frames: int, temporal_factor: int) -> bool:
@@ -88,6 +91,17 @@ def plan_clip(frames: int, height: int, width: int, *, factor: int, temporal_fac
     if h % factor or w % factor:
         raise ValueError(f"clips: padded frames of {h}x{w} are not multiples of the spatial factor {factor}")
     return ClipPlan(tuple(windows), space, (sum(lat), h // factor, w // factor), tuple(lat))
+
+
+def attention_rule(latent_frames_per_window: int, h: int, w: int, limit: int = DEFAULT_ATTENTION_BYTES) -> str | None:
+    """Why a window of ``t x h x w`` latents will not fit, or None: the middle blocks'
+    spatial attention holds ``t * (h*w)^2`` fp32 weights at once (encoder and decoder)."""
+    need = latent_frames_per_window * (h * w) ** 2 * 4
+    if need <= limit:
+        return None
+    return (f"clips: the middle attention of a {latent_frames_per_window}x{h}x{w} latent window needs "
+            f"{need / 2**30:.1f} GiB ((h*w)^2 per latent frame), more than the {limit / 2**30:g} GiB allowed; "
+            "send smaller frames or ask for shorter chunks (nothing is tiled)")
 
 
 def latent_windows(t: int, *, temporal_factor: int, chunk_frames: int = 0) -> list[tuple[int, int]]:

@@ -205,7 +205,16 @@ class CosmosVideoTokenizer(nn.Module):
         return self.decoder(self.post_quant_conv(codes))
 
     # -- uint8 paths --------------------------------------------------------------------------
+    def check_precision(self) -> None:
+        """bf16/fp16 on CPU is refused in one line: PyTorch's CPU ``avg_pool3d`` (the hybrid
+        resamplers, Cosmos's own too) has no kernel for them (torch 2.13)."""
+        dtype = self.encoder.conv_in[0].conv3d.weight.dtype
+        if dtype != torch.float32 and self.device.type == "cpu":
+            raise ValueError(f"Cosmos DV runs in {str(dtype).removeprefix('torch.')} on a GPU only: PyTorch's CPU "
+                             "avg_pool3d has no bf16/fp16 kernel; use fp32 (the exact tokens) on CPU")
+
     def check_clips(self, clips, layout: TokenLayout | None = None):
+        self.check_precision()
         clips = torch.as_tensor(clips)
         if clips.dtype != torch.uint8 or clips.ndim != 5 or clips.shape[-1] != 3:
             raise ValueError(f"clips must be uint8 [B,T,H,W,3], got {clips.dtype} {list(clips.shape)}")

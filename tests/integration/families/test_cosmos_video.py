@@ -11,6 +11,7 @@ run (``--config`` names the compression the tensors cannot show); ``vqserve.load
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import OrderedDict
 
@@ -110,6 +111,10 @@ def test_bad_clips_and_indices_refused_in_one_line(toks):
         tok.decode(torch.full((1, 2, 2, 2), 64000))
     with pytest.raises(ValueError, match="must be \\[B,t,h,w\\]"):
         tok.decode(torch.zeros(1, 2, 2, dtype=torch.int64))
+    low = copy.deepcopy(tok)
+    low.encoder.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="Cosmos DV runs in bfloat16 on a GPU only"):
+        low.encode(torch.zeros(1, 9, 16, 16, 3, dtype=torch.uint8))
 
 
 def _publish(tok: CosmosVideoTokenizer, clip: torch.Tensor, folder) -> None:
@@ -150,3 +155,55 @@ def test_archives_import_with_the_compression_named_and_load_as_a_face(toks, cas
     assert tokens.dtype == np.uint16 and np.array_equal(tokens, cases["dv4x8_whole_indices"].numpy())
     frames = runtime.decode(tokens)
     assert frames.shape == (1, 17, 48, 64, 3) and frames.dtype == np.uint8
+
+
+@pytest.fixture(scope="module")
+def served_model(toks, cases, tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("dv8x16")
+    _publish(toks["dv8x16"], cases["whole_clip"][None], folder / "release")
+    out, _ = import_cosmos(folder / "release", folder / "model", preset="DV8x16x16")
+    return str(out)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning")
+def test_clips_served_over_v1_and_oip(served_model, cases):
+    """A real server: 5-D clips in over gRPC v1 and OIP, the reference's tokens out, the video
+    layout in GetModelInfo and every OIP answer, off-rule clips and PNG answers refused."""
+    import grpc
+
+    from tests.helpers import ServeProcess
+    from tests.integration.families.kit import oip_encode
+    from vqserve.serve._proto import grpc_predict_v2_pb2 as oip
+    from vqserve.serve._proto import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    clip = cases["whole_clip"][None].numpy()
+    want = cases["dv8x16_whole_indices"].numpy()
+    with ServeProcess(["--model", served_model]) as srv:
+        client = vqserve.TokenizerClient(srv.target)
+        info = client.model_info()
+        assert info["token_layout"] == {"kind": "video", "temporal_factor": 8, "chunk_frames": 0, "pad": "none",
+                                        "frame_rule": "1+k*8 frames -> 1+k latent frames; whole clip; pad none"}
+        assert info["determinism"]["batch_invariant"]  # the start-up check ran on clips
+        tokens = client.encode(clip)
+        assert np.array_equal(tokens, want)
+        assert np.array_equal(client.encode(np.concatenate([clip, clip])), np.concatenate([want, want]))
+        frames = client.decode(tokens)
+        assert frames.shape == (1, 17, 48, 64, 3) and frames.dtype == np.uint8
+        assert np.array_equal(oip_encode(srv.target, clip), want)
+        with pytest.raises(grpc.RpcError) as err:
+            client.encode(clip[:, :16])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the clip has 16 frames, off the frame rule" in err.value.details() and "\n" not in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            client.encode(clip[0])
+        assert "must be [B,T,H,W,3]" in err.value.details()
+        with grpc.insecure_channel(srv.target) as channel:
+            stub = oip_grpc.GRPCInferenceServiceStub(channel)
+            meta = stub.ModelMetadata(oip.ModelMetadataRequest(name="vqserve-encode"), timeout=30)
+            assert list(meta.inputs[0].shape) == [-1, -1, -1, -1, 3] and list(meta.outputs[0].shape) == [-1, -1, -1, -1]
+            request = oip.ModelInferRequest(model_name="vqserve-decode")
+            request.inputs.add(name="indices", datatype="UINT16", shape=list(tokens.shape))
+            request.raw_input_contents.append(np.ascontiguousarray(tokens).tobytes())
+            request.parameters["output_format"].string_param = "png"
+            with pytest.raises(grpc.RpcError, match="PNG is for images"):
+                stub.ModelInfer(request, timeout=60)
