@@ -9,8 +9,9 @@ fixture script's sliding-window clips at ``--size``:
   whole clip and for independent 17-frame windows;
 * ``chunked_vs_whole``: 34 frames as two 17-frame windows against the first 33 frames in one
   causal pass: the token counts, and how many tokens of each latent frame agree;
-* ``bf16`` / ``fp16``: vqserve's networks cast to that dtype (the FSQ still fp32), tokens equal
-  to fp32 per latent frame; with ``--reference`` also the reference's own bf16 path
+* ``bf16`` / ``fp16``: the encoder a served bf16/fp16 runtime runs (``low_precision_encoder``:
+  residual-branch convolutions in that dtype, the rest and the FSQ in fp32), tokens equal to
+  fp32 per latent frame; with ``--reference`` also the reference's own bf16 path
   (``model.to(torch.bfloat16)``, as ``CausalVideoTokenizer`` runs by default) against its fp32;
 * ``batch_invariant``: a batch of two clips against each alone.
 
@@ -36,6 +37,7 @@ from vqserve.model.families.cosmos.video import (  # noqa: E402
     CosmosVideoTokenizer,
     deterministic_video_weights,
 )
+from vqserve.model.mixed_precision import low_precision_encoder  # noqa: E402
 
 
 def per_frame_agreement(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -44,9 +46,10 @@ def per_frame_agreement(a: torch.Tensor, b: torch.Tensor) -> list[float]:
 
 
 def cast(tok: CosmosVideoTokenizer, dtype: torch.dtype) -> CosmosVideoTokenizer:
+    """The encoder a served bf16/fp16 runtime runs (``low_precision_encoder``: the residual
+    branches' convolutions in ``dtype``, the stream, resamplers and attention in fp32)."""
     low = copy.deepcopy(tok)
-    for module in (low.encoder, low.quant_conv, low.post_quant_conv, low.decoder):
-        module.to(dtype)
+    low.encoder, _ = low_precision_encoder(low.encoder, dtype)
     return low
 
 

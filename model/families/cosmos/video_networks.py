@@ -65,7 +65,8 @@ class CausalConv3d(nn.Module):
         self.conv3d = nn.Conv3d(c_in, c_out, kernel, stride=(time_stride, stride, stride))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = repeat_first(x, self.time_pad)
+        # its own dtype (a no-op in fp32): a bf16 branch conv of a mixed encoder takes the fp32 stream
+        x = repeat_first(x.to(self.conv3d.weight.dtype), self.time_pad)
         return self.conv3d(F.pad(x, self.spatial_pad, mode="constant", value=0.0))
 
 
@@ -299,6 +300,8 @@ class VideoEncoder(nn.Module):
     """float pixels ``[B, 3, T, H, W]`` in [-1, 1] -> ``z_channels`` latents (Cosmos's ``EncoderFactorized``).
 
     ``resamples[i]``: (spatial, temporal) downsampling after level ``i`` (all but the last)."""
+
+    residual_block_types = (ResBlock,)  # vqserve.model.mixed_precision: bf16/fp16 in the branches only
 
     def __init__(self, channels: int, channels_mult: list[int], num_res_blocks: int, attention_at: list[bool],
                  resamples: list[tuple[bool, bool]], patch_size: int, z_channels: int):

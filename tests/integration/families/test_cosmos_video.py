@@ -155,6 +155,11 @@ def test_archives_import_with_the_compression_named_and_load_as_a_face(toks, cas
     assert tokens.dtype == np.uint16 and np.array_equal(tokens, cases["dv4x8_whole_indices"].numpy())
     frames = runtime.decode(tokens)
     assert frames.shape == (1, 17, 48, 64, 3) and frames.dtype == np.uint8
+    # bf16 when asked for: vqserve's mixed encoder (residual-branch convolutions in bf16, the
+    # stream, resamplers and attention in fp32) runs on a CPU, where a whole bf16 cast cannot
+    low = vqserve.load(out, dtype="bf16")
+    assert not low.info.exact and low.tokenizer.encoder.down[0].block[0].conv1[0].conv3d.weight.dtype == torch.bfloat16
+    assert low.encode(clip.numpy()).shape == tokens.shape
 
 
 @pytest.fixture(scope="module")
