@@ -23,6 +23,13 @@ IMPORT = ImportSpec(
         Arg("--config", choices=["DI8x8", "DI16x16", "DV4x8x8", "DV8x8x8", "DV8x16x16"], default=None, help="""
             DI: check the weights against this published architecture (default: inferred from the
             tensor shapes); DV: required, the compression the tensors cannot show"""),
+        Arg("--chunk-frames", type=int, default=None, metavar="N", help="""
+            DV: encode clips as independent N-frame windows (N = 1 + k*T; 17 as Cosmos's
+            CausalVideoTokenizer, 33 as its AR stack); default 0, the whole clip in one pass.
+            Part of the model's identity"""),
+        Arg("--pad", choices=["none", "cosmos"], default=None, help="""
+            DV: none (default) refuses clips off the frame rule; cosmos pads them as NVIDIA's
+            pad_video_batch (zeros to a multiple of 16, first/last frames repeated)"""),
     ),
     usage="""
   vqserve import cosmos pretrained_ckpts/Cosmos-0.1-Tokenizer-DI8x8 --out models/cosmos-di8x8

@@ -87,7 +87,8 @@ class _ScriptObject:
 
 def run_import(args) -> tuple:
     """``vqserve import cosmos`` (its ``declare.py``): the directory written, the summary printed."""
-    out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force)
+    policy = {k: v for k, v in (("chunk_frames", args.chunk_frames), ("pad", args.pad)) if v is not None}
+    out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force, video_policy=policy)
     if isinstance(arch, CosmosVideoConfig):
         return out, f"Cosmos {arch.name} (video, FSQ {arch.levels} = {arch.codebook_size:,} codes"
     return out, f"Cosmos DI (factor {arch.factor}, FSQ {arch.levels} = {arch.codebook_size:,} codes"
@@ -374,7 +375,8 @@ def check_preset(inferred: CosmosConfig, preset: str, where: str) -> None:
 
 
 def import_cosmos(sources: Sequence[str | os.PathLike] | str | os.PathLike, out: str | os.PathLike,
-                  preset: str | None = None, force: bool = False) -> tuple[Path, CosmosConfig]:
+                  preset: str | None = None, force: bool = False,
+                  video_policy: dict | None = None) -> tuple[Path, CosmosConfig]:
     """Convert ``sources`` (files or a published directory) into ``out`` (config.json +
     model.safetensors). Everything is checked before anything is written; the directory
     appears whole or not at all. ``out`` must not exist, unless ``force`` and it is an
@@ -394,11 +396,12 @@ def import_cosmos(sources: Sequence[str | os.PathLike] | str | os.PathLike, out:
 
     if is_video_state(weights):  # DV: the shapes give the network, --config the compression
         check_out(out, force, VIDEO_FORMAT, "Cosmos DV", "cosmos")
-        arch, tokenizer = build_video(weights, constants, where, preset)
+        arch, tokenizer = build_video(weights, constants, where, preset, video_policy)
     else:
         check_out(out, force, FORMAT, "Cosmos", "cosmos")
-        if preset in VIDEO_PRESETS:
-            raise CheckpointError(f"{where}: --config {preset} names a video model; these are DI (image) tensors")
+        if preset in VIDEO_PRESETS or video_policy:
+            raise CheckpointError(f"{where}: --config {preset} / --chunk-frames / --pad are for video models; "
+                                  "these are DI (image) tensors")
         arch = infer_architecture(weights, constants, where)
         if preset is not None:
             check_preset(arch, preset, where)

@@ -68,6 +68,10 @@ class CosmosVideoConfig(ImportedConfig):
     embedding_dim: int = 6
     levels: list[int] = field(default_factory=lambda: [8, 8, 8, 5, 5, 5])
     legacy_mode: bool = False
+    # how this directory feeds clips (the video layout's policies, part of its identity):
+    # 0 = the whole clip in one causal pass, N = independent N-frame windows; "none" or "cosmos"
+    chunk_frames: int = 0
+    pad: str = "none"
 
     def __post_init__(self) -> None:
         label = "Cosmos DV config"
@@ -79,6 +83,10 @@ class CosmosVideoConfig(ImportedConfig):
             raise ValueError(f"{label}: compression {self.temporal_compression}x{self.spatial_compression}"
                              f" with patch {self.patch_size} needs more than {levels} levels")
         check_fsq(self, label)
+        try:
+            self.layout()
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from None
 
     @property
     def name(self) -> str:
@@ -122,7 +130,8 @@ class CosmosVideoConfig(ImportedConfig):
         return attention, resamples
 
     def layout(self) -> TokenLayout:
-        return TokenLayout(factor=self.spatial_compression, kind=VIDEO, temporal_factor=self.temporal_compression)
+        return TokenLayout(factor=self.spatial_compression, kind=VIDEO, temporal_factor=self.temporal_compression,
+                           chunk_frames=self.chunk_frames, pad=self.pad)
 
     def family_config(self) -> FamilyConfig:
         return FamilyConfig(family="cosmos-video", factor=self.spatial_compression, codebook_size=self.codebook_size,

@@ -34,8 +34,10 @@ def _shape(state: dict, key: str, where: str) -> tuple[int, ...]:
     return tensor_shape(state, key, where, "; this is not a Cosmos DV model")
 
 
-def infer_video_architecture(state: dict, constants: dict, where: str, preset: str | None) -> CosmosVideoConfig:
-    """The DV architecture from the tensor shapes, its compression from ``preset``."""
+def infer_video_architecture(state: dict, constants: dict, where: str, preset: str | None,
+                             policy: dict | None = None) -> CosmosVideoConfig:
+    """The DV architecture from the tensor shapes, its compression from ``preset``, and the
+    directory's chunk / pad policy (``policy``: ``chunk_frames``, ``pad``) if one is asked for."""
     has = {half: any(k.startswith(half + ".") for k in state) for half in ("encoder", "decoder")}
     if not all(has.values()):
         half, other = ("encoder", "decoder.jit") if has["encoder"] else ("decoder", "encoder.jit")
@@ -75,14 +77,14 @@ def infer_video_architecture(state: dict, constants: dict, where: str, preset: s
             attn_resolutions=attn, resolution=published.resolution, patch_size=patch,
             spatial_compression=published.spatial_compression, temporal_compression=published.temporal_compression,
             z_channels=_shape(state, "encoder.conv_out.0.conv3d.weight", where)[0],
-            embedding_dim=_shape(state, "quant_conv.conv3d.weight", where)[0], levels=fsq)
+            embedding_dim=_shape(state, "quant_conv.conv3d.weight", where)[0], levels=fsq, **(policy or {}))
     except ValueError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
 
 
-def build_video(weights: dict, constants: dict, where: str, preset: str | None):
+def build_video(weights: dict, constants: dict, where: str, preset: str | None, policy: dict | None = None):
     """(architecture, tokenizer holding ``weights``), every tensor checked."""
-    arch = infer_video_architecture(weights, constants, where, preset)
+    arch = infer_video_architecture(weights, constants, where, preset, policy)
     tokenizer = CosmosVideoTokenizer(arch)
     load_strict_weights(tokenizer, weights, where, "Cosmos DV")
     return arch, tokenizer

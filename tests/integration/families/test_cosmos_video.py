@@ -212,3 +212,27 @@ def test_clips_served_over_v1_and_oip(served_model, cases):
             request.parameters["output_format"].string_param = "png"
             with pytest.raises(grpc.RpcError, match="PNG is for images"):
                 stub.ModelInfer(request, timeout=60)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning")
+def test_cli_import_with_a_chunk_policy_serves_the_chunked_tokens(toks, cases, tmp_path):
+    """``vqserve import cosmos --config DV8x8x8 --chunk-frames 17``: the directory's layout is
+    the chunked one, its identity says so (another model hash), and it gives the reference's
+    tokens of independent 17-frame windows; a DI-only flag mix is refused."""
+    from vqserve.cli import main as cli_main
+    from vqserve.export.runtimes.loader import model_hash_of
+
+    _publish(toks["dv8x8"], cases["whole_clip"][None], tmp_path / "release")
+    assert cli_main(["import", "cosmos", str(tmp_path / "release"), "--config", "DV8x8x8", "--quiet",
+                     "--chunk-frames", "17", "--out", str(tmp_path / "chunked")]) == 0
+    assert cli_main(["import", "cosmos", str(tmp_path / "release"), "--config", "DV8x8x8", "--quiet",
+                     "--out", str(tmp_path / "whole")]) == 0
+    assert model_hash_of(tmp_path / "chunked") != model_hash_of(tmp_path / "whole")
+    runtime = vqserve.load(tmp_path / "chunked")
+    assert runtime.info.identity()["token_layout"]["chunk_frames"] == 17
+    tokens = runtime.encode(cases["chunked_clip"][None].numpy())
+    assert np.array_equal(tokens, cases["dv8x8_chunked_indices"].numpy())
+    with pytest.raises(ValueError, match="the clip has 34 frames"):
+        vqserve.load(tmp_path / "whole").encode(cases["chunked_clip"][None].numpy())
+    with pytest.raises(ValueError, match="chunk must be 0 \\(whole clip\\) or 1 \\+ k\\*8 frames, got 16"):
+        import_cosmos(tmp_path / "release", tmp_path / "bad", preset="DV8x8x8", video_policy={"chunk_frames": 16})
