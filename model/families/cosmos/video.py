@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from vqserve.core.token_layout import VIDEO, TokenLayout
-from vqserve.core.video_frames import latent_windows
+from vqserve.core.video_frames import attention_rule, latent_windows
 from vqserve.model.families.base import FamilyConfig
 from vqserve.model.families.cosmos.family import (
     COSMOS,
@@ -230,6 +230,8 @@ class CosmosVideoTokenizer(nn.Module):
         if clips.shape[0] == 0:
             raise ValueError("clips: the batch is empty")
         plan = (layout or self.token_layout).plan(*clips.shape[1:4])
+        if rule := attention_rule(max(plan.window_latent), *plan.latent[1:]):
+            raise ValueError(rule)
         return clips, plan
 
     @torch.no_grad()

@@ -111,6 +111,9 @@ def test_bad_clips_and_indices_refused_in_one_line(toks):
         tok.decode(torch.full((1, 2, 2, 2), 64000))
     with pytest.raises(ValueError, match="must be \\[B,t,h,w\\]"):
         tok.decode(torch.zeros(1, 2, 2, dtype=torch.int64))
+    # the middle attention of one 240x240 latent frame needs 12.4 GiB: refused before any work
+    with pytest.raises(ValueError, match="needs 12.4 GiB \\(\\(h\\*w\\)\\^2 per latent frame\\)"):
+        tok.encode(torch.zeros(1, 1, 1920, 1920, 3, dtype=torch.uint8))
     low = copy.deepcopy(tok)
     low.encoder.to(torch.bfloat16)
     with pytest.raises(ValueError, match="Cosmos DV runs in bfloat16 on a GPU only"):
