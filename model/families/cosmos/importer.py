@@ -215,7 +215,7 @@ def expand_sources(sources: Sequence[str | os.PathLike]) -> list[Path]:
         if source.is_dir():
             found = next((group for group in PUBLISHED_FILES if all((source / n).is_file() for n in group)), None)
             if found is None:
-                raise CheckpointError(f"{source}: a Cosmos DI directory holds encoder.jit and decoder.jit, or "
+                raise CheckpointError(f"{source}: a Cosmos DI or DV directory holds encoder.jit and decoder.jit, or "
                                       "autoencoder.jit (as downloaded from nvidia/Cosmos-0.1-Tokenizer-DI8x8); found neither")
             files.extend(source / n for n in found)
         elif source.is_file():
