@@ -6,7 +6,10 @@
 # own time limit. bench gpu rewrites OUT/gpu.json as each section ends, so a run stopped at
 # its limit still returns what it measured (`vqserve bench gpu --report OUT/gpu.json`).
 #   scripts/gpu_session.sh OUT_DIR [bench gpu flags...]
-#   TESTS_S=60 BENCH_S=300 FIRST_S=110 PLAN_S=70 (seconds) set the limits; 0 skips a step.
+#   TESTS_S=60 BENCH_S=300 FIRST_S=110 PLAN_S=70 VIDEO_S=0 (seconds) set the limits; 0 skips a step.
+# VIDEO_S > 0 adds the Cosmos DV section (issue 61): scripts/measure_cosmos_video.py on cuda,
+# 34-frame 256x256 clips, fp32 whole vs 17-frame chunks and bf16/fp16 per latent frame
+# (OUT/cosmos-video.json; needs scikit-image; NVIDIA's own path only with --reference).
 # Without flags, bench gpu measures issue 54's open cases: 1- and 16-image encode, decode
 # with raw pixel and PNG replies over v1 and OIP, bf16 first, in the split layout only.
 set -uo pipefail
@@ -35,6 +38,8 @@ cd /tmp  # the installed vqserve, not the source folders
 step first_start "${FIRST_S:-110}" python3 -m vqserve bench first-start --device cuda --seconds 60 --window 10 \
     --json "$out/first-start.json"
 step plan_twice "${PLAN_S:-70}" "$here/gpu_plan_twice.sh" "$out"
+step cosmos_video "${VIDEO_S:-0}" python3 "$here/measure_cosmos_video.py" --device cuda --size 256 \
+    --json "$out/cosmos-video.json"
 [ -f "$out/gpu.json" ] && python3 -m vqserve bench gpu --report "$out/gpu.json" > "$out/gpu-report.txt" 2>&1
 echo "gpu_session: done after $(( $(date +%s) - start )) s"
 exit $status

@@ -86,13 +86,14 @@ def check_invariance(runtime, plan: ExecutionPlan, images: np.ndarray, source: s
         tokenizer = getattr(runtime, "tokenizer", None)
     return Certificate(
         batch_invariant=bad_tokens == 0, decode_batch_invariant=bad_pixels == 0, images=n,
-        image_size=[int(images.shape[1]), int(images.shape[2])], source=source,
+        image_size=[int(images.shape[-3]), int(images.shape[-2])], source=source,
         batch_sizes=list(batch_sizes), compositions=compositions, workers=sorted(runners),
         plan=plan.to_dict(), token_mismatch_fraction=bad_tokens / (runs * ref_tokens.size),
         pixel_mismatch_fraction=bad_pixels / (runs * ref_pixels.size), device=info.device,
         backend=info.backend, dtype=info.dtype,
         notes=[] if decodes else ["encode-only model: no decoder, decoded pixels not checked"],
-        margins=image_margins(tokenizer, images) if tokenizer is not None else {})
+        # a video model's margins: not measured yet (vqserve.model.ties reads images)
+        margins=image_margins(tokenizer, images) if tokenizer is not None and images.ndim == 4 else {})
 
 
 def image_margins(tokenizer, images: np.ndarray) -> dict:
@@ -111,7 +112,14 @@ def image_margins(tokenizer, images: np.ndarray) -> dict:
 
 def start_up_check(runtime, plan: ExecutionPlan) -> Certificate:
     """The server's quick check: six synthetic images at about 64x64 (a multiple of the
-    model's factor), batch sizes 1, 2 and 5, one shuffle each; about a second on a CPU."""
-    size = runtime.info.layout.square_size_near(64)  # a pyramid: the accepted size nearest 64
-    return check_invariance(runtime, plan, synthetic_images(6, size), "synthetic",
+    model's factor), batch sizes 1, 2 and 5, one shuffle each; about a second on a CPU.
+    A video model gets six clips of ``1 + T`` such frames."""
+    layout = runtime.info.layout
+    size = layout.square_size_near(64)  # a pyramid: the accepted size nearest 64
+    if layout.kind == "video":  # six clips of 1 + T synthetic frames each
+        frames = 1 + layout.temporal_factor
+        images = synthetic_images(6 * frames, size).reshape(6, frames, size, size, 3)
+    else:
+        images = synthetic_images(6, size)
+    return check_invariance(runtime, plan, images, "synthetic",
                             batch_sizes=(1, 2, 5), compositions=1)

@@ -131,16 +131,24 @@ class ModelInfo(_message.Message):
     def __init__(self, quantizer: _Optional[str] = ..., codebook_size: _Optional[int] = ..., levels: _Optional[_Iterable[int]] = ..., factor: _Optional[int] = ..., codes_per_position: _Optional[int] = ..., index_dtype: _Optional[str] = ..., accepted_sizes: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., model_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., execution_plan: _Optional[str] = ..., determinism: _Optional[_Union[Determinism, _Mapping]] = ..., dither: _Optional[str] = ..., exact: _Optional[bool] = ..., source_hash: _Optional[str] = ..., encode_only: _Optional[bool] = ..., token_layout: _Optional[_Union[TokenLayout, _Mapping]] = ...) -> None: ...
 
 class TokenLayout(_message.Message):
-    __slots__ = ("kind", "schedules", "length", "size")
+    __slots__ = ("kind", "schedules", "length", "size", "temporal_factor", "chunk_frames", "pad", "frame_rule")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULES_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    TEMPORAL_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
+    FRAME_RULE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     schedules: _containers.RepeatedCompositeFieldContainer[ScaleSchedule]
     length: int
     size: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScaleSchedule, _Mapping]]] = ..., length: _Optional[int] = ..., size: _Optional[_Iterable[int]] = ...) -> None: ...
+    temporal_factor: int
+    chunk_frames: int
+    pad: str
+    frame_rule: str
+    def __init__(self, kind: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScaleSchedule, _Mapping]]] = ..., length: _Optional[int] = ..., size: _Optional[_Iterable[int]] = ..., temporal_factor: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., pad: _Optional[str] = ..., frame_rule: _Optional[str] = ...) -> None: ...
 
 class ScaleSchedule(_message.Message):
     __slots__ = ("heights", "widths")

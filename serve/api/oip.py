@@ -147,9 +147,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         index_type = codec.NUMPY_TO_OIP[np.dtype(info.index_dtype).name]
         q = info.codes_per_position
         index_shape = [-1, -1, -1] + ([q] if q > 1 else [])
-        if not info.layout.is_grid:  # a pyramid: [B, L], its scales in every answer's parameters
+        pixels = [-1, -1, -1, 3]
+        if info.layout.kind == "video":  # clips [B,T,H,W,3] -> [B,t,h,w], the layout in every answer
+            index_shape, pixels = [-1, -1, -1, -1], [-1, -1, -1, -1, 3]
+        elif not info.layout.is_grid:  # a pyramid: [B, L], its scales in every answer's parameters
             index_shape = [-1, -1]
-        image = pb.ModelMetadataResponse.TensorMetadata(name="images", datatype="UINT8", shape=[-1, -1, -1, 3])
+        image = pb.ModelMetadataResponse.TensorMetadata(name="images", datatype="UINT8", shape=pixels)
         index = pb.ModelMetadataResponse.TensorMetadata(name="indices", datatype=index_type, shape=index_shape)
         inputs, outputs = ([image], [index]) if request.name == ENCODE_MODEL else ([index], [image])
         return pb.ModelMetadataResponse(name=request.name, versions=["1"], platform=f"vqserve_{info.backend}",

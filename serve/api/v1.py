@@ -176,7 +176,9 @@ def _layout_msg(layout: dict) -> pb.TokenLayout | None:
     if not layout:
         return None
     return pb.TokenLayout(kind=layout["kind"], length=layout.get("length", 0), size=layout.get("size", []), schedules=[
-        pb.ScaleSchedule(heights=[h for h, _ in s], widths=[w for _, w in s]) for s in layout.get("schedules", [])])
+        pb.ScaleSchedule(heights=[h for h, _ in s], widths=[w for _, w in s]) for s in layout.get("schedules", [])],
+        temporal_factor=layout.get("temporal_factor", 0), chunk_frames=layout.get("chunk_frames", 0),
+        pad=layout.get("pad", ""), frame_rule=layout.get("frame_rule", ""))
 
 
 def _determinism_msg(certificate) -> pb.Determinism:

@@ -108,6 +108,9 @@ def _layout_dict(layout: pb.TokenLayout) -> dict:
     """``TokenLayout.to_dict()`` from its message (vqserve.core.token_layout)."""
     if layout.kind == "sequence":
         return {"kind": layout.kind, "length": layout.length, "size": list(layout.size)}
+    if layout.kind == "video":
+        return {"kind": layout.kind, "temporal_factor": layout.temporal_factor, "chunk_frames": layout.chunk_frames,
+                "pad": layout.pad, "frame_rule": layout.frame_rule}
     return {"kind": layout.kind, "schedules": [[[h, w] for h, w in zip(s.heights, s.widths, strict=True)]
                                                for s in layout.schedules]}
 

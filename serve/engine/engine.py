@@ -22,7 +22,8 @@ from vqserve.core.input_rules import (
     index_grid_rule,
     index_range_rule,
 )
-from vqserve.core.token_layout import TokenLayout
+from vqserve.core.token_layout import VIDEO, TokenLayout
+from vqserve.core.video_frames import attention_rule, latent_windows
 from vqserve.serve.api.decoding import ImageDecoder
 from vqserve.serve.engine.batcher import Batcher
 from vqserve.serve.error_codes import BadInput, ReplyTooLarge
@@ -123,10 +124,13 @@ class Engine:
         return rule
 
     def _pixels_per_item(self, method: str, item_shape: tuple[int, ...]) -> int:
-        """Encode: H*W of an image; decode: the pixels it will produce (h*w*f^2)."""
+        """Encode: H*W of an image (T*H*W of a clip); decode: the pixels it will produce (h*w*f^2)."""
+        video = self.layout.kind == VIDEO
         if method == "decode":
             h, w = self.layout.image_size(item_shape)
-            return h * w
+            return h * w * (self.layout.frames_of(item_shape[0]) if video else 1)
+        if video:
+            return int(np.prod(item_shape[:3]))
         h, w = item_shape[:2]
         return h * w
 
@@ -141,6 +145,8 @@ class Engine:
     def check_images(self, images: np.ndarray, field: str = "images") -> np.ndarray:
         if images.dtype != np.uint8:
             raise BadInput(f"{field}.dtype", f"must be uint8, got {images.dtype.name}")
+        if self.layout.kind == VIDEO:
+            return self.check_clips(images, field)
         if images.ndim != 4 or images.shape[-1] != 3:
             raise BadInput(f"{field}.shape", f"must be [B,H,W,3] (uint8 NHWC RGB), got {list(images.shape)}")
         b, h, w, _ = images.shape
@@ -148,6 +154,24 @@ class Engine:
         if rule := image_size_rule(h, w, self.info.factor, self.info.max_pixels) or self.layout.size_rule(h, w):
             raise BadInput(f"{field}.shape", rule)
         return images
+
+    def check_clips(self, clips: np.ndarray, field: str) -> np.ndarray:
+        """A video model's input: uint8 ``[B,T,H,W,3]``, on the layout's frame rule (or covered
+        by its chunk/pad policy), frames within max-pixels, the attention within bounds."""
+        if clips.ndim != 5 or clips.shape[-1] != 3:
+            raise BadInput(f"{field}.shape", f"must be [B,T,H,W,3] (uint8 RGB clips) for this video model, "
+                                             f"got {list(clips.shape)}")
+        b, t, h, w, _ = clips.shape
+        self._check_batch(b, field)
+        if h * w > self.info.max_pixels:
+            raise BadInput(f"{field}.shape", f"{h}x{w} = {h * w} pixels per frame exceeds the limit {self.info.max_pixels}")
+        try:
+            plan = self.layout.plan(t, h, w)
+        except ValueError as exc:
+            raise BadInput(f"{field}.shape", str(exc)) from None
+        if rule := attention_rule(max(plan.window_latent), *plan.latent[1:]):
+            raise BadInput(f"{field}.shape", rule)
+        return clips
 
     def check_indices(self, indices: np.ndarray, field: str = "indices") -> np.ndarray:
         if indices.dtype.kind not in "iu":
@@ -164,6 +188,11 @@ class Engine:
             h, w = layout.image_size(indices.shape[1:])
             if rule := image_size_rule(h, w, self.info.factor, self.info.max_pixels):
                 raise BadInput(f"{field}.shape", f"{list(indices.shape)} decodes to {rule}")
+            if layout.kind == VIDEO:
+                windows = latent_windows(indices.shape[1], temporal_factor=layout.temporal_factor,
+                                         chunk_frames=layout.chunk_frames)
+                if rule := attention_rule(max(e - s for s, e in windows), *indices.shape[2:4]):
+                    raise BadInput(f"{field}.shape", rule)
         if rule := index_range_rule(indices, self.info.codebook_size):
             raise BadInput(f"{field}.data", rule)
         return indices.astype(self.index_dtype, copy=False)
@@ -182,16 +211,20 @@ class Engine:
             "the server and the client")
 
     def check_encode_reply(self, images: np.ndarray, overhead: int = 0) -> None:
-        b, h, w, _ = images.shape
-        item = self.layout.token_shape(h, w)
+        if self.layout.kind == VIDEO:
+            item = self.layout.clip_token_shape(*images.shape[1:4])
+        else:
+            item = self.layout.token_shape(*images.shape[1:3])
+        b = images.shape[0]
         nbytes = b * int(np.prod(item)) * self.index_dtype.itemsize + REPLY_OVERHEAD + overhead
         self.check_reply(nbytes, lambda: f"{b} x {'x'.join(map(str, item))} {self.index_dtype.name} indices")
 
     def check_decode_reply(self, indices: np.ndarray, overhead: int = 0) -> None:
         b = indices.shape[0]
         h, w = self.layout.image_size(indices.shape[1:])
-        self.check_reply(b * h * w * 3 + REPLY_OVERHEAD + overhead,
-                         lambda: f"{b} x {h}x{w} RGB uint8 images, raw")
+        frames = self.layout.frames_of(indices.shape[1]) if self.layout.kind == VIDEO else 1
+        self.check_reply(b * frames * h * w * 3 + REPLY_OVERHEAD + overhead,
+                         lambda: f"{b} x {frames} x {h}x{w} RGB uint8 frames, raw")
 
     # ---- the serving path -------------------------------------------------------------
     async def encode(self, images: np.ndarray, deadline: float | None = None,
@@ -207,6 +240,9 @@ class Engine:
         """PNG/JPEG bytes -> indices. The count and every header are checked before any
         pixel is decoded, decoding runs off the event loop, and the decoded pixels count
         against the server's decoded-bytes budget until their indices are back."""
+        if self.layout.kind == VIDEO:
+            raise BadInput(field, "this video model takes clips as a uint8 [B,T,H,W,3] tensor; encoded images "
+                                  "or video bytes are not accepted")
         async with self.decoder.decoded(blobs, field, self.max_batch_size, self.info.max_pixels,
                                         deadline) as images:
             return await self.encode(images, deadline, field, reply_overhead)
@@ -218,6 +254,8 @@ class Engine:
         model refuses in one line (INVALID_ARGUMENT) before anything is checked or queued."""
         if not self.info.decodes:
             raise decode_unsupported(self.info.extra.get("family", "this model"))
+        if reply_overhead is None and self.layout.kind == VIDEO:
+            raise BadInput("output_format", "a video model answers clips raw ([B,T,H,W,3] uint8); PNG is for images")
         indices = np.require(self.check_indices(indices, field), requirements=self._requirements)
         if reply_overhead is not None:
             self.check_decode_reply(indices, reply_overhead)

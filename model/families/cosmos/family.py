@@ -70,16 +70,8 @@ class CosmosConfig(ImportedConfig):
     levels: list[int] = field(default_factory=lambda: [8, 8, 8, 5, 5, 5])
 
     def __post_init__(self) -> None:
-        for name in ("channels_mult", "attn_resolutions", "levels"):
-            value = getattr(self, name)
-            if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-                raise ValueError(f"Cosmos config: {name} must be a list of integers, got {value!r}")
-            setattr(self, name, [int(v) for v in value])
-        for name in ("channels", "num_res_blocks", "resolution", "patch_size", "spatial_compression",
-                     "z_channels", "embedding_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Cosmos config: {name} must be a positive integer, got {value!r}")
+        check_fields(self, "Cosmos config", ("channels", "num_res_blocks", "resolution", "patch_size",
+                                             "spatial_compression", "z_channels", "embedding_dim"))
         if self.patch_method not in PATCH_METHODS:
             raise ValueError(f"Cosmos config: patch_method must be one of {list(PATCH_METHODS)}, got {self.patch_method!r}")
         if not self.channels_mult or min(self.channels_mult) < 1:
@@ -87,19 +79,12 @@ class CosmosConfig(ImportedConfig):
         if any((self.channels * m) % GROUPS for m in self.channels_mult):
             raise ValueError(f"Cosmos config: channels x channels_mult must be multiples of {GROUPS} "
                              f"(GroupNorm groups), got {[self.channels * m for m in self.channels_mult]}")
-        for name in ("patch_size", "spatial_compression"):
-            value = getattr(self, name)
-            if value & (value - 1):
-                raise ValueError(f"Cosmos config: {name} must be a power of two, got {value}")
+        check_powers_of_two(self, "Cosmos config", ("patch_size", "spatial_compression"))
         if not 0 <= self.downsamples <= len(self.channels_mult):
             raise ValueError(f"Cosmos config: spatial_compression {self.spatial_compression} with patch_size "
                              f"{self.patch_size} needs {self.downsamples} downsamplings; "
                              f"{len(self.channels_mult)} levels allow 0 to {len(self.channels_mult)}")
-        if self.embedding_dim != len(self.levels):
-            raise ValueError(f"Cosmos config: embedding_dim ({self.embedding_dim}) must equal the number of FSQ "
-                             f"levels ({len(self.levels)}); FSQ projections are not supported")
-        if min(self.levels, default=0) < 3 or math.prod(self.levels) >= 2**31:
-            raise ValueError(f"Cosmos config: FSQ levels must each be >= 3, with fewer than 2**31 codes, got {self.levels}")
+        check_fsq(self, "Cosmos config")
 
     # -- derived structure (Cosmos's Encoder/Decoder constructors) ----------------------
     @property
@@ -155,6 +140,36 @@ class CosmosConfig(ImportedConfig):
         return FamilyConfig(family=FAMILY_NAME, factor=self.factor, codebook_size=self.codebook_size,
                             latent_dim=len(self.levels), quantizer="fsq", levels=list(self.levels),
                             source=self.to_dict())
+
+
+def check_fields(config, label: str, positive: tuple[str, ...]) -> None:
+    """The integer lists (``channels_mult``, ``attn_resolutions``, ``levels``) made lists of
+    ints, and the ``positive`` fields positive integers; one line naming the first bad one."""
+    for name in ("channels_mult", "attn_resolutions", "levels"):
+        value = getattr(config, name)
+        if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise ValueError(f"{label}: {name} must be a list of integers, got {value!r}")
+        setattr(config, name, [int(v) for v in value])
+    for name in positive:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label}: {name} must be a positive integer, got {value!r}")
+
+
+def check_powers_of_two(config, label: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value & (value - 1):
+            raise ValueError(f"{label}: {name} must be a power of two, got {value}")
+
+
+def check_fsq(config, label: str) -> None:
+    """No FSQ projections (``embedding_dim`` = one channel per level), levels >= 3, < 2**31 codes."""
+    if config.embedding_dim != len(config.levels):
+        raise ValueError(f"{label}: embedding_dim ({config.embedding_dim}) must equal the number of FSQ "
+                         f"levels ({len(config.levels)}); FSQ projections are not supported")
+    if min(config.levels, default=0) < 3 or math.prod(config.levels) >= 2**31:
+        raise ValueError(f"{label}: FSQ levels must each be >= 3, with fewer than 2**31 codes, got {config.levels}")
 
 
 PRESETS: dict[str, CosmosConfig] = {
@@ -216,9 +231,14 @@ def deterministic_weights(arch: CosmosConfig, seed: int = 0) -> dict[str, torch.
     index) mapped to uniform [-1, 1), scaled like PyTorch's default initialisation (convolutions
     +-1/sqrt(fan_in); GroupNorm weight 1 +- 0.1, bias +- 0.1, so the affine parameters matter).
     Keys are vqserve's names (``CosmosTokenizer.state_dict()``)."""
+    return deterministic_tensors(CosmosTokenizer(arch).state_dict(), seed)
+
+
+def deterministic_tensors(like_state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``deterministic_weights``' rule for any state dict's names and shapes (the DV models' too)."""
     mask = np.uint64(0xFFFFFFFFFFFFFFFF)
     out = {}
-    for name, like in CosmosTokenizer(arch).state_dict().items():
+    for name, like in like_state.items():
         n = like.numel()
         key = np.uint64((seed * 0x9E3779B1 + zlib.crc32(name.encode())) & 0xFFFFFFFFFFFFFFFF)
         with np.errstate(over="ignore"):

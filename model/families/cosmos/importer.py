@@ -45,6 +45,8 @@ from vqserve.model.families.cosmos.family import (
     CosmosTokenizer,
     load_weights,
 )
+from vqserve.model.families.cosmos.video import PRESETS as VIDEO_PRESETS
+from vqserve.model.families.cosmos.video import VIDEO_FORMAT, CosmosVideoConfig
 from vqserve.model.families.importing import CheckpointError, check_out, write_imported
 from vqserve.model.families.importing import check_preset as shared_check_preset
 from vqserve.model.families.llamagen.importer import read_checkpoint
@@ -53,7 +55,8 @@ from vqserve.model.families.llamagen.importer import read_checkpoint
 PUBLISHED_FILES = (("encoder.jit", "decoder.jit"), ("autoencoder.jit",))
 # Tensors Cosmos's modules hold but vqserve derives: FSQ constants (levels, basis, the implicit
 # codebook), the Haar filters, and the decoder archive's copy of the quantizer.
-CONSTANT_PREFIXES = ("quantizer.", "inv_quant.", "encoder.patcher.", "decoder.unpatcher.")
+CONSTANT_PREFIXES = ("quantizer.", "inv_quant.", "encoder.patcher.", "decoder.unpatcher.",
+                     "encoder.patcher3d.", "decoder.unpatcher3d.")  # the DV (video) models' Haar buffers
 # Cosmos name prefix -> vqserve name prefix (everything else keeps its name).
 RENAMES = (("quant_conv.", "encoder.quant_conv."), ("post_quant_conv.", "decoder.post_quant_conv."))
 STATE_KEYS = ("state_dict", "model", "ema")
@@ -84,7 +87,10 @@ class _ScriptObject:
 
 def run_import(args) -> tuple:
     """``vqserve import cosmos`` (its ``declare.py``): the directory written, the summary printed."""
-    out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force)
+    policy = {k: v for k, v in (("chunk_frames", args.chunk_frames), ("pad", args.pad)) if v is not None}
+    out, arch = import_cosmos(args.sources, args.out, preset=args.config, force=args.force, video_policy=policy)
+    if isinstance(arch, CosmosVideoConfig):
+        return out, f"Cosmos {arch.name} (video, FSQ {arch.levels} = {arch.codebook_size:,} codes"
     return out, f"Cosmos DI (factor {arch.factor}, FSQ {arch.levels} = {arch.codebook_size:,} codes"
 
 
@@ -209,7 +215,7 @@ def expand_sources(sources: Sequence[str | os.PathLike]) -> list[Path]:
         if source.is_dir():
             found = next((group for group in PUBLISHED_FILES if all((source / n).is_file() for n in group)), None)
             if found is None:
-                raise CheckpointError(f"{source}: a Cosmos DI directory holds encoder.jit and decoder.jit, or "
+                raise CheckpointError(f"{source}: a Cosmos DI or DV directory holds encoder.jit and decoder.jit, or "
                                       "autoencoder.jit (as downloaded from nvidia/Cosmos-0.1-Tokenizer-DI8x8); found neither")
             files.extend(source / n for n in found)
         elif source.is_file():
@@ -369,7 +375,8 @@ def check_preset(inferred: CosmosConfig, preset: str, where: str) -> None:
 
 
 def import_cosmos(sources: Sequence[str | os.PathLike] | str | os.PathLike, out: str | os.PathLike,
-                  preset: str | None = None, force: bool = False) -> tuple[Path, CosmosConfig]:
+                  preset: str | None = None, force: bool = False,
+                  video_policy: dict | None = None) -> tuple[Path, CosmosConfig]:
     """Convert ``sources`` (files or a published directory) into ``out`` (config.json +
     model.safetensors). Everything is checked before anything is written; the directory
     appears whole or not at all. ``out`` must not exist, unless ``force`` and it is an
@@ -377,17 +384,29 @@ def import_cosmos(sources: Sequence[str | os.PathLike] | str | os.PathLike, out:
     if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
     out = Path(out)
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {preset!r}")
-    check_out(out, force, FORMAT, "Cosmos", "cosmos")
+    if preset is not None and preset not in (*PRESETS, *VIDEO_PRESETS):
+        raise ValueError(f"--config must be one of {sorted(PRESETS) + sorted(VIDEO_PRESETS)}, got {preset!r}")
     files = expand_sources(sources)
     where = " + ".join(str(f) for f in files)
     weights, constants = merge_sources(files)
-    arch = infer_architecture(weights, constants, where)
-    if preset is not None:
-        check_preset(arch, preset, where)
-    tokenizer = CosmosTokenizer(arch)
-    load_weights(tokenizer, to_vqserve_names(weights), where)
+    from vqserve.model.families.cosmos.video_importer import (  # it reads this module
+        build_video,
+        is_video_state,
+    )
+
+    if is_video_state(weights):  # DV: the shapes give the network, --config the compression
+        check_out(out, force, VIDEO_FORMAT, "Cosmos DV", "cosmos")
+        arch, tokenizer = build_video(weights, constants, where, preset, video_policy)
+    else:
+        check_out(out, force, FORMAT, "Cosmos", "cosmos")
+        if preset in VIDEO_PRESETS or video_policy:
+            raise CheckpointError(f"{where}: --config {preset} / --chunk-frames / --pad are for video models; "
+                                  "these are DI (image) tensors")
+        arch = infer_architecture(weights, constants, where)
+        if preset is not None:
+            check_preset(arch, preset, where)
+        tokenizer = CosmosTokenizer(arch)
+        load_weights(tokenizer, to_vqserve_names(weights), where)
     meta = {"imported_from": [{"file": f.name, "sha256": sha256_file(f)} for f in files],
             "dropped_constants": sorted(constants), "reference": f"NVIDIA/Cosmos-Tokenizer@{REFERENCE_COMMIT}",
             **({"preset": preset} if preset else {})}

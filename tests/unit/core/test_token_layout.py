@@ -69,7 +69,7 @@ def test_split_is_coarse_to_fine_row_major(batch, schedule):
 
 def test_unknown_kind_and_ambiguous_lengths_refused():
     with pytest.raises(ValueError, match="unknown token layout"):
-        TokenLayout.from_dict({"kind": "video"}, 8)
+        TokenLayout.from_dict({"kind": "hologram"}, 8)
     with pytest.raises(ValueError, match="distinct lengths"):
         TokenLayout(factor=16, kind=PYRAMID, schedules=(as_schedule([1, 2]), as_schedule([(1, 1), (1, 4)])))
 
