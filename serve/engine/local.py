@@ -71,16 +71,22 @@ class LocalModel:
 
     async def load(self) -> Engine:
         """Load the model by its plan and set ``state.engine``; the caller then says SERVING."""
+        cfg = self.config
+        if self._runtime is None:  # said first: torch and the planner take seconds to import
+            self.state.step = f"loading the model {cfg.model} and its execution plan (--plan {cfg.plan})"
+            _event("loading", self.state.step, model=str(cfg.model), plan=cfg.plan)
         # imported here, not at the top: the port is bound and health answers NOT_SERVING
         # before torch and the planner load (seconds), and synthetic:N never needs them
         from vqserve.export.plan import check_reproduces
         from vqserve.export.runtimes.loader import load_runtime, resolve_device
 
-        cfg = self.config
         self.started = time.perf_counter()
         runtime = self._runtime
         chosen, measure_later, device = None, False, cfg.device
         if runtime is None:
+            from vqserve.export.runtimes.synthetic import is_synthetic
+
+            self.plans.keep_certificates = not is_synthetic(cfg.model)  # the stand-in checks in ms
             device = resolve_device(cfg.device)
             chosen, measure_later = await run_in_daemon(lambda: self.plans.find(device))
             if measure_later and cfg.dtype == "auto":  # a lower dtype changes tokens: choose before serving
@@ -98,7 +104,8 @@ class LocalModel:
         source = chosen.source if chosen else ("measuring" if measure_later else
                                               "safe" if cfg.plan == "auto" else "default")
         raw = runtime
-        runtime, plan, certificate = await self.plans.planned(raw, chosen.plan if chosen else None, source)
+        runtime, plan, certificate = await self.plans.planned(raw, chosen.plan if chosen else None, source,
+                                                              carried=chosen.result.get("certificates") if chosen else ())
         if chosen is not None and chosen.source == "file":  # measured elsewhere: does this machine agree?
             await run_in_daemon(lambda: check_reproduces(raw, cfg.model, device, chosen, certificate))
         self._publish(runtime, certificate)
@@ -109,6 +116,7 @@ class LocalModel:
         engine.batcher.start()
         self.state.engine = engine
         self.state.ready = True
+        self.state.step = None
         self.metrics.queue_depth.set_function(lambda: engine.batcher.queued)
         self.device, self.measure_later = device, measure_later
         self.plan, self.source, self.certificate = plan, source, certificate

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
-from vqserve.export.runtimes.determinism import start_up_check
+from vqserve.core.progress import Progress
+from vqserve.export.runtimes.certificates import CertificateStore, certificate_key, from_records
+from vqserve.export.runtimes.determinism import CHECK_BUDGET_S, start_up_check
 from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime, plan_for
 from vqserve.serve.engine.planning import BackgroundPlan, plan_argv, run_in_daemon
 from vqserve.serve.logs import event as _event
@@ -35,6 +38,9 @@ class ServingPlan:
         self.state = state
         self._publish = publish
         self.stopped = False
+        # passed start-up checks are kept and reused only for a model this server loads
+        # itself (a runtime handed in ready-made may be anything under a known hash)
+        self.keep_certificates = False
         self._measurement: BackgroundPlan | None = None
 
     def plan(self, device: str, base: ExecutionPlan | None = None) -> ExecutionPlan:
@@ -66,17 +72,64 @@ class ServingPlan:
         log_plan(chosen)
         return chosen, False
 
-    async def planned(self, runtime, base: ExecutionPlan | None, source: str):
+    async def planned(self, runtime, base: ExecutionPlan | None, source: str, carried=()):
         """``runtime`` run by ``base`` (or the device's default) with the user's flags, and its
-        batch-invariance certificate (checked before any client sees its tokens)."""
+        batch-invariance certificate (checked before any client sees its tokens, or passed
+        before under the same key: :meth:`certify`). ``carried``: a plan file's certificates."""
         cfg = self.config
         plan = self.plan(runtime.info.device, base)
         if cfg.micro_batch or cfg.model_workers or cfg.threads or not cfg.cuda_graphs:
             source += "+flags"
         certificate = None
         if cfg.self_check:
-            certificate = await run_in_daemon(lambda: start_up_check(runtime, plan), "vqserve-check")
+            certificate = await run_in_daemon(lambda: self.certify(runtime, plan, carried), "vqserve-check")
         return PlannedRuntime(runtime, plan, source), plan, certificate
+
+    def certify(self, runtime, plan: ExecutionPlan, carried=()):
+        """The start-up check of ``runtime`` under ``plan``: reused when one passed under the
+        same key (model hash, runtime, plan, machine, software: export/runtimes/certificates.py)
+        in the plan cache or in ``carried``; else run, said step by step (log lines, the
+        health message, a bar on a terminal), sized to the model (CHECK_BUDGET_S), and kept.
+        ``keep_certificates`` False (a runtime handed in ready-made, the stand-in): always run."""
+        key = certificate_key(runtime.info, plan) if self.keep_certificates else None
+        store = CertificateStore(self.certificates())
+        if key is not None:
+            found = from_records(carried, key)
+            where = "the plan file"
+            if found is None:
+                found, where = store.get(key), str(store.path(key))
+            if found is not None:
+                certificate, record = found
+                _event("self_check_reused", f"start-up check reused: passed for this model, runtime, plan, machine "
+                       f"and software at {record.get('checked_at')} (it took {record.get('check_s')} s; {where}); "
+                       "serving without checking again", checked_at=record.get("checked_at"),
+                       check_s=record.get("check_s"), file=where, determinism=certificate.summary())
+                return certificate
+        progress = Progress("start-up check", 1, say=self._say_step("self_check_progress"),
+                            skip="--no-self-check")
+        started = time.perf_counter()
+        certificate = start_up_check(runtime, plan, progress=progress, budget_s=CHECK_BUDGET_S)
+        took = time.perf_counter() - started
+        sized = next((n for n in certificate.notes if n.startswith("sized to the model")), "")
+        progress.done(f"start-up check done in {took:.1f} s: {certificate.summary()}"
+                      + (f" ({sized})" if sized else ""))
+        if key is not None and store.put(key, certificate, took) is not None:
+            _event("self_check_kept", f"start-up check kept for later starts with the same model, runtime, plan, "
+                   f"machine and software: {store.path(key)}", file=str(store.path(key)))
+        return certificate
+
+    def certificates(self):
+        """Where passed start-up checks are kept: the plan cache's ``certificates/``."""
+        from vqserve.export.plan import cache_dir
+
+        return cache_dir(self.config.plan_cache) / "certificates"
+
+    def _say_step(self, event_name: str):
+        """A Progress ``say``: one JSON log line, and the health message while not serving."""
+        def say(line: str, fields: dict) -> None:
+            self.state.step = line if fields.get("step") != "done" else self.state.step
+            _event(event_name, line, **fields)
+        return say
 
     async def measure(self, device: str, foreground: bool = False):
         """Run ``vqserve plan`` in a child process (lower priority, within --plan-budget-s,
