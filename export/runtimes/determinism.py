@@ -150,8 +150,7 @@ def sized_cases(first_s: float, n: int, passes: list[tuple[int, int]], micro_bat
             f"would take ~{whole:.0f} s (budget {budget_s:g} s); checked {images} images alone against "
             + " and ".join(f"batch {s} with {w} worker{'s' if w > 1 else ''}" for w, s in cases)
             + f" (~{estimate:.0f} s)"
-            + (f"; not checked: batch sizes {left_out}" if left_out else "")
-            + ", shuffled compositions")
+            + "; not checked: " + (f"batch sizes {left_out}, " if left_out else "") + "other shuffles of the images")
     return images, cases, line
 
 
