@@ -111,12 +111,17 @@ class Progress:
             if self._clock() - self._last_said >= self.interval_s:
                 self._emit()
 
-    def done(self, line: str | None = None) -> None:
-        """The wait is over: the bar goes, and ``line`` (or the final state) is said."""
+    def close(self) -> None:
+        """The bar goes (nothing is said): the wait ended, or never began."""
         with self._lock:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+
+    def done(self, line: str | None = None) -> None:
+        """The wait is over: the bar goes, and ``line`` (or the final state) is said."""
+        self.close()
+        with self._lock:
             self.step_name = "done"
             self._last_said = self._clock()
             self._say(line or self.line(), self.fields())

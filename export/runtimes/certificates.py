@@ -140,3 +140,26 @@ def from_records(records, key: dict) -> tuple[Certificate, dict] | None:
         except (KeyError, TypeError):
             continue
     return None
+
+
+def certify(runtime, plan, store: CertificateStore | None, carried=(), progress=None,
+            budget_s: float | None = None) -> tuple[Certificate, dict | None, str]:
+    """The start-up check of ``runtime`` under ``plan``: ``(certificate, record, where)`` where
+    one passed under the same key in ``carried`` (a plan file's certificates) or ``store``;
+    else run now (``progress``, ``budget_s``: see ``determinism.start_up_check``), kept in
+    ``store`` when it passed, and ``(certificate, None, path kept or "")``. ``store`` None:
+    always run, keep nothing (a runtime handed in ready-made, the stand-in)."""
+    from vqserve.export.runtimes.determinism import start_up_check
+
+    key = certificate_key(runtime.info, plan) if store is not None else None
+    if key is not None:
+        found, where = from_records(carried, key), "the plan file"
+        if found is None:
+            found, where = store.get(key), str(store.path(key))
+        if found is not None:
+            return found[0], found[1], where
+    started = time.perf_counter()
+    certificate = start_up_check(runtime, plan, progress=progress, budget_s=budget_s)
+    took = time.perf_counter() - started
+    kept = store.put(key, certificate, took) if key is not None else None
+    return certificate, None, str(kept or "")

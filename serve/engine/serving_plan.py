@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 
 from vqserve.core.progress import Progress
-from vqserve.export.runtimes.certificates import CertificateStore, certificate_key, from_records
-from vqserve.export.runtimes.determinism import CHECK_BUDGET_S, start_up_check
+from vqserve.export.runtimes.certificates import CertificateStore, certify
+from vqserve.export.runtimes.determinism import CHECK_BUDGET_S
 from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime, plan_for
 from vqserve.serve.engine.planning import BackgroundPlan, plan_argv, run_in_daemon
 from vqserve.serve.logs import event as _event
@@ -91,31 +91,25 @@ class ServingPlan:
         in the plan cache or in ``carried``; else run, said step by step (log lines, the
         health message, a bar on a terminal), sized to the model (CHECK_BUDGET_S), and kept.
         ``keep_certificates`` False (a runtime handed in ready-made, the stand-in): always run."""
-        key = certificate_key(runtime.info, plan) if self.keep_certificates else None
-        store = CertificateStore(self.certificates())
-        if key is not None:
-            found = from_records(carried, key)
-            where = "the plan file"
-            if found is None:
-                found, where = store.get(key), str(store.path(key))
-            if found is not None:
-                certificate, record = found
-                _event("self_check_reused", f"start-up check reused: passed for this model, runtime, plan, machine "
-                       f"and software at {record.get('checked_at')} (it took {record.get('check_s')} s; {where}); "
-                       "serving without checking again", checked_at=record.get("checked_at"),
-                       check_s=record.get("check_s"), file=where, determinism=certificate.summary())
-                return certificate
-        progress = Progress("start-up check", 1, say=self._say_step("self_check_progress"),
-                            skip="--no-self-check")
+        store = CertificateStore(self.certificates()) if self.keep_certificates else None
+        progress = Progress("start-up check", 1, say=self._say_step("self_check_progress"), skip="--no-self-check")
         started = time.perf_counter()
-        certificate = start_up_check(runtime, plan, progress=progress, budget_s=CHECK_BUDGET_S)
-        took = time.perf_counter() - started
+        try:
+            certificate, record, where = certify(runtime, plan, store, carried, progress, CHECK_BUDGET_S)
+        finally:
+            progress.close()
+        if record is not None:
+            _event("self_check_reused", f"start-up check reused: passed for this model, runtime, plan, machine "
+                   f"and software at {record.get('checked_at')} (it took {record.get('check_s')} s; {where}); "
+                   "serving without checking again", checked_at=record.get("checked_at"),
+                   check_s=record.get("check_s"), file=where, determinism=certificate.summary())
+            return certificate
         sized = next((n for n in certificate.notes if n.startswith("sized to the model")), "")
-        progress.done(f"start-up check done in {took:.1f} s: {certificate.summary()}"
+        progress.done(f"start-up check done in {time.perf_counter() - started:.1f} s: {certificate.summary()}"
                       + (f" ({sized})" if sized else ""))
-        if key is not None and store.put(key, certificate, took) is not None:
-            _event("self_check_kept", f"start-up check kept for later starts with the same model, runtime, plan, "
-                   f"machine and software: {store.path(key)}", file=str(store.path(key)))
+        if where:
+            _event("self_check_kept", "start-up check kept for later starts with the same model, runtime, plan, "
+                   f"machine and software: {where}", file=where)
         return certificate
 
     def certificates(self):

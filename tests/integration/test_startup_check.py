@@ -121,3 +121,39 @@ def test_a_runtime_handed_in_is_always_checked(events, tmp_path, tiny_checkpoint
                       runtime=EagerRuntime(tiny_checkpoint, device="cpu")).start():
         pass
     assert events.named("self_check_progress") and not events.named("self_check_reused")
+
+
+def test_a_plan_file_carries_its_certificate_to_a_machine_of_the_same_kind(events, tmp_path, tiny_checkpoint):
+    """`vqserve plan --out` writes the chosen plan's certificate into the file; a server of the
+    same machine kind and software serving by that file (with an empty plan cache of its own)
+    reuses it, and a certificate made under another key (another torch) is not taken."""
+    import copy
+    import json
+
+    from vqserve.export.plan import PlanChoice
+    from vqserve.export.runtimes.execution import default_plan
+    from vqserve.export.runtimes.loader import model_hash_of
+
+    serve_once(config(model=tiny_checkpoint, plan_cache=str(tmp_path / "here")))
+    record = json.loads(next((tmp_path / "here" / "certificates").glob("certificate-*.json")).read_text())
+    plan = default_plan("cpu")
+    assert record["key"]["plan"] == plan.to_dict()
+
+    def plan_file(name: str, records: list) -> str:
+        choice = PlanChoice("fp32", plan, "file", None, {"backend": "eager", "dtype": "fp32", "exact": True,
+                                                         "plan": plan.to_dict(), "device": {"device": "cpu"},
+                                                         "certificates": records}, model_hash_of(tiny_checkpoint))
+        return str(choice.to_file(tmp_path / name))
+
+    events.records.clear()
+    serve_once(config(model=tiny_checkpoint, plan=plan_file("plan.json", [record]),
+                      plan_cache=str(tmp_path / "fleet-1")))
+    reused = events.named("self_check_reused")
+    assert len(reused) == 1 and reused[0]["file"] == "the plan file" and not events.named("self_check_progress")
+
+    other = copy.deepcopy(record)
+    other["key"]["machine"]["versions"]["torch"] = "0.0.1"
+    events.records.clear()
+    serve_once(config(model=tiny_checkpoint, plan=plan_file("other.json", [other]),
+                      plan_cache=str(tmp_path / "fleet-2")))
+    assert events.named("self_check_progress") and not events.named("self_check_reused")

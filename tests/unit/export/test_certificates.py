@@ -20,7 +20,12 @@ from vqserve.export.runtimes.certificates import (
     key_difference,
     stored_record,
 )
-from vqserve.export.runtimes.determinism import check_invariance, sized_cases, start_up_check, synthetic_images
+from vqserve.export.runtimes.determinism import (
+    check_invariance,
+    sized_cases,
+    start_up_check,
+    synthetic_images,
+)
 from vqserve.export.runtimes.execution import ExecutionPlan
 from vqserve.export.runtimes.loader import load_runtime
 
