@@ -40,10 +40,11 @@ class Progress:
     ``elapsed_s`` and ``eta_s`` for a JSON log. ``skip``: how to skip the wait (a flag), said
     in every line. ``bar``: draw a tqdm bar on stderr (default: when stderr is a terminal)."""
 
-    def __init__(self, what: str, total: int, say: Callable[[str, dict], None] | None = None,
+    def __init__(self, what: str, total: int | None, say: Callable[[str, dict], None] | None = None,
                  unit: str = "image", skip: str = "", interval_s: float = INTERVAL_S,
                  bar: bool | None = None, clock: Callable[[], float] = time.perf_counter):
-        self.what, self.total, self.unit, self.skip = what, max(1, int(total)), unit, skip
+        # total None: a wait whose size is unknown (loading a model): said with its time so far
+        self.what, self.total, self.unit, self.skip = what, None if total is None else max(1, int(total)), unit, skip
         self._say = say or (lambda line, fields: None)
         self.interval_s, self._clock = interval_s, clock
         self.started = clock()
@@ -53,7 +54,8 @@ class Progress:
         self._last_said = -1e9
         self._lock = threading.Lock()
         self._bar = None
-        if bar if bar is not None else _stderr_is_terminal():
+        self._beat: threading.Event | None = None
+        if self.total is not None and (bar if bar is not None else _stderr_is_terminal()):
             from tqdm import tqdm
 
             self._bar = tqdm(total=self.total, unit=unit, desc=what, dynamic_ncols=True, file=sys.stderr,
@@ -62,7 +64,7 @@ class Progress:
     # ---- state ------------------------------------------------------------------------------
     def eta_s(self) -> float | None:
         """Seconds left at the pace so far, or None before the first unit."""
-        if self.done_units <= 0:
+        if self.done_units <= 0 or self.total is None:
             return None
         elapsed = self._clock() - self.started
         return elapsed / self.done_units * max(0, self.total - self.done_units)
@@ -72,6 +74,8 @@ class Progress:
         eta = self.eta_s()
         left = "estimating the time left" if eta is None else f"~{duration(eta)} left"
         skip = f" (skip: {self.skip})" if self.skip else ""
+        if self.total is None:
+            return f"{self.what}: {self.step_name}, {duration(self._clock() - self.started)} so far{skip}"
         return (f"{self.what}: {self.step_name}, {self.done_units}/{self.total} {self.unit}s, "
                 f"{duration(self._clock() - self.started)} so far, {left}{skip}")
 
@@ -85,7 +89,7 @@ class Progress:
     def resize(self, total: int) -> None:
         """The work turned out another size (a check sized to the model after its first image)."""
         with self._lock:
-            self.total = max(self.done_units, int(total), 1)
+            self.total = max(self.done_units, int(total), 1) if self.total is not None else None
             if self._bar is not None:
                 self._bar.total = self.total
                 self._bar.refresh()
@@ -105,14 +109,31 @@ class Progress:
     def advance(self, units: int = 1) -> None:
         """``units`` more done; said when ``interval_s`` passed since the last line."""
         with self._lock:
-            self.done_units = min(self.total, self.done_units + units)
+            self.done_units = min(self.total or 1 << 62, self.done_units + units)
             if self._bar is not None:
                 self._bar.update(units)
             if self._clock() - self._last_said >= self.interval_s:
                 self._emit()
 
+    def heartbeat(self) -> Progress:
+        """Say the state every ``interval_s`` even while no unit finishes (one model call of a
+        large model on a busy CPU takes longer than that), until :meth:`close` or :meth:`done`."""
+        if self._beat is None:
+            self._beat = stop = threading.Event()
+
+            def beat() -> None:
+                while not stop.wait(self.interval_s / 2):
+                    with self._lock:
+                        if not stop.is_set() and self._clock() - self._last_said >= self.interval_s:
+                            self._emit()
+
+            threading.Thread(target=beat, name="vqserve-progress", daemon=True).start()
+        return self
+
     def close(self) -> None:
-        """The bar goes (nothing is said): the wait ended, or never began."""
+        """The bar and the heartbeat go (nothing is said): the wait ended, or never began."""
+        if self._beat is not None:
+            self._beat.set()
         with self._lock:
             if self._bar is not None:
                 self._bar.close()

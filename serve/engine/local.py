@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from vqserve.core.identity import check_expected_hash
 from vqserve.core.machine import available_memory
+from vqserve.core.progress import Progress
 from vqserve.export.runtimes.execution import PlannedRuntime
 from vqserve.serve.engine.engine import Engine, build_engine
 from vqserve.serve.engine.planning import run_in_daemon
@@ -72,9 +73,11 @@ class LocalModel:
     async def load(self) -> Engine:
         """Load the model by its plan and set ``state.engine``; the caller then says SERVING."""
         cfg = self.config
-        if self._runtime is None:  # said first: torch and the planner take seconds to import
-            self.state.step = f"loading the model {cfg.model} and its execution plan (--plan {cfg.plan})"
-            _event("loading", self.state.step, model=str(cfg.model), plan=cfg.plan)
+        loading = None
+        if self._runtime is None:  # said first, then every 2 s: torch, the plan and a large model take a while
+            loading = Progress(f"loading the model {cfg.model}", None, say=self.plans.say_step("loading"))
+            loading.step(f"the model and its execution plan (--plan {cfg.plan})")
+            loading.heartbeat()
         # imported here, not at the top: the port is bound and health answers NOT_SERVING
         # before torch and the planner load (seconds), and synthetic:N never needs them
         from vqserve.export.plan import check_reproduces
@@ -99,7 +102,13 @@ class LocalModel:
                 return load_runtime(cfg.model, backend=cfg.backend, dtype=None if cfg.dtype == "auto" else cfg.dtype,
                                     device=device, expect_hash=cfg.expect_hash)  # checked before the files load
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
-            runtime = await run_in_daemon(runtime)
+            try:
+                runtime = await run_in_daemon(runtime)
+            finally:
+                if loading is not None:
+                    loading.close()
+        if loading is not None:
+            loading.done(f"loaded the model {cfg.model} in {time.perf_counter() - loading.started:.1f} s")
         check_expected_hash(cfg.expect_hash, runtime.info.model_hash, cfg.model)  # a runtime given ready-made
         source = chosen.source if chosen else ("measuring" if measure_later else
                                               "safe" if cfg.plan == "auto" else "default")

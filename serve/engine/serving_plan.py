@@ -92,7 +92,8 @@ class ServingPlan:
         health message, a bar on a terminal), sized to the model (CHECK_BUDGET_S), and kept.
         ``keep_certificates`` False (a runtime handed in ready-made, the stand-in): always run."""
         store = CertificateStore(self.certificates()) if self.keep_certificates else None
-        progress = Progress("start-up check", 1, say=self._say_step("self_check_progress"), skip="--no-self-check")
+        progress = Progress("start-up check", 1, say=self.say_step("self_check_progress"),
+                            skip="--no-self-check").heartbeat()
         started = time.perf_counter()
         try:
             certificate, record, where = certify(runtime, plan, store, carried, progress, CHECK_BUDGET_S)
@@ -118,7 +119,7 @@ class ServingPlan:
 
         return cache_dir(self.config.plan_cache) / "certificates"
 
-    def _say_step(self, event_name: str):
+    def say_step(self, event_name: str):
         """A Progress ``say``: one JSON log line, and the health message while not serving."""
         def say(line: str, fields: dict) -> None:
             self.state.step = line if fields.get("step") != "done" else self.state.step
