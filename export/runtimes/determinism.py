@@ -112,6 +112,8 @@ def check_invariance(runtime, plan: ExecutionPlan, images: np.ndarray, source: s
     info = runtime.info
     if tokenizer is None and info.backend == "eager" and info.dtype == "fp32":
         tokenizer = getattr(runtime, "tokenizer", None)
+    if tokenizer is not None:
+        say.step("decision margins of the tokens (float64)")
     runs = max(1, len(passes))
     return Certificate(
         batch_invariant=bad_tokens == 0, decode_batch_invariant=bad_pixels == 0, images=n,

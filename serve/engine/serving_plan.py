@@ -141,7 +141,13 @@ class ServingPlan:
                   if foreground else "in the background at low priority; serving the safe plan meanwhile")
                + f" (budget {cfg.plan_budget_s:g} s; cached for later starts)", budget_s=cfg.plan_budget_s)
         self._measurement = BackgroundPlan(argv)
-        status = await self._measurement.run(lambda line: _event("plan_progress", line))
+
+        def progress(line: str) -> None:
+            if foreground:  # the server waits for it: health says so, and how to skip it
+                self.state.step = f"measuring the execution plan before serving: {line} (skip: --plan default)"
+            _event("plan_progress", line)
+
+        status = await self._measurement.run(progress)
         if self.stopped:
             return None
         if status != 0:
