@@ -111,6 +111,24 @@ class CertificateStore:
             return None
         return (certificate, record) if certificate.invariant else None
 
+    def changed(self, key: dict) -> list[str] | None:
+        """When nothing is stored for ``key`` but a check of the same model passed under another
+        key: the parts that differ from the nearest such key (``machine.versions.torch``,
+        ``plan.workers`` ...), for the log line that says why the check runs again; else None."""
+        if self.get(key) is not None:
+            return None
+        nearest = None
+        for path in sorted(self.folder.glob("certificate-*.json")):
+            try:
+                other = json.loads(path.read_text()).get("key")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(other, dict) and other.get("source_hash") == key.get("source_hash"):
+                parts = key_difference(other, key)
+                if nearest is None or len(parts) < len(nearest):
+                    nearest = parts
+        return nearest or None
+
     def put(self, key: dict, certificate: Certificate, check_s: float) -> Path | None:
         if not certificate.invariant:
             return None

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from vqserve.core.progress import Progress
-from vqserve.export.runtimes.certificates import CertificateStore, certify
+from vqserve.export.runtimes.certificates import CertificateStore, certificate_key, certify
 from vqserve.export.runtimes.determinism import CHECK_BUDGET_S
 from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime, plan_for
 from vqserve.serve.engine.planning import BackgroundPlan, plan_argv, run_in_daemon
@@ -92,6 +92,10 @@ class ServingPlan:
         health message, a bar on a terminal), sized to the model (CHECK_BUDGET_S), and kept.
         ``keep_certificates`` False (a runtime handed in ready-made, the stand-in): always run."""
         store = CertificateStore(self.certificates()) if self.keep_certificates else None
+        changed = store.changed(certificate_key(runtime.info, plan)) if store is not None and not carried else None
+        if changed:
+            _event("self_check_again", "a start-up check of this model passed before under another "
+                   f"{', '.join(changed)}: checking again", changed=changed)
         progress = Progress("start-up check", 1, say=self.say_step("self_check_progress"),
                             skip="--no-self-check").heartbeat()
         started = time.perf_counter()

@@ -102,8 +102,9 @@ def test_a_restart_reuses_the_certificate_and_a_changed_key_checks_again(events,
     assert events.named("self_check_progress") and not events.named("self_check_reused")
 
     events.records.clear()
-    serve_once(config(model=tiny_checkpoint, plan_cache=cache, model_workers=1))  # another plan
+    serve_once(config(model=tiny_checkpoint, plan_cache=cache, micro_batch=2))  # another plan (CPU: 1)
     assert events.named("self_check_progress") and not events.named("self_check_reused")
+    assert events.named("self_check_again")[0]["changed"] == ["plan.micro_batch"]  # and the log says why
 
     events.records.clear()
     serve_once(config(model=tiny_checkpoint, plan_cache=cache, self_check=False))  # asked for no check
