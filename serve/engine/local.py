@@ -78,37 +78,15 @@ class LocalModel:
             loading = Progress(f"loading the model {cfg.model}", None, say=self.plans.say_step("loading"))
             loading.step(f"the model and its execution plan (--plan {cfg.plan})")
             loading.heartbeat()
-        # imported here, not at the top: the port is bound and health answers NOT_SERVING
-        # before torch and the planner load (seconds), and synthetic:N never needs them
-        from vqserve.export.plan import check_reproduces
-        from vqserve.export.runtimes.loader import load_runtime, resolve_device
-
-        self.started = time.perf_counter()
-        runtime = self._runtime
-        chosen, measure_later, device = None, False, cfg.device
-        if runtime is None:
-            from vqserve.export.runtimes.synthetic import is_synthetic
-
-            self.plans.keep_certificates = not is_synthetic(cfg.model)  # the stand-in checks in ms
-            device = resolve_device(cfg.device)
-            chosen, measure_later = await run_in_daemon(lambda: self.plans.find(device))
-            if measure_later and cfg.dtype == "auto":  # a lower dtype changes tokens: choose before serving
-                chosen, measure_later = await self.plans.measure(device, foreground=True), False
-
-            def runtime():
-                if chosen is not None:  # the planned backend: the model as given, or its export
-                    return chosen.load(cfg.model, cfg.backend, device, cfg.expect_hash,
-                                       artifacts=self.plans.artifacts(), log=lambda msg: _event("plan_progress", msg))
-                return load_runtime(cfg.model, backend=cfg.backend, dtype=None if cfg.dtype == "auto" else cfg.dtype,
-                                    device=device, expect_hash=cfg.expect_hash)  # checked before the files load
-        if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
-            try:
-                runtime = await run_in_daemon(runtime)
-            finally:
-                if loading is not None:
-                    loading.close()
+        try:
+            runtime, chosen, measure_later, device = await self._runtime_by_plan()
+        finally:  # loaded or failed: the heartbeat ends here
+            if loading is not None:
+                loading.close()
         if loading is not None:
             loading.done(f"loaded the model {cfg.model} in {time.perf_counter() - loading.started:.1f} s")
+        from vqserve.export.plan import check_reproduces
+
         check_expected_hash(cfg.expect_hash, runtime.info.model_hash, cfg.model)  # a runtime given ready-made
         source = chosen.source if chosen else ("measuring" if measure_later else
                                               "safe" if cfg.plan == "auto" else "default")
@@ -130,6 +108,35 @@ class LocalModel:
         self.device, self.measure_later = device, measure_later
         self.plan, self.source, self.certificate = plan, source, certificate
         return engine
+
+    async def _runtime_by_plan(self):
+        """(runtime, the plan chosen or None, measure later?, device): the model as ``--plan`` names it."""
+        cfg = self.config
+        # imported here, not at the top: the port is bound and health answers NOT_SERVING
+        # before torch and the planner load (seconds), and synthetic:N never needs them
+        from vqserve.export.runtimes.loader import load_runtime, resolve_device
+
+        self.started = time.perf_counter()
+        runtime = self._runtime
+        chosen, measure_later, device = None, False, cfg.device
+        if runtime is None:
+            from vqserve.export.runtimes.synthetic import is_synthetic
+
+            self.plans.keep_certificates = not is_synthetic(cfg.model)  # the stand-in checks in ms
+            device = resolve_device(cfg.device)
+            chosen, measure_later = await run_in_daemon(lambda: self.plans.find(device))
+            if measure_later and cfg.dtype == "auto":  # a lower dtype changes tokens: choose before serving
+                chosen, measure_later = await self.plans.measure(device, foreground=True), False
+
+            def runtime():
+                if chosen is not None:  # the planned backend: the model as given, or its export
+                    return chosen.load(cfg.model, cfg.backend, device, cfg.expect_hash,
+                                       artifacts=self.plans.artifacts(), log=lambda msg: _event("plan_progress", msg))
+                return load_runtime(cfg.model, backend=cfg.backend, dtype=None if cfg.dtype == "auto" else cfg.dtype,
+                                    device=device, expect_hash=cfg.expect_hash)  # checked before the files load
+        if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
+            runtime = await run_in_daemon(runtime)
+        return runtime, chosen, measure_later, device
 
     def announce(self, port: int | None, metrics_port: int | None, frontends: int = 0) -> None:
         """Log what serves (identity, limits, plan, certificate) and, with ``--plan auto`` and
