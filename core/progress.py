@@ -42,7 +42,8 @@ class Progress:
 
     def __init__(self, what: str, total: int | None, say: Callable[[str, dict], None] | None = None,
                  unit: str = "image", skip: str = "", interval_s: float = INTERVAL_S,
-                 bar: bool | None = None, clock: Callable[[], float] = time.perf_counter):
+                 bar: bool | None = None, clock: Callable[[], float] = time.perf_counter,
+                 say_first: bool = True):
         # total None: a wait whose size is unknown (loading a model): said with its time so far
         self.what, self.total, self.unit, self.skip = what, None if total is None else max(1, int(total)), unit, skip
         self._say = say or (lambda line, fields: None)
@@ -51,7 +52,8 @@ class Progress:
         self.done_units = 0
         self.step_name = "starting"
         self.steps_done = 0
-        self._last_said = -1e9
+        self._last_said = self.started
+        self.say_first = say_first  # False: a wait that is usually short says nothing in its first interval_s
         self._lock = threading.Lock()
         self._bar = None
         self._beat: threading.Event | None = None
@@ -103,7 +105,7 @@ class Progress:
                 self._bar.set_postfix_str(name, refresh=True)
             # the first step at once (what runs, how to skip it); later ones once the wait is
             # long enough to matter, so a one-second check logs two lines, not one per step
-            if self.steps_done == 1 or self._clock() - self.started >= self.interval_s:
+            if (self.steps_done == 1 and self.say_first) or self._clock() - self.started >= self.interval_s:
                 self._emit()
 
     def advance(self, units: int = 1) -> None:

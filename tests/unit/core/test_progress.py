@@ -71,3 +71,21 @@ def test_done_says_the_given_line_and_resize_keeps_counts():
 def test_duration_reads_as_a_person_reads_it(seconds):
     text = duration(seconds)
     assert text.endswith((" s", " min")) and text[0].isdigit()
+
+
+def test_a_usually_short_wait_says_nothing_until_it_is_long_then_beats():
+    """``say_first=False`` (an import of a small checkpoint): silent within the first interval;
+    the heartbeat then says the step every interval while nothing else happens."""
+    import threading
+
+    said, clock = [], Clock()
+    spoke = threading.Event()
+    p = Progress("vqserve import", None, say=lambda line, fields: (said.append(line), spoke.set()),
+                 clock=clock, interval_s=0.05, say_first=False, bar=False)
+    p.step("converting")
+    assert said == []
+    p.heartbeat()
+    clock.now += 1.0  # the wait grew long
+    assert spoke.wait(30)
+    p.close()
+    assert said[0] == "vqserve import: converting, 1 s so far"
