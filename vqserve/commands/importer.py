@@ -43,10 +43,11 @@ def _shared(spec: ImportSpec) -> tuple[Arg, ...]:
 def run(args: argparse.Namespace) -> int:
     from vqserve.core.progress import Progress
 
-    # a large checkpoint takes a while to read, convert, write and load back: past 2 s, a line
-    # every 2 s says which of those runs and for how long (nothing for a small one, or --quiet)
+    # a large checkpoint takes a while to read, convert, write and load back: on a terminal,
+    # past 2 s a line every 2 s says which of those runs and for how long; in a log file (not a
+    # TTY) every 30 s, as tokenize's bar; nothing for a small one, or with --quiet
     progress = Progress("vqserve import", None, say=None if args.quiet else lambda line, fields: print(
-        line, file=sys.stderr, flush=True), say_first=False)
+        line, file=sys.stderr, flush=True), say_first=False, interval_s=2.0 if sys.stderr.isatty() else 30.0)
     progress.step("reading, checking and converting the checkpoint")
     progress.heartbeat()
     try:
