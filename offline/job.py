@@ -37,8 +37,9 @@ from vqserve.core import images
 from vqserve.core.files import TMP_PREFIX, atomic_write_bytes, sha256_file
 from vqserve.core.identity import run_identity
 from vqserve.core.lifetime import stop_status
-from vqserve.core.machine import machine_record, same_arithmetic
+from vqserve.core.machine import same_arithmetic
 from vqserve.core.token_layout import TokenLayout
+from vqserve.export.runtimes.certificates import runtime_machine
 from vqserve.offline import shards, sources
 from vqserve.offline.errors import Interrupted, TokenizeError
 from vqserve.offline.storage import RemotePath, as_path, objects
@@ -84,32 +85,6 @@ class Settings:
 
 def _write_atomic(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))  # the user's data: durable
-
-
-def runtime_machine(info: dict) -> dict:
-    """The machine record (``vqserve.core.machine.machine_record``) of this process running the
-    runtime ``info`` describes (``RuntimeInfo.to_dict()``): which torch, CUDA, cuDNN and ONNX
-    Runtime, which GPU, and whether TF32 was allowed - what decides how a latent at a
-    rounding boundary rounds."""
-    import torch
-
-    device = str(info.get("device", "cpu"))
-    versions = {"torch": torch.__version__}
-    gpu, extra = "", {}
-    if device.startswith("cuda") and torch.cuda.is_available():  # a list (cuda:0,cuda:2): the first's
-        gpu = torch.cuda.get_device_name(torch.device(device.split(",")[0]))
-        versions["cuda"] = str(torch.version.cuda)
-        versions["cudnn"] = str(torch.backends.cudnn.version())
-        extra["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
-    if info.get("backend") == "onnx":
-        try:
-            import onnxruntime
-
-            versions["onnxruntime"] = onnxruntime.__version__
-        except ImportError:  # the runtime that ran it is gone; the record says what is known
-            pass
-    return machine_record(device, str(info.get("backend", "")), str(info.get("dtype", "")), versions,
-                          gpu=gpu, extra=extra)
 
 
 def _machines(old: list, new: dict) -> list:

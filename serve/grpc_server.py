@@ -68,7 +68,7 @@ class TokenizerServer:
         self.share_port = share_port
         self.state = ServerState(self.metrics)
         self.model = model_for(self.state)
-        self.health = DrainingHealthServicer()
+        self.health = DrainingHealthServicer(lambda: self.state.step)
         self.gate = StreamGate(config.max_streams, self.metrics,
                                (service_v1.SERVICE_NAME, health.SERVICE_NAME, *REFLECTION_SERVICES))
         self.listeners: Listeners | None = None  # the gRPC server(s) on the port

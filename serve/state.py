@@ -14,5 +14,8 @@ class ServerState:
     def __init__(self, metrics: Metrics):
         self.engine = None  # an Engine once the model side has loaded
         self.ready = False
+        # what the model side is doing while not yet SERVING (loading, the start-up check with
+        # its progress and time left): the health service's message, None once serving
+        self.step: str | None = None
         self.metrics = metrics
         self.tracker = Tracker(metrics)

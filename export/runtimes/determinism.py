@@ -15,6 +15,8 @@ which put latents near quantizer boundaries as photographs do.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import Counter
 
 import numpy as np
 
@@ -50,50 +52,122 @@ def _batched(fn, items: np.ndarray, order: np.ndarray, size: int) -> np.ndarray:
 
 def check_invariance(runtime, plan: ExecutionPlan, images: np.ndarray, source: str,
                      batch_sizes: tuple[int, ...] = BATCH_SIZES, compositions: int = 2,
-                     seed: int = 0, tokenizer=None) -> Certificate:
+                     seed: int = 0, tokenizer=None, progress=None, budget_s: float | None = None) -> Certificate:
     """``runtime``: an unwrapped Runtime; it is run by ``plan`` and by ``plan`` with one
     worker, so the check covers what the server and ``vqserve tokenize`` both do.
     ``tokenizer``: the fp32 eager model whose decision margins on ``images`` the certificate
-    reports (default: the runtime's own when it is eager fp32; none for an export)."""
+    reports (default: the runtime's own when it is eager fp32; none for an export).
+    ``progress``: a :class:`vqserve.core.progress.Progress` counting image passes (each image
+    encoded, and decoded, once), told each step. ``budget_s``: the first image is timed, and
+    when the whole check would take longer, only the cases that decide invariance run
+    (:func:`sized_cases`); the certificate's notes say what was and was not checked."""
     rng = np.random.default_rng(seed)
     n = len(images)
     single = PlannedRuntime(runtime, dataclasses.replace(plan, workers=1))
     runners = {1: single}
     if plan.workers > 1:
         runners[plan.workers] = PlannedRuntime(runtime, plan)
+    passes = [(w, size) for w in runners for size in batch_sizes for _ in range(compositions)]
     decodes = getattr(runtime.info, "decodes", True)  # an encode-only model has no pixels to check
+    notes = [] if decodes else ["encode-only model: no decoder, decoded pixels not checked"]
+    say = progress or _Silent()
+    say.resize(n * (1 + len(passes)))
+
+    def alone(image: np.ndarray):
+        tokens = single.encode(image[None])
+        pixels = single.decode(tokens) if decodes else np.zeros((1, 1), np.uint8)
+        say.advance(1)
+        return tokens[0], pixels[0]
+
     try:
-        ident = np.arange(n)
-        ref_tokens = _batched(single.encode, images, ident, 1)
-        ref_pixels = _batched(single.decode, ref_tokens, ident, 1) if decodes else np.zeros(1, np.uint8)
+        say.step("each image alone (the reference)")
+        started = time.perf_counter()
+        first = alone(images[0])
+        first_s = time.perf_counter() - started
+        if budget_s is not None:
+            sized = sized_cases(first_s, n, passes, plan.micro_batch_at(images.shape[-3] * images.shape[-2]),
+                                plan.workers, budget_s)
+            if sized is not None:
+                n, passes, note = sized
+                images = images[:n]
+                notes.append(note)
+                say.resize(n * (1 + len(passes)))
+        rest = [alone(image) for image in images[1:]]
+        ref_tokens = np.stack([first[0], *(t for t, _ in rest)])
+        ref_pixels = np.stack([first[1], *(p for _, p in rest)]) if decodes else np.zeros(1, np.uint8)
         bad_tokens = bad_pixels = 0
-        runs = 0
-        for runner in runners.values():
-            for size in batch_sizes:
-                for _ in range(compositions):
-                    order = rng.permutation(n)
-                    tokens = _batched(runner.encode, images, order, size)
-                    bad_tokens += int(np.count_nonzero(tokens != ref_tokens))
-                    if decodes:
-                        pixels = _batched(runner.decode, ref_tokens, order, size)
-                        bad_pixels += int(np.count_nonzero(pixels != ref_pixels))
-                    runs += 1
+        for workers, size in passes:
+            runner = runners[workers]
+            say.step(f"batch {size} with {workers} worker{'s' if workers > 1 else ''}")
+            order = rng.permutation(n)
+            tokens = _batched(runner.encode, images, order, size)
+            bad_tokens += int(np.count_nonzero(tokens != ref_tokens))
+            if decodes:
+                pixels = _batched(runner.decode, ref_tokens, order, size)
+                bad_pixels += int(np.count_nonzero(pixels != ref_pixels))
+            say.advance(n)
     finally:
         for r in runners.values():
             r.close()
     info = runtime.info
     if tokenizer is None and info.backend == "eager" and info.dtype == "fp32":
         tokenizer = getattr(runtime, "tokenizer", None)
+    if tokenizer is not None:
+        say.step("decision margins of the tokens (float64)")
+    runs = max(1, len(passes))
     return Certificate(
         batch_invariant=bad_tokens == 0, decode_batch_invariant=bad_pixels == 0, images=n,
         image_size=[int(images.shape[-3]), int(images.shape[-2])], source=source,
-        batch_sizes=list(batch_sizes), compositions=compositions, workers=sorted(runners),
+        batch_sizes=sorted({1, *(size for _, size in passes)}),
+        compositions=max(Counter(passes).values(), default=0), workers=sorted({1, *(w for w, _ in passes)}),
         plan=plan.to_dict(), token_mismatch_fraction=bad_tokens / (runs * ref_tokens.size),
         pixel_mismatch_fraction=bad_pixels / (runs * ref_pixels.size), device=info.device,
-        backend=info.backend, dtype=info.dtype,
-        notes=[] if decodes else ["encode-only model: no decoder, decoded pixels not checked"],
+        backend=info.backend, dtype=info.dtype, notes=notes,
         # a video model's margins: not measured yet (vqserve.model.ties reads images)
         margins=image_margins(tokenizer, images) if tokenizer is not None and images.ndim == 4 else {})
+
+
+def sized_cases(first_s: float, n: int, passes: list[tuple[int, int]], micro_batch: int, workers: int,
+                budget_s: float) -> tuple[int, list[tuple[int, int]], str] | None:
+    """None when the whole check (``n`` images alone, then each of ``passes``: (workers,
+    batch size)) fits ``budget_s`` at ``first_s`` per image pass; else the cases that decide
+    invariance - the largest call that will serve (a full micro-batch) against the image
+    alone with one worker, and the same calls run ``workers`` at once - on as few images as
+    they need, and one line saying what was and was not checked."""
+    whole = first_s * n * (1 + len(passes))
+    if whole <= budget_s:
+        return None
+    largest = max(1, micro_batch)
+    cases = []
+    if largest > 1:  # a micro-batch of 1 runs every image alone: the reference already is that call
+        cases.append((1, largest))
+    if workers > 1:  # parallel calls: as many full calls as workers at once
+        cases.append((workers, largest * workers))
+    if not cases:  # one worker, calls of one: batching changes nothing; run it once batched anyway
+        cases.append((1, 2))
+    images = min(n, max(2, max(size for _, size in cases)))
+    left_out = sorted({size for _, size in passes} - {1} - {size for _, size in cases})
+    estimate = first_s * images * (1 + len(cases))
+    line = (f"sized to the model: the first image took {first_s:.1f} s, so checking all {n} images at every "
+            f"batch size {sorted({s for _, s in passes})} and worker count {sorted({w for w, _ in passes})} "
+            f"would take ~{whole:.0f} s (budget {budget_s:g} s); checked {images} images alone against "
+            + " and ".join(f"batch {s} with {w} worker{'s' if w > 1 else ''}" for w, s in cases)
+            + f" (~{estimate:.0f} s)"
+            + "; not checked: " + (f"batch sizes {left_out}, " if left_out else "") + "other shuffles of the images")
+    return images, cases, line
+
+
+class _Silent:
+    """No progress asked for."""
+
+    def resize(self, total: int) -> None:
+        pass
+
+    def step(self, name: str) -> None:
+        pass
+
+    def advance(self, units: int = 1) -> None:
+        pass
 
 
 def image_margins(tokenizer, images: np.ndarray) -> dict:
@@ -110,16 +184,23 @@ def image_margins(tokenizer, images: np.ndarray) -> dict:
     return {**ties.shares(total), "delta": ties.DELTA}
 
 
-def start_up_check(runtime, plan: ExecutionPlan) -> Certificate:
+CHECK_BUDGET_S = 30.0  # a start-up check longer than this keeps only the cases that decide invariance
+CHECK_IMAGES = 6
+CHECK_BATCH_SIZES = (1, 2, 5)
+
+
+def start_up_check(runtime, plan: ExecutionPlan, progress=None, budget_s: float | None = None) -> Certificate:
     """The server's quick check: six synthetic images at about 64x64 (a multiple of the
-    model's factor), batch sizes 1, 2 and 5, one shuffle each; about a second on a CPU.
-    A video model gets six clips of ``1 + T`` such frames."""
+    model's factor), batch sizes 1, 2 and 5, one shuffle each; about a second on a CPU for
+    the default model. A video model gets six clips of ``1 + T`` such frames. ``budget_s``:
+    sized to the model when the whole check would take longer (:func:`sized_cases`);
+    ``progress``: told each step (:class:`vqserve.core.progress.Progress`)."""
     layout = runtime.info.layout
     size = layout.square_size_near(64)  # a pyramid: the accepted size nearest 64
     if layout.kind == "video":  # six clips of 1 + T synthetic frames each
         frames = 1 + layout.temporal_factor
-        images = synthetic_images(6 * frames, size).reshape(6, frames, size, size, 3)
+        images = synthetic_images(CHECK_IMAGES * frames, size).reshape(CHECK_IMAGES, frames, size, size, 3)
     else:
-        images = synthetic_images(6, size)
+        images = synthetic_images(CHECK_IMAGES, size)
     return check_invariance(runtime, plan, images, "synthetic",
-                            batch_sizes=(1, 2, 5), compositions=1)
+                            batch_sizes=CHECK_BATCH_SIZES, compositions=1, progress=progress, budget_s=budget_s)

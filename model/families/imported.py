@@ -15,7 +15,9 @@ code for each, so it lives here once and a family only says what differs:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from collections.abc import Iterable
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -83,6 +85,36 @@ def key_mismatch(expected: Iterable[str], state: Iterable[str]) -> str:
     parts = ([f"{len(missing)} missing (first {missing[0]})"] if missing else []) + \
             ([f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else [])
     return ", ".join(parts)
+
+
+# what torch's layers call to draw their first weights (conv, linear, embedding, norms, attention)
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                   "xavier_uniform_", "xavier_normal_", "constant_", "zeros_", "ones_", "orthogonal_")
+_init_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def no_random_init():
+    """Build a network without drawing its initial weights: ``torch.nn.init``'s functions leave
+    the tensors as allocated. Only for a network whose every parameter and persistent buffer is
+    then loaded strictly (:func:`load_strict_weights`); the buffers a module computes itself
+    (FSQ's basis, LFQ's bit weights, a normalisation's mean) do not go through ``nn.init``.
+    Measured: MoVQGAN 270M spent 4.6 s of a 9.8 s load drawing kaiming-uniform weights on the
+    2-core machine, all of them overwritten by the load."""
+    init = torch.nn.init
+    with _init_lock:
+        saved = {name: getattr(init, name) for name in _INIT_FUNCTIONS if hasattr(init, name)}
+        try:
+            for name in saved:
+                setattr(init, name, _leave_as_is)
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(init, name, fn)
+
+
+def _leave_as_is(tensor, *args, **kwargs):
+    return tensor
 
 
 def load_strict_weights(tokenizer: torch.nn.Module, state: dict[str, torch.Tensor], where: str,
@@ -156,7 +188,8 @@ class ImportedFamily(Family):
     def load(self, path: Path, device: str | torch.device = "cpu") -> Any:
         arch = self.architecture(path)
         self.check_files(path)
-        tokenizer = self.tokenizer_class(arch)
+        with no_random_init():  # every weight is loaded strictly below: drawing them first is waste
+            tokenizer = self.tokenizer_class(arch)
         weights = path / self.weights_name
         load_strict_weights(tokenizer, self.read_weights(weights), str(weights), self.label)
         return tokenizer.to(device).eval()

@@ -18,14 +18,22 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from vqserve.serve._proto import grpc_predict_v2_pb2, tokenizer_pb2
 from vqserve.serve.api.errors import BadMessage, safe_deserializer
 
+STEP_METADATA = "vqserve-step"  # trailing metadata of Check/List while not SERVING: what the server does
+
 
 class DrainingHealthServicer(health.aio.HealthServicer):
     """grpc's health servicer, except that ``Watch`` streams end after they sent NOT_SERVING
     when the server drains. The stock ``Watch`` never returns, so one open watch (a load
-    balancer, a mesh sidecar) held every shutdown for the full grace period."""
+    balancer, a mesh sidecar) held every shutdown for the full grace period.
 
-    def __init__(self) -> None:
+    ``step()``: what the server is doing while it is not yet serving (``ServerState.step``:
+    loading, the start-up check with how far it got and the time left), or None. The health
+    proto has no message field, so ``Check`` and ``List`` answer it as the trailing metadata
+    :data:`STEP_METADATA` (``vqserve health`` prints it)."""
+
+    def __init__(self, step=None) -> None:
         super().__init__()
+        self._step = step or (lambda: None)
         self._status: dict[str, int] = {"": health_pb2.HealthCheckResponse.SERVING}
         self._changed = asyncio.Event()
         self._ending = False
@@ -59,9 +67,20 @@ class DrainingHealthServicer(health.aio.HealthServicer):
                 return
             await changed.wait()
 
+    def _tell_step(self, context) -> None:
+        step = self._step()
+        if step:  # metadata values are printable ASCII
+            text = " ".join(str(step).split()).encode("ascii", "replace").decode()[:1000]
+            context.set_trailing_metadata(((STEP_METADATA, text),))
+
+    async def Check(self, request, context) -> health_pb2.HealthCheckResponse:
+        self._tell_step(context)
+        return await super().Check(request, context)
+
     async def List(self, request, context) -> health_pb2.HealthListResponse:
         """Every service's status. The health proto declares ``List``, and the stock servicer
         answered it UNIMPLEMENTED ("Method not implemented!")."""
+        self._tell_step(context)
         return health_pb2.HealthListResponse(statuses={
             name: health_pb2.HealthCheckResponse(status=status) for name, status in self._status.items()})
 

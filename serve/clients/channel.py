@@ -65,14 +65,22 @@ def check_health(target: str, service: str = "", timeout: float = 5.0, tls_ca=No
     """Ask ``grpc.health.v1.Health/Check``; returns the status name (``SERVING``,
     ``NOT_SERVING``, ``SERVICE_UNKNOWN``...). Raises ``grpc.RpcError`` when unreachable.
     Health needs no token (the server leaves it open for probes)."""
+    return health_detail(target, service, timeout, tls_ca, tls)[0]
+
+
+def health_detail(target: str, service: str = "", timeout: float = 5.0, tls_ca=None,
+                  tls: bool = False) -> tuple[str, str | None]:
+    """:func:`check_health`'s status, and what the server says it is doing while it is not
+    yet serving (loading, the start-up check: how far, the time left, how to skip it), or None."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     creds = _credentials(tls_ca, tls)
     channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
     with channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
+        reply, call = health_pb2_grpc.HealthStub(channel).Check.with_call(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    step = next((value for key, value in (call.trailing_metadata() or ()) if key == "vqserve-step"), None)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), step
 
 
 def _info_dict(info: pb.ModelInfo) -> dict:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from vqserve.core.identity import check_expected_hash
 from vqserve.core.machine import available_memory
+from vqserve.core.progress import Progress
 from vqserve.export.runtimes.execution import PlannedRuntime
 from vqserve.serve.engine.engine import Engine, build_engine
 from vqserve.serve.engine.planning import run_in_daemon
@@ -71,16 +72,57 @@ class LocalModel:
 
     async def load(self) -> Engine:
         """Load the model by its plan and set ``state.engine``; the caller then says SERVING."""
+        cfg = self.config
+        loading = None
+        if self._runtime is None:  # said first, then every 2 s: torch, the plan and a large model take a while
+            loading = Progress(f"loading the model {cfg.model}", None, say=self.plans.say_step("loading"))
+            loading.step(f"the model and its execution plan (--plan {cfg.plan})")
+            loading.heartbeat()
+        try:
+            runtime, chosen, measure_later, device = await self._runtime_by_plan()
+        finally:  # loaded or failed: the heartbeat ends here
+            if loading is not None:
+                loading.close()
+        if loading is not None:
+            loading.done(f"loaded the model {cfg.model} in {time.perf_counter() - loading.started:.1f} s")
+        from vqserve.export.plan import check_reproduces
+
+        check_expected_hash(cfg.expect_hash, runtime.info.model_hash, cfg.model)  # a runtime given ready-made
+        source = chosen.source if chosen else ("measuring" if measure_later else
+                                              "safe" if cfg.plan == "auto" else "default")
+        raw = runtime
+        runtime, plan, certificate = await self.plans.planned(raw, chosen.plan if chosen else None, source,
+                                                              carried=chosen.result.get("certificates") if chosen else ())
+        if chosen is not None and chosen.source == "file":  # measured elsewhere: does this machine agree?
+            await run_in_daemon(lambda: check_reproduces(raw, cfg.model, device, chosen, certificate))
+        self._publish(runtime, certificate)
+        max_pixels = cfg.max_pixels or runtime.info.max_pixels
+        engine = build_engine(runtime, self.metrics, cfg, max_batch_pixels=cfg.max_batch_pixels
+                              or default_batch_pixels(runtime.info.device, max_pixels))
+        engine.determinism = certificate
+        engine.batcher.start()
+        self.state.engine = engine
+        self.state.ready = True
+        self.state.step = None
+        self.metrics.queue_depth.set_function(lambda: engine.batcher.queued)
+        self.device, self.measure_later = device, measure_later
+        self.plan, self.source, self.certificate = plan, source, certificate
+        return engine
+
+    async def _runtime_by_plan(self):
+        """(runtime, the plan chosen or None, measure later?, device): the model as ``--plan`` names it."""
+        cfg = self.config
         # imported here, not at the top: the port is bound and health answers NOT_SERVING
         # before torch and the planner load (seconds), and synthetic:N never needs them
-        from vqserve.export.plan import check_reproduces
         from vqserve.export.runtimes.loader import load_runtime, resolve_device
 
-        cfg = self.config
         self.started = time.perf_counter()
         runtime = self._runtime
         chosen, measure_later, device = None, False, cfg.device
         if runtime is None:
+            from vqserve.export.runtimes.synthetic import is_synthetic
+
+            self.plans.keep_certificates = not is_synthetic(cfg.model)  # the stand-in checks in ms
             device = resolve_device(cfg.device)
             chosen, measure_later = await run_in_daemon(lambda: self.plans.find(device))
             if measure_later and cfg.dtype == "auto":  # a lower dtype changes tokens: choose before serving
@@ -94,25 +136,7 @@ class LocalModel:
                                     device=device, expect_hash=cfg.expect_hash)  # checked before the files load
         if callable(runtime) and not hasattr(runtime, "encode"):  # a loader: run it off the loop
             runtime = await run_in_daemon(runtime)
-        check_expected_hash(cfg.expect_hash, runtime.info.model_hash, cfg.model)  # a runtime given ready-made
-        source = chosen.source if chosen else ("measuring" if measure_later else
-                                              "safe" if cfg.plan == "auto" else "default")
-        raw = runtime
-        runtime, plan, certificate = await self.plans.planned(raw, chosen.plan if chosen else None, source)
-        if chosen is not None and chosen.source == "file":  # measured elsewhere: does this machine agree?
-            await run_in_daemon(lambda: check_reproduces(raw, cfg.model, device, chosen, certificate))
-        self._publish(runtime, certificate)
-        max_pixels = cfg.max_pixels or runtime.info.max_pixels
-        engine = build_engine(runtime, self.metrics, cfg, max_batch_pixels=cfg.max_batch_pixels
-                              or default_batch_pixels(runtime.info.device, max_pixels))
-        engine.determinism = certificate
-        engine.batcher.start()
-        self.state.engine = engine
-        self.state.ready = True
-        self.metrics.queue_depth.set_function(lambda: engine.batcher.queued)
-        self.device, self.measure_later = device, measure_later
-        self.plan, self.source, self.certificate = plan, source, certificate
-        return engine
+        return runtime, chosen, measure_later, device
 
     def announce(self, port: int | None, metrics_port: int | None, frontends: int = 0) -> None:
         """Log what serves (identity, limits, plan, certificate) and, with ``--plan auto`` and

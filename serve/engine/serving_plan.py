@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
-from vqserve.export.runtimes.determinism import start_up_check
+from vqserve.core.progress import Progress
+from vqserve.export.runtimes.certificates import CertificateStore, certificate_key, certify
+from vqserve.export.runtimes.determinism import CHECK_BUDGET_S
 from vqserve.export.runtimes.execution import ExecutionPlan, PlannedRuntime, plan_for
 from vqserve.serve.engine.planning import BackgroundPlan, plan_argv, run_in_daemon
 from vqserve.serve.logs import event as _event
@@ -35,6 +38,9 @@ class ServingPlan:
         self.state = state
         self._publish = publish
         self.stopped = False
+        # passed start-up checks are kept and reused only for a model this server loads
+        # itself (a runtime handed in ready-made may be anything under a known hash)
+        self.keep_certificates = False
         self._measurement: BackgroundPlan | None = None
 
     def plan(self, device: str, base: ExecutionPlan | None = None) -> ExecutionPlan:
@@ -66,17 +72,63 @@ class ServingPlan:
         log_plan(chosen)
         return chosen, False
 
-    async def planned(self, runtime, base: ExecutionPlan | None, source: str):
+    async def planned(self, runtime, base: ExecutionPlan | None, source: str, carried=()):
         """``runtime`` run by ``base`` (or the device's default) with the user's flags, and its
-        batch-invariance certificate (checked before any client sees its tokens)."""
+        batch-invariance certificate (checked before any client sees its tokens, or passed
+        before under the same key: :meth:`certify`). ``carried``: a plan file's certificates."""
         cfg = self.config
         plan = self.plan(runtime.info.device, base)
         if cfg.micro_batch or cfg.model_workers or cfg.threads or not cfg.cuda_graphs:
             source += "+flags"
         certificate = None
         if cfg.self_check:
-            certificate = await run_in_daemon(lambda: start_up_check(runtime, plan), "vqserve-check")
+            certificate = await run_in_daemon(lambda: self.certify(runtime, plan, carried), "vqserve-check")
         return PlannedRuntime(runtime, plan, source), plan, certificate
+
+    def certify(self, runtime, plan: ExecutionPlan, carried=()):
+        """The start-up check of ``runtime`` under ``plan``: reused when one passed under the
+        same key (model hash, runtime, plan, machine, software: export/runtimes/certificates.py)
+        in the plan cache or in ``carried``; else run, said step by step (log lines, the
+        health message, a bar on a terminal), sized to the model (CHECK_BUDGET_S), and kept.
+        ``keep_certificates`` False (a runtime handed in ready-made, the stand-in): always run."""
+        store = CertificateStore(self.certificates()) if self.keep_certificates else None
+        changed = store.changed(certificate_key(runtime.info, plan)) if store is not None and not carried else None
+        if changed:
+            _event("self_check_again", "a start-up check of this model passed before under another "
+                   f"{', '.join(changed)}: checking again", changed=changed)
+        progress = Progress("start-up check", 1, say=self.say_step("self_check_progress"),
+                            skip="--no-self-check").heartbeat()
+        started = time.perf_counter()
+        try:
+            certificate, record, where = certify(runtime, plan, store, carried, progress, CHECK_BUDGET_S)
+        finally:
+            progress.close()
+        if record is not None:
+            _event("self_check_reused", f"start-up check reused: passed for this model, runtime, plan, machine "
+                   f"and software at {record.get('checked_at')} (it took {record.get('check_s')} s; {where}); "
+                   "serving without checking again", checked_at=record.get("checked_at"),
+                   check_s=record.get("check_s"), file=where, determinism=certificate.summary())
+            return certificate
+        sized = next((n for n in certificate.notes if n.startswith("sized to the model")), "")
+        progress.done(f"start-up check done in {time.perf_counter() - started:.1f} s: {certificate.summary()}"
+                      + (f" ({sized})" if sized else ""))
+        if where:
+            _event("self_check_kept", "start-up check kept for later starts with the same model, runtime, plan, "
+                   f"machine and software: {where}", file=where)
+        return certificate
+
+    def certificates(self):
+        """Where passed start-up checks are kept: the plan cache's ``certificates/``."""
+        from vqserve.export.plan import cache_dir
+
+        return cache_dir(self.config.plan_cache) / "certificates"
+
+    def say_step(self, event_name: str):
+        """A Progress ``say``: one JSON log line, and the health message while not serving."""
+        def say(line: str, fields: dict) -> None:
+            self.state.step = line if fields.get("step") != "done" else self.state.step
+            _event(event_name, line, **fields)
+        return say
 
     async def measure(self, device: str, foreground: bool = False):
         """Run ``vqserve plan`` in a child process (lower priority, within --plan-budget-s,
@@ -93,7 +145,13 @@ class ServingPlan:
                   if foreground else "in the background at low priority; serving the safe plan meanwhile")
                + f" (budget {cfg.plan_budget_s:g} s; cached for later starts)", budget_s=cfg.plan_budget_s)
         self._measurement = BackgroundPlan(argv)
-        status = await self._measurement.run(lambda line: _event("plan_progress", line))
+
+        def progress(line: str) -> None:
+            if foreground:  # the server waits for it: health says so, and how to skip it
+                self.state.step = f"measuring the execution plan before serving: {line} (skip: --plan default)"
+            _event("plan_progress", line)
+
+        status = await self._measurement.run(progress)
         if self.stopped:
             return None
         if status != 0:

@@ -1,7 +1,9 @@
 """Client: ask a server's grpc.health.v1 service whether it is SERVING (exit 0) or not (1).
 
 For container HEALTHCHECKs, scripts and humans. The server answers NOT_SERVING while the
-model loads and while it drains after SIGTERM; health needs no auth token.
+model loads and while it drains after SIGTERM; health needs no auth token. While the server
+starts, it also says what it is doing (loading, the start-up check: how far it got and the
+time left), printed after the status.
 
 Examples:
   vqserve health --server localhost:50051
@@ -31,14 +33,14 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from vqserve.serve.clients import check_health
+    from vqserve.serve.clients.channel import health_detail
 
     check_timeout(args.timeout)
     try:
-        status = check_health(args.server, args.service, args.timeout, tls_ca=args.tls_ca, tls=args.tls)
+        status, step = health_detail(args.server, args.service, args.timeout, tls_ca=args.tls_ca, tls=args.tls)
     except grpc.RpcError as exc:
         hint = "" if args.tls or args.tls_ca else plaintext_hint(exc.details() or "")
         print(f"{args.server}: unreachable or failing ({exc.code().name}: {exc.details()}){hint}", file=sys.stderr)
         return 1
-    print(f"{args.server}{' ' + args.service if args.service else ''}: {status}")
+    print(f"{args.server}{' ' + args.service if args.service else ''}: {status}" + (f" ({step})" if step else ""))
     return 0 if status == "SERVING" else 1

@@ -41,9 +41,22 @@ def _shared(spec: ImportSpec) -> tuple[Arg, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    # a checkpoint that cannot be imported raises ValueError: one line, exit status 2
-    out, summary = args._import(args)
-    return _report(out, summary, args.quiet)
+    from vqserve.core.progress import Progress
+
+    # a large checkpoint takes a while to read, convert, write and load back: on a terminal,
+    # past 2 s a line every 2 s says which of those runs and for how long; in a log file (not a
+    # TTY) every 30 s, as tokenize's bar; nothing for a small one, or with --quiet
+    progress = Progress("vqserve import", None, say=None if args.quiet else lambda line, fields: print(
+        line, file=sys.stderr, flush=True), say_first=False, interval_s=2.0 if sys.stderr.isatty() else 30.0)
+    progress.step("reading, checking and converting the checkpoint")
+    progress.heartbeat()
+    try:
+        # a checkpoint that cannot be imported raises ValueError: one line, exit status 2
+        out, summary = args._import(args)
+        progress.step("loading the written directory back, as a server would")
+        return _report(out, summary, args.quiet)
+    finally:
+        progress.close()
 
 
 def _report(out, summary: str, quiet: bool) -> int:

@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 3
     if args.out:
+        chosen.result["certificates"] = _certificates(chosen, args, device, log)
         chosen.to_file(args.out)
         if log:
             log(f"plan written to {args.out}")
@@ -186,3 +187,30 @@ def _print(result: dict, source: str) -> None:
     print(f"choice: {how}{artifact} ({exact}), micro-batch per side {sizes or plan['micro_batch']} ({padding}), "
           f"{plan['workers']} workers x {plan['intra_op_threads']} threads "
           "(`vqserve serve` and `vqserve tokenize` with --plan auto use it; `--out FILE` writes it for --plan FILE)")
+
+
+def _certificates(chosen, args, device: str, log) -> list[dict]:
+    """The start-up check of the chosen plan on this machine (reused from the plan cache where
+    it passed before), for the plan file: a server of the same machine kind and software that
+    serves by the file (with no flags changing the plan) then starts without checking again."""
+    from vqserve.core.progress import Progress
+    from vqserve.export.plan import cache_dir
+    from vqserve.export.runtimes.certificates import CertificateStore, certificate_key, certify
+    from vqserve.export.runtimes.determinism import CHECK_BUDGET_S
+    from vqserve.export.runtimes.execution import plan_for
+
+    cache = cache_dir(args.plan_cache)
+    runtime = chosen.load(args.model, args.backend, device, artifacts=cache / "artifacts")
+    plan = plan_for(device, base=chosen.plan)
+    store = CertificateStore(cache / "certificates")
+    progress = Progress("start-up check", 1, say=(lambda line, fields: log(line)) if log else None,
+                        skip="vqserve plan without --out")
+    try:
+        certificate, _, _ = certify(runtime, plan, store, progress=progress, budget_s=CHECK_BUDGET_S)
+    finally:
+        progress.close()
+    found = store.get(certificate_key(runtime.info, plan))
+    if log:
+        log(f"start-up check for the plan file: {certificate.summary()}"
+            + ("" if found else " (not carried: it did not pass)"))
+    return [found[1]] if found else []
