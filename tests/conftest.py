@@ -22,6 +22,12 @@ os.environ.setdefault("VQSERVE_PLAN_CACHE", os.path.join(os.environ.get("TMPDIR"
 
 pytest_plugins = ["tests.plugins.process_state"]
 
+# `make test TEST_WORKERS=N` (pytest-xdist): each worker gets its share of the cores for torch,
+# so N workers' intra-op threads do not oversubscribe the machine (on 2 cores, 2 workers x 2
+# threads made every convolution wait for a core). One process alone keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 TINY = dict(channels=[16, 16, 16], num_res_blocks=1)  # factor 8, fast on CPU
 
 
