@@ -127,9 +127,14 @@ class StopSignals:
 
     @classmethod
     def active(cls) -> StopSignals | None:
-        """The instance whose handler is installed now, if any."""
-        owner = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
-        return owner if isinstance(owner, cls) else None
+        """The instance whose handler is installed now, if any. Either signal tells: a job
+        started in the background (``nohup``, ``cmd &`` in a script) has Ctrl-C ignored, so
+        only SIGTERM is ours, and a batch scheduler's SIGTERM must still stop it cleanly."""
+        for signum in cls.DEFAULTS:
+            owner = getattr(signal.getsignal(signum), "__self__", None)
+            if isinstance(owner, cls):
+                return owner
+        return None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

@@ -66,6 +66,14 @@ _session_signals: dict = {}
 
 
 def pytest_sessionstart(session):
+    """A suite started as a background job of a script (``make test &``, a CI step run with
+    ``&``) inherits Ctrl-C ignored (POSIX: SIGINT is SIG_IGN for asynchronous commands), and
+    every child it starts does too; then the Ctrl-C tests of ``vqserve tokenize`` cannot
+    deliver their signal and 8 of them failed (measured: a whole run started with ``&``).
+    Those tests need Ctrl-C to reach Python, so the session puts Python's handler back."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _leaks.append(("(session start)", "SIGINT was ignored (started as a background job): Python's handler set"))
     _session_signals.update(handlers={s: signal.getsignal(s) for s in _SIGNALS},
                             mask=signal.pthread_sigmask(signal.SIG_BLOCK, set()))
 
@@ -75,9 +83,7 @@ def pytest_runtest_setup(item):
     """Signals belong to the whole process, so no fixture or teardown keeps them from one
     test to the next: each test starts with the session's handlers and mask. They are set
     again every time, because a handler that a C library installs (Ray's core worker) is
-    invisible to ``signal.getsignal``; what was visibly changed is named in the report.
-    Before this, 6 Ctrl-C tests of ``vqserve tokenize`` and Ray's SIGTERM test ran to the
-    end and exited 0 in one whole run: SIGINT no longer reached Python's handler."""
+    invisible to ``signal.getsignal``; what was visibly changed is named in the report."""
     if not _session_signals:
         return
     changed = []
